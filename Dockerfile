@@ -1,0 +1,115 @@
+# syntax=docker/dockerfile:1
+#
+# vitserve images. Targets:
+#   service-gpu  the service on an NVIDIA GPU (CUDA 13 + cuDNN 9 runtime, onnxruntime-gpu)
+#   service-cpu  the service on the CPU (python:3.11-slim, onnxruntime)
+#   export       training and ONNX export (torch)
+#
+#   docker build --target service-cpu -t vitserve:cpu .
+#
+# Builder stages make a virtual environment in /opt/venv from the pinned requirements; runtime stages
+# copy it, so no compiler, pip cache or torch reaches a service image. Every requirement is a wheel
+# (--only-binary=:all:), so nothing is compiled in the builders either.
+#
+# Why apt packages are not pinned (hadolint DL3008, ignored on each apt line below): the base image
+# tag fixes the distribution release, and the archive drops superseded package versions as security
+# updates land, so an exact pin would stop resolving within weeks.
+
+# onnxruntime-gpu 1.31.1 (requirements/serve-gpu.txt) is built against CUDA 13.0 and cuDNN 9.
+ARG CUDA_IMAGE=nvidia/cuda:13.0.1-cudnn-runtime-ubuntu24.04
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# --- CPU service -------------------------------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS builder-cpu
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+COPY requirements/serve.txt /tmp/requirements.txt
+RUN python -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir --only-binary=:all: -r /tmp/requirements.txt
+
+FROM ${PYTHON_IMAGE} AS service-cpu
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    VITSERVE_HOST=0.0.0.0 \
+    VITSERVE_PORT=8000 \
+    VITSERVE_MODEL_REPOSITORY=/app/models
+RUN groupadd --gid 10001 vitserve \
+    && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin vitserve
+WORKDIR /app
+COPY --from=builder-cpu /opt/venv /opt/venv
+COPY service/ /app/service/
+# The shipped model; mount a model repository over /app/models to serve another.
+COPY models/ /app/models/
+USER 10001:10001
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(f\"http://127.0.0.1:{os.environ.get('VITSERVE_PORT', '8000')}/health/ready\", timeout=4)"]
+CMD ["python", "-m", "service"]
+
+# --- GPU service -------------------------------------------------------------------------------
+# Ubuntu 24.04's own Python (3.12): the pinned wheels exist for it, and the runtime stage below
+# gets the same interpreter from the same base, so the copied venv's python link resolves.
+FROM ${CUDA_IMAGE} AS builder-gpu
+ENV DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+COPY requirements/serve-gpu.txt /tmp/requirements.txt
+RUN python3 -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir --only-binary=:all: -r /tmp/requirements.txt
+
+FROM ${CUDA_IMAGE} AS service-gpu
+ENV DEBIAN_FRONTEND=noninteractive \
+    PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    VITSERVE_HOST=0.0.0.0 \
+    VITSERVE_PORT=8000 \
+    VITSERVE_MODEL_REPOSITORY=/app/models
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --gid 10001 vitserve \
+    && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin vitserve
+WORKDIR /app
+COPY --from=builder-gpu /opt/venv /opt/venv
+COPY service/ /app/service/
+# The shipped model; mount a model repository over /app/models to serve another.
+COPY models/ /app/models/
+USER 10001:10001
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(f\"http://127.0.0.1:{os.environ.get('VITSERVE_PORT', '8000')}/health/ready\", timeout=4)"]
+CMD ["python", "-m", "service"]
+
+# --- export: train and export to ONNX -----------------------------------------------------------
+# PyPI's torch 2.13.0 for Linux brings its own CUDA libraries, so this image trains on a GPU when
+# one is reserved for it and on the CPU otherwise.
+FROM ${PYTHON_IMAGE} AS builder-export
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+COPY requirements/export.txt /tmp/requirements.txt
+RUN python -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir --only-binary=:all: -r /tmp/requirements.txt
+
+FROM ${PYTHON_IMAGE} AS export
+ENV DEBIAN_FRONTEND=noninteractive \
+    PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    MPLCONFIGDIR=/tmp/matplotlib
+# Fashion-MNIST's IDX files, in /usr/share/datasets/fashion-mnist (export/data.py's default).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends dataset-fashion-mnist \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --gid 10001 vitserve \
+    && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin vitserve
+WORKDIR /app
+COPY --from=builder-export /opt/venv /opt/venv
+COPY export/ /app/export/
+RUN mkdir -p /app/models /app/runs && chown 10001:10001 /app/models /app/runs
+USER 10001:10001
+CMD ["python", "-m", "export.pipeline", "--preset", "fashion-small", "--dataset", "fashion-mnist", \
+     "--out", "runs/fashion-small", "--name", "fashion-mnist-vit", "--version", "1", "--repo", "models"]

@@ -1,0 +1,151 @@
+"""The one typed configuration of a Vision Transformer, and its named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+Pooling = Literal["token", "mean"]
+PositionEmbedding = Literal["learned", "sinusoidal"]
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    image_height: int = 28
+    image_width: int = 28
+    in_channels: int = 1
+    patch_size: int = 4
+    num_classes: int = 10
+    dim: int = 64
+    depth: int = 6
+    heads: int = 4
+    mlp_dim: int = 256
+    pooling: Pooling = "mean"
+    position_embedding: PositionEmbedding = "learned"
+    representation_size: int | None = None
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    qkv_bias: bool = True
+    layer_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in (
+            "image_height", "image_width", "in_channels", "patch_size", "num_classes",
+            "dim", "depth", "heads", "mlp_dim",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.representation_size is not None and self.representation_size < 1:
+            raise ValueError(
+                f"representation_size must be at least 1 or None, got {self.representation_size}"
+            )
+        for side in ("image_height", "image_width"):
+            if getattr(self, side) % self.patch_size:
+                raise ValueError(
+                    f"patch_size {self.patch_size} does not divide {side} {getattr(self, side)}: "
+                    "choose a patch size that divides both image sides"
+                )
+        if self.dim % self.heads:
+            raise ValueError(f"dim {self.dim} is not divisible by heads {self.heads}")
+        if self.position_embedding == "sinusoidal" and self.dim % 2:
+            raise ValueError(f"sinusoidal position embedding needs an even dim, got {self.dim}")
+        if self.pooling not in ("token", "mean"):
+            raise ValueError(f"pooling must be 'token' or 'mean', got {self.pooling!r}")
+        if self.position_embedding not in ("learned", "sinusoidal"):
+            raise ValueError(
+                f"position_embedding must be 'learned' or 'sinusoidal', got {self.position_embedding!r}"
+            )
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.image_height // self.patch_size, self.image_width // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        rows, cols = self.grid
+        return rows * cols
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_patches + (1 if self.pooling == "token" else 0)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ViTConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown ViTConfig fields: {', '.join(unknown)}")
+        return cls(**values)
+
+    def replace(self, **changes) -> ViTConfig:
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, ViTConfig] = {
+    # The seed's MNIST model (torchvision-style notebook): 28 px, patch 2, 2 layers, 2 heads.
+    "mnist-tiny": ViTConfig(
+        patch_size=2,
+        dim=64,
+        depth=2,
+        heads=2,
+        mlp_dim=256,
+        pooling="token",
+        representation_size=32,
+    ),
+    # The article's CIFAR-10 configuration (patch 4, hidden 48, 4 layers, 4 heads, mlp 192).
+    "cifar10-small": ViTConfig(
+        image_height=32,
+        image_width=32,
+        in_channels=3,
+        patch_size=4,
+        dim=48,
+        depth=4,
+        heads=4,
+        mlp_dim=192,
+        pooling="token",
+    ),
+    # ViT-Base/16 sizes (einops blog, torchvision vit_b_16).
+    "vit-b16": ViTConfig(
+        image_height=224,
+        image_width=224,
+        in_channels=3,
+        patch_size=16,
+        num_classes=1000,
+        dim=768,
+        depth=12,
+        heads=12,
+        mlp_dim=3072,
+        pooling="token",
+    ),
+    # The model we ship: Fashion-MNIST, well under 1M parameters.
+    "fashion-small": ViTConfig(
+        patch_size=4,
+        dim=96,
+        depth=6,
+        heads=4,
+        mlp_dim=192,
+        pooling="mean",
+    ),
+}
+
+
+def get_preset(name: str) -> ViTConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None

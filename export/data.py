@@ -1,0 +1,298 @@
+"""Datasets from their standard files (IDX for MNIST / Fashion-MNIST, python batches for CIFAR-10).
+
+Nothing is downloaded: each loader reads a directory and says where to get the files when they are
+missing. Images are kept as uint8 tensors (N, C, H, W); normalisation and augmentation run per batch.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import pickle
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FASHION_MNIST_LABELS = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
+MNIST_LABELS = tuple(str(digit) for digit in range(10))
+CIFAR10_LABELS = (
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
+)
+
+
+class DatasetError(RuntimeError):
+    """A dataset file is missing or malformed; the message names the path and the remedy."""
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    name: str
+    labels: tuple[str, ...]
+    channels: int
+    height: int
+    width: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    default_dir: str
+    how_to_get: str
+    horizontal_flip: bool
+    # Light objects on a dark background: what a photo must be turned into before inference.
+    polarity: str = "light-on-dark"
+    files: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+DATASETS: dict[str, DatasetSpec] = {
+    "fashion-mnist": DatasetSpec(
+        name="fashion-mnist",
+        labels=FASHION_MNIST_LABELS,
+        channels=1,
+        height=28,
+        width=28,
+        mean=(0.2860,),
+        std=(0.3530,),
+        default_dir="/usr/share/datasets/fashion-mnist",
+        how_to_get="install it with `apt-get update && apt-get install dataset-fashion-mnist`, "
+        "or pass --data-dir to a directory holding the four IDX files",
+        horizontal_flip=True,
+    ),
+    "mnist": DatasetSpec(
+        name="mnist",
+        labels=MNIST_LABELS,
+        channels=1,
+        height=28,
+        width=28,
+        mean=(0.1307,),
+        std=(0.3081,),
+        default_dir="data/mnist",
+        how_to_get="put train-images-idx3-ubyte(.gz), train-labels-idx1-ubyte(.gz), "
+        "t10k-images-idx3-ubyte(.gz) and t10k-labels-idx1-ubyte(.gz) there, or pass --data-dir",
+        # A mirrored digit is a different (or no) digit.
+        horizontal_flip=False,
+    ),
+    "cifar10": DatasetSpec(
+        name="cifar10",
+        labels=CIFAR10_LABELS,
+        channels=3,
+        height=32,
+        width=32,
+        mean=(0.4914, 0.4822, 0.4465),
+        std=(0.2470, 0.2435, 0.2616),
+        default_dir="data/cifar-10-batches-py",
+        how_to_get="unpack the CIFAR-10 python version (cifar-10-python.tar.gz) there, "
+        "or pass --data-dir to the cifar-10-batches-py directory",
+        horizontal_flip=True,
+        polarity="natural",
+    ),
+}
+
+
+def get_dataset_spec(name: str) -> DatasetSpec:
+    try:
+        return DATASETS[name]
+    except KeyError:
+        raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}") from None
+
+
+@dataclass(frozen=True)
+class Split:
+    images: torch.Tensor  # uint8 (N, C, H, W)
+    labels: torch.Tensor  # int64 (N,)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def subset(self, indices: torch.Tensor) -> Split:
+        return Split(self.images[indices], self.labels[indices])
+
+
+def _read_maybe_gzipped(directory: Path, stem: str, spec: DatasetSpec) -> bytes:
+    for candidate in (directory / f"{stem}.gz", directory / stem):
+        if candidate.is_file():
+            try:
+                if candidate.suffix == ".gz":
+                    return gzip.decompress(candidate.read_bytes())
+                return candidate.read_bytes()
+            except (OSError, EOFError, gzip.BadGzipFile) as error:
+                raise DatasetError(f"{candidate}: cannot read ({error}); {spec.how_to_get}") from error
+    raise DatasetError(
+        f"{spec.name}: neither {directory / stem}.gz nor {directory / stem} exists; {spec.how_to_get}"
+    )
+
+
+def parse_idx(data: bytes, source: str = "<bytes>") -> np.ndarray:
+    """Parse an IDX file (unsigned bytes): magic 0x00 0x00 0x08 ndim, big-endian dims, then data."""
+    if len(data) < 4 or data[0] != 0 or data[1] != 0:
+        raise DatasetError(f"{source}: not an IDX file (bad magic number)")
+    if data[2] != 0x08:
+        raise DatasetError(f"{source}: IDX data type 0x{data[2]:02x} is not unsigned byte (0x08)")
+    ndim = data[3]
+    header = 4 + 4 * ndim
+    if ndim < 1 or len(data) < header:
+        raise DatasetError(f"{source}: truncated IDX header")
+    shape = struct.unpack(f">{ndim}I", data[4:header])
+    expected = int(np.prod(shape))
+    if len(data) - header != expected:
+        raise DatasetError(
+            f"{source}: IDX header promises {expected} bytes of data for shape {shape}, "
+            f"file holds {len(data) - header}"
+        )
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def load_idx_split(directory: Path, prefix: str, spec: DatasetSpec) -> Split:
+    image_stem, label_stem = f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte"
+    images = parse_idx(_read_maybe_gzipped(directory, image_stem, spec), str(directory / image_stem))
+    labels = parse_idx(_read_maybe_gzipped(directory, label_stem, spec), str(directory / label_stem))
+    if images.ndim != 3 or images.shape[1:] != (spec.height, spec.width):
+        raise DatasetError(
+            f"{directory / image_stem}: expected images of {spec.height}x{spec.width}, "
+            f"got shape {images.shape}"
+        )
+    if labels.ndim != 1 or len(labels) != len(images):
+        raise DatasetError(
+            f"{directory / label_stem}: {labels.shape} labels for {len(images)} images"
+        )
+    if labels.max(initial=0) >= len(spec.labels):
+        raise DatasetError(f"{directory / label_stem}: label {labels.max()} out of range")
+    return Split(
+        torch.from_numpy(images.copy()).unsqueeze(1), torch.from_numpy(labels.astype(np.int64))
+    )
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """CIFAR-10 batches are pickles of plain dicts; refuse anything that would run code."""
+
+    ALLOWED = {
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a CIFAR-10 batch")
+
+
+def load_cifar_batch(path: Path, spec: DatasetSpec) -> Split:
+    if not path.is_file():
+        raise DatasetError(f"{spec.name}: {path} does not exist; {spec.how_to_get}")
+    try:
+        batch = _CifarUnpickler(io.BytesIO(path.read_bytes()), encoding="bytes").load()
+        data = np.asarray(batch[b"data"], dtype=np.uint8)
+        labels = np.asarray(batch[b"labels"], dtype=np.int64)
+    except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError) as error:
+        raise DatasetError(
+            f"{path}: not a CIFAR-10 python batch ({error}); {spec.how_to_get}"
+        ) from error
+    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(labels) != len(data):
+        raise DatasetError(f"{path}: expected (N, 3072) data and N labels, got {data.shape}")
+    return Split(
+        torch.from_numpy(data.reshape(-1, 3, 32, 32).copy()), torch.from_numpy(labels)
+    )
+
+
+def load_dataset(name: str, data_dir: str | Path | None = None) -> tuple[Split, Split]:
+    """(train, test) for a dataset, read from ``data_dir`` or the dataset's default directory."""
+    spec = get_dataset_spec(name)
+    directory = Path(data_dir or spec.default_dir)
+    if not directory.is_dir():
+        raise DatasetError(f"{spec.name}: directory {directory} does not exist; {spec.how_to_get}")
+    if name == "cifar10":
+        parts = [load_cifar_batch(directory / f"data_batch_{i}", spec) for i in range(1, 6)]
+        train = Split(
+            torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts])
+        )
+        return train, load_cifar_batch(directory / "test_batch", spec)
+    return load_idx_split(directory, "train", spec), load_idx_split(directory, "t10k", spec)
+
+
+def train_validation_split(train: Split, validation_size: int, seed: int) -> tuple[Split, Split]:
+    if not 0 < validation_size < len(train):
+        raise ValueError(f"validation_size must be in (0, {len(train)}), got {validation_size}")
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
+    return train.subset(order[validation_size:]), train.subset(order[:validation_size])
+
+
+def normalize(images: torch.Tensor, spec: DatasetSpec) -> torch.Tensor:
+    """uint8 (N, C, H, W) -> float32, scaled to [0, 1] then standardised per channel."""
+    mean = torch.tensor(spec.mean).view(1, -1, 1, 1)
+    std = torch.tensor(spec.std).view(1, -1, 1, 1)
+    return (images.float() / 255.0 - mean) / std
+
+
+@dataclass(frozen=True)
+class Augmentation:
+    """Batched augmentation: random translation (pad and crop), horizontal flip, random erasing."""
+
+    max_shift: int = 2
+    horizontal_flip: bool = True
+    erasing_probability: float = 0.25
+
+    def __call__(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Works on normalised float images (N, C, H, W); padding and erasing use zero (the mean)."""
+        n, _, h, w = images.shape
+        if self.max_shift:
+            s = self.max_shift
+            padded = torch.nn.functional.pad(images, (s, s, s, s))
+            dy = torch.randint(0, 2 * s + 1, (n,), generator=generator)
+            dx = torch.randint(0, 2 * s + 1, (n,), generator=generator)
+            rows = (dy.view(n, 1) + torch.arange(h).view(1, h)).view(n, 1, h, 1)
+            cols = (dx.view(n, 1) + torch.arange(w).view(1, w)).view(n, 1, 1, w)
+            batch = torch.arange(n).view(n, 1, 1, 1)
+            channel = torch.arange(images.shape[1]).view(1, -1, 1, 1)
+            images = padded[batch, channel, rows, cols]
+        if self.horizontal_flip:
+            flip = torch.rand(n, generator=generator) < 0.5
+            images = torch.where(flip.view(n, 1, 1, 1), images.flip(-1), images)
+        if self.erasing_probability:
+            erase = torch.rand(n, generator=generator) < self.erasing_probability
+            # Rectangles covering 2% to 20% of the image, aspect ratio 0.3 to 3.3.
+            area = (0.02 + 0.18 * torch.rand(n, generator=generator)) * h * w
+            aspect = torch.exp(
+                torch.empty(n).uniform_(np.log(0.3), np.log(1 / 0.3), generator=generator)
+            )
+            eh = (area * aspect).sqrt().round().clamp(1, h).long()
+            ew = (area / aspect).sqrt().round().clamp(1, w).long()
+            top = (torch.rand(n, generator=generator) * (h - eh + 1)).long()
+            left = (torch.rand(n, generator=generator) * (w - ew + 1)).long()
+            ys = torch.arange(h).view(1, h, 1)
+            xs = torch.arange(w).view(1, 1, w)
+            inside = (
+                (ys >= top.view(n, 1, 1))
+                & (ys < (top + eh).view(n, 1, 1))
+                & (xs >= left.view(n, 1, 1))
+                & (xs < (left + ew).view(n, 1, 1))
+                & erase.view(n, 1, 1)
+            )
+            images = images.masked_fill(inside.unsqueeze(1), 0.0)
+        return images
+
+
+def augmentation_for(spec: DatasetSpec) -> Augmentation:
+    shift = 4 if spec.height >= 32 else 2
+    return Augmentation(max_shift=shift, horizontal_flip=spec.horizontal_flip)

@@ -1,0 +1,326 @@
+"""Accuracy and confusion matrix of a checkpoint or an ONNX model on a dataset's test split.
+
+    python -m export.evaluate runs/fashion-small                     # run directory (best weights)
+    python -m export.evaluate runs/fashion-small/model.safetensors   # checkpoint file
+    python -m export.evaluate models/fashion-mnist-vit/1/model.onnx  # ONNX file
+    python -m export.evaluate models/fashion-mnist-vit               # newest version in a repository
+
+An ONNX model is evaluated exactly as the service would run it: onnxruntime on CPU, inputs scaled and
+normalised as its ``vitserve`` metadata says, nothing taken from the PyTorch side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from export.checkpoint import CheckpointError, file_sha256, load_checkpoint, resolve_checkpoint
+from export.data import (
+    DATASETS,
+    DatasetError,
+    DatasetSpec,
+    Split,
+    get_dataset_spec,
+    load_dataset,
+    normalize,
+)
+
+METADATA_KEY = "vitserve"
+
+
+class EvaluationError(RuntimeError):
+    """The model and the dataset do not fit together, or the model does not describe itself."""
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+def classification_metrics(
+    logits: np.ndarray, labels: np.ndarray, class_names: list[str] | tuple[str, ...]
+) -> dict:
+    """Accuracy, mean cross-entropy, per-class accuracy and confusion matrix (rows: true class)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    labels = np.asarray(labels, dtype=np.int64)
+    classes = len(class_names)
+    if logits.shape != (len(labels), classes):
+        raise EvaluationError(
+            f"expected logits of shape ({len(labels)}, {classes}), got {logits.shape}"
+        )
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_probabilities = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    loss = float(-log_probabilities[np.arange(len(labels)), labels].mean())
+    predicted = logits.argmax(axis=1)
+    confusion = np.zeros((classes, classes), dtype=np.int64)
+    np.add.at(confusion, (labels, predicted), 1)
+    support = confusion.sum(axis=1)
+    correct = int(np.trace(confusion))
+    per_class = np.divide(
+        np.diag(confusion), support, out=np.zeros(classes, dtype=np.float64), where=support > 0
+    )
+    return {
+        "images": int(len(labels)),
+        "correct": correct,
+        "accuracy": correct / len(labels),
+        "loss": loss,
+        "labels": list(class_names),
+        "per_class_accuracy": {name: float(v) for name, v in zip(class_names, per_class)},
+        "confusion_matrix": confusion.tolist(),
+    }
+
+
+def _check_fits(spec: DatasetSpec, channels: int, height: int, width: int, classes: int, source: Path) -> None:
+    expected = (spec.channels, spec.height, spec.width, len(spec.labels))
+    if (channels, height, width, classes) != expected:
+        raise EvaluationError(
+            f"{source}: the model takes {channels}x{height}x{width} images and predicts {classes} "
+            f"classes, but {spec.name} has {spec.channels}x{spec.height}x{spec.width} images in "
+            f"{len(spec.labels)} classes; pass --dataset for the dataset it was trained on"
+        )
+
+
+def _test_split(spec: DatasetSpec, data_dir: str | Path | None) -> Split:
+    _, test = load_dataset(spec.name, data_dir)
+    return test
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+@torch.inference_mode()
+def checkpoint_logits(
+    model: torch.nn.Module, split: Split, spec: DatasetSpec, batch_size: int = 256,
+    device: torch.device | None = None,
+) -> np.ndarray:
+    """float32 logits of a model on a split, in float32 (no autocast: the numbers ONNX must match)."""
+    device = device or next(model.parameters()).device
+    model.eval()
+    outputs = []
+    for start in range(0, len(split), batch_size):
+        images = normalize(split.images[start : start + batch_size], spec).to(device)
+        outputs.append(model(images).float().cpu().numpy())
+    return np.concatenate(outputs)
+
+
+def evaluate_checkpoint(
+    path: str | Path,
+    dataset: str | None = None,
+    data_dir: str | Path | None = None,
+    batch_size: int = 256,
+    device: str | torch.device | None = None,
+) -> dict:
+    """Metrics of a checkpoint (file or run directory) on the test split of its dataset."""
+    path = resolve_checkpoint(path)
+    model, metadata = load_checkpoint(path)
+    spec = get_dataset_spec(dataset or metadata["dataset"])
+    config = model.config
+    _check_fits(
+        spec, config.in_channels, config.image_height, config.image_width, config.num_classes, path
+    )
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device)
+    test = _test_split(spec, data_dir)
+    started = time.perf_counter()
+    logits = checkpoint_logits(model, test, spec, batch_size, torch.device(device))
+    results = classification_metrics(logits, test.labels.numpy(), json.loads(metadata["labels"]))
+    return {
+        "source": str(path),
+        "format": "checkpoint",
+        "sha256": file_sha256(path),
+        "dataset": spec.name,
+        "split": "test",
+        "seconds": round(time.perf_counter() - started, 3),
+        **results,
+    }
+
+
+# -- ONNX ------------------------------------------------------------------------------------------
+def _onnx_session(path: Path, threads: int | None):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as error:  # onnxruntime raises its own exception types per failure
+        raise EvaluationError(f"{path}: onnxruntime cannot load it ({error})") from error
+
+
+def read_onnx_metadata(session, path: Path) -> dict:
+    """The model's ``vitserve`` metadata (see docs/model-repository.md) as a dict."""
+    props = session.get_modelmeta().custom_metadata_map
+    if METADATA_KEY not in props:
+        raise EvaluationError(
+            f"{path}: no {METADATA_KEY!r} entry in the ONNX metadata_props, so its preprocessing is "
+            "unknown; export it with `python -m export.onnx`"
+        )
+    try:
+        metadata = json.loads(props[METADATA_KEY])
+    except json.JSONDecodeError as error:
+        raise EvaluationError(f"{path}: {METADATA_KEY!r} metadata is not JSON ({error})") from error
+    for key in ("labels", "input", "preprocessing"):
+        if key not in metadata:
+            raise EvaluationError(f"{path}: {METADATA_KEY!r} metadata lacks {key!r}")
+    for key in ("mean", "std"):
+        if key not in metadata["preprocessing"]:
+            raise EvaluationError(f"{path}: {METADATA_KEY!r} metadata lacks preprocessing.{key}")
+    return metadata
+
+
+def preprocess(images: np.ndarray, preprocessing: dict) -> np.ndarray:
+    """uint8 (N, C, H, W) -> float32, ``x * scale`` then ``(x - mean) / std`` per channel."""
+    scale = np.float32(preprocessing.get("scale", 1.0 / 255.0))
+    mean = np.asarray(preprocessing["mean"], dtype=np.float32).reshape(1, -1, 1, 1)
+    std = np.asarray(preprocessing["std"], dtype=np.float32).reshape(1, -1, 1, 1)
+    if mean.shape[1] != images.shape[1] or std.shape[1] != images.shape[1]:
+        raise EvaluationError(
+            f"preprocessing has {mean.shape[1]} means and {std.shape[1]} stds "
+            f"for {images.shape[1]} channels"
+        )
+    return (images.astype(np.float32) * scale - mean) / std
+
+
+def evaluate_onnx(
+    path: str | Path,
+    dataset: str | None = None,
+    data_dir: str | Path | None = None,
+    batch_size: int = 256,
+    threads: int | None = None,
+) -> dict:
+    """Metrics of an ONNX model (classifier or attention graph) on a dataset's test split."""
+    path = Path(path)
+    if not path.is_file():
+        raise EvaluationError(f"{path}: no such ONNX file")
+    session = _onnx_session(path, threads)
+    metadata = read_onnx_metadata(session, path)
+    name = dataset or metadata.get("dataset")
+    if not name:
+        raise EvaluationError(f"{path}: the metadata names no dataset; pass --dataset")
+    spec = get_dataset_spec(name)
+    shape = metadata["input"]
+    _check_fits(
+        spec, shape["channels"], shape["height"], shape["width"], len(metadata["labels"]), path
+    )
+    inputs = {i.name: i for i in session.get_inputs()}
+    input_name = shape.get("name", next(iter(inputs)))
+    if input_name not in inputs:
+        raise EvaluationError(f"{path}: the metadata names input {input_name!r}, the graph has {list(inputs)}")
+    outputs = [o.name for o in session.get_outputs()]
+    logits_name = metadata.get("outputs", {}).get("logits", outputs[0])
+    if logits_name not in outputs:
+        raise EvaluationError(f"{path}: the metadata names output {logits_name!r}, the graph has {outputs}")
+    fixed_batch = inputs[input_name].shape[0]
+    pad = isinstance(fixed_batch, int) and fixed_batch > 0
+    if pad:
+        batch_size = fixed_batch  # a graph without a dynamic batch axis: pad the last batch
+
+    test = _test_split(spec, data_dir)
+    images = test.images.numpy()
+    started = time.perf_counter()
+    logits = []
+    for start in range(0, len(images), batch_size):
+        batch = preprocess(images[start : start + batch_size], metadata["preprocessing"])
+        count = len(batch)
+        if pad and count < batch_size:
+            batch = np.concatenate([batch, np.zeros((batch_size - count, *batch.shape[1:]), np.float32)])
+        logits.append(session.run([logits_name], {input_name: batch})[0][:count])
+    results = classification_metrics(np.concatenate(logits), test.labels.numpy(), metadata["labels"])
+    return {
+        "source": str(path),
+        "format": "onnx",
+        "sha256": file_sha256(path),
+        "dataset": spec.name,
+        "split": "test",
+        "seconds": round(time.perf_counter() - started, 3),
+        **results,
+    }
+
+
+# -- command line ----------------------------------------------------------------------------------
+def resolve_source(source: str | Path) -> tuple[str, Path]:
+    """("checkpoint" | "onnx", file) for a checkpoint, run directory, ONNX file or repository entry."""
+    source = Path(source)
+    if source.is_dir():
+        if (source / "model.safetensors").is_file():
+            return "checkpoint", source / "model.safetensors"
+        if (source / "model.onnx").is_file():
+            return "onnx", source / "model.onnx"
+        versions = sorted(
+            (int(p.name) for p in source.iterdir() if p.name.isdigit() and (p / "model.onnx").is_file()),
+        )
+        if versions:
+            return "onnx", source / str(versions[-1]) / "model.onnx"
+        raise EvaluationError(
+            f"{source}: holds neither model.safetensors, model.onnx nor a <version>/model.onnx"
+        )
+    if not source.exists():
+        raise EvaluationError(f"{source}: no such file or directory")
+    if source.suffix == ".onnx":
+        return "onnx", source
+    if source.suffix == ".safetensors":
+        return "checkpoint", source
+    raise EvaluationError(
+        f"{source}: expected a .safetensors checkpoint, a run directory or an .onnx model"
+    )
+
+
+def format_results(results: dict) -> str:
+    labels = results["labels"]
+    confusion = results["confusion_matrix"]
+    width = max(5, len(str(max(max(row) for row in confusion))) + 1)
+    name_width = min(14, max(len(label) for label in labels))
+    lines = [
+        f"{results['source']} ({results['format']}, sha256 {results['sha256'][:12]})",
+        f"{results['dataset']} {results['split']} split, {results['images']} images: "
+        f"accuracy {100 * results['accuracy']:.2f}% ({results['correct']}/{results['images']}), "
+        f"loss {results['loss']:.4f}",
+        "",
+        "confusion matrix (rows: true class, columns: predicted class)",
+        " " * (name_width + 4) + "".join(f"{i:>{width}}" for i in range(len(labels))) + "  accuracy",
+    ]
+    for index, (label, row) in enumerate(zip(labels, confusion)):
+        accuracy = results["per_class_accuracy"][label]
+        lines.append(
+            f"{index:>2} {label[:name_width]:<{name_width}} "
+            + "".join(f"{count:>{width}}" for count in row)
+            + f"  {100 * accuracy:7.2f}%"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m export.evaluate", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("source", help="checkpoint (.safetensors or run directory) or ONNX model")
+    parser.add_argument("--dataset", choices=sorted(DATASETS), default=None,
+                        help="dataset to evaluate on (default: the one the model names)")
+    parser.add_argument("--data-dir", default=None, help="directory of the dataset's files")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch and onnxruntime)")
+    parser.add_argument("--json", type=Path, default=None, dest="json_out", help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        kind, path = resolve_source(args.source)
+        if kind == "onnx":
+            results = evaluate_onnx(path, args.dataset, args.data_dir, args.batch_size, args.threads)
+        else:
+            results = evaluate_checkpoint(path, args.dataset, args.data_dir, args.batch_size)
+    except (EvaluationError, CheckpointError, DatasetError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(format_results(results))
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,222 @@
+"""A Vision Transformer: conv patch embedding, pre-norm encoder, token or mean pooling.
+
+Attention runs fused (``scaled_dot_product_attention``) unless the caller asks for the attention
+probabilities, in which case the same weights run through the explicit ``softmax(q k^T / sqrt(d))``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from export.config import ViTConfig
+
+
+def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
+    """PE[pos, 2i] = sin(pos / 10000^(2i/dim)), PE[pos, 2i+1] = cos(pos / 10000^(2i/dim))."""
+    position = torch.arange(num_positions, dtype=torch.float64).unsqueeze(1)
+    inverse_frequency = torch.exp(
+        torch.arange(0, dim, 2, dtype=torch.float64) * (-math.log(10000.0) / dim)
+    )
+    table = torch.zeros(num_positions, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * inverse_frequency)
+    table[:, 1::2] = torch.cos(position * inverse_frequency)
+    return table.float()
+
+
+class PatchEmbedding(nn.Module):
+    """Cuts the image into non-overlapping patches and projects each to ``dim`` (conv, kernel = stride)."""
+
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.projection = nn.Conv2d(
+            config.in_channels, config.dim, kernel_size=config.patch_size, stride=config.patch_size
+        )
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if images.ndim != 4 or images.shape[1:] != (c.in_channels, c.image_height, c.image_width):
+            raise ValueError(
+                f"expected images of shape (batch, {c.in_channels}, {c.image_height}, {c.image_width}), "
+                f"got {tuple(images.shape)}"
+            )
+        return self.projection(images).flatten(2).transpose(1, 2)  # (B, patches, dim)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ViTConfig, fused: bool = True) -> None:
+        super().__init__()
+        self.heads = config.heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        self.fused = fused and hasattr(F, "scaled_dot_product_attention")
+        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=config.qkv_bias)
+        self.attention_dropout = nn.Dropout(config.attention_dropout)
+        self.projection = nn.Linear(config.dim, config.dim)
+        self.projection_dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self, x: torch.Tensor, return_attention: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, tokens, dim = x.shape
+        qkv = self.qkv(x).reshape(batch, tokens, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # each (B, heads, tokens, head_dim)
+        probabilities = None
+        if self.fused and not return_attention:
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.attention_dropout.p if self.training else 0.0
+            )
+        else:
+            # Scale before the softmax (seed 004 scaled after it, which is a different model).
+            probabilities = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+            out = self.attention_dropout(probabilities) @ v
+        out = out.transpose(1, 2).reshape(batch, tokens, dim)
+        return self.projection_dropout(self.projection(out)), probabilities
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.dim, config.mlp_dim)
+        self.activation = nn.GELU()
+        self.fc2 = nn.Linear(config.mlp_dim, config.dim)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc2(self.dropout(self.activation(self.fc1(x)))))
+
+
+class Block(nn.Module):
+    """Pre-norm encoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+        self.attention = Attention(config)
+        self.norm2 = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, return_attention: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        attended, probabilities = self.attention(self.norm1(x), return_attention)
+        x = x + attended
+        x = x + self.mlp(self.norm2(x))
+        return x, probabilities
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.patch_embedding = PatchEmbedding(config)
+        self.class_token = (
+            nn.Parameter(torch.zeros(1, 1, config.dim)) if config.pooling == "token" else None
+        )
+        if config.position_embedding == "learned":
+            self.position_embedding = nn.Parameter(torch.empty(1, config.num_tokens, config.dim))
+        else:
+            # Fixed, so not a parameter and not saved: it is rebuilt from the config.
+            self.register_buffer(
+                "position_embedding",
+                sinusoidal_table(config.num_tokens, config.dim).unsqueeze(0),
+                persistent=False,
+            )
+        self.embedding_dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
+        self.norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+        if config.representation_size is not None:
+            self.pre_logits = nn.Sequential(
+                nn.Linear(config.dim, config.representation_size), nn.Tanh()
+            )
+            head_in = config.representation_size
+        else:
+            self.pre_logits = nn.Identity()
+            head_in = config.dim
+        self.head = nn.Linear(head_in, config.num_classes)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """torchvision's ViT init."""
+        conv = self.patch_embedding.projection
+        fan_in = conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1]
+        nn.init.trunc_normal_(conv.weight, std=math.sqrt(1.0 / fan_in))
+        nn.init.zeros_(conv.bias)
+        if isinstance(self.position_embedding, nn.Parameter):
+            nn.init.normal_(self.position_embedding, std=0.02)
+        for block in self.blocks:
+            for linear in (block.attention.qkv, block.attention.projection):
+                nn.init.xavier_uniform_(linear.weight)
+                if linear.bias is not None:
+                    nn.init.zeros_(linear.bias)
+            for linear in (block.mlp.fc1, block.mlp.fc2):
+                nn.init.xavier_uniform_(linear.weight)
+                nn.init.normal_(linear.bias, std=1e-6)
+        if isinstance(self.pre_logits, nn.Sequential):
+            linear = self.pre_logits[0]
+            nn.init.trunc_normal_(linear.weight, std=math.sqrt(1.0 / linear.in_features))
+            nn.init.zeros_(linear.bias)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def set_fused_attention(self, fused: bool) -> None:
+        for block in self.blocks:
+            block.attention.fused = fused and hasattr(F, "scaled_dot_product_attention")
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embedding(images)
+        if self.class_token is not None:
+            x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.embedding_dropout(x + self.position_embedding)
+
+    def forward_features(
+        self, images: torch.Tensor, return_attention: bool = False
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x = self.embed(images)
+        maps = []
+        for block in self.blocks:
+            x, probabilities = block(x, return_attention)
+            if probabilities is not None:
+                maps.append(probabilities)
+        return self.norm(x), maps
+
+    def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        pooled = features[:, 0] if self.config.pooling == "token" else features.mean(dim=1)
+        pooled = self.pre_logits(pooled)
+        return pooled if pre_logits else self.head(pooled)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        features, _ = self.forward_features(images)
+        return self.forward_head(features)
+
+    def forward_with_attention(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and attention probabilities, shape (batch, layers, heads, tokens, tokens)."""
+        features, maps = self.forward_features(images, return_attention=True)
+        return self.forward_head(features), torch.stack(maps, dim=1)
+
+    def get_attention_output(self, images: torch.Tensor, layer: int, head: int) -> torch.Tensor:
+        """The attention probabilities of one layer and head, (batch, tokens, tokens)."""
+        if not 0 <= layer < self.config.depth:
+            raise ValueError(f"layer must be in [0, {self.config.depth}), got {layer}")
+        if not 0 <= head < self.config.heads:
+            raise ValueError(f"head must be in [0, {self.config.heads}), got {head}")
+        _, maps = self.forward_with_attention(images)
+        return maps[:, layer, head]
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+
+class WithAttention(nn.Module):
+    """Wraps a ViT so that ``forward`` returns (logits, attention): the graph exported for maps."""
+
+    def __init__(self, model: VisionTransformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.forward_with_attention(images)

@@ -1,0 +1,377 @@
+"""Turn a checkpoint into a verified, self-describing model repository entry.
+
+``python -m export.onnx runs/x/model.safetensors --name fashion-mnist-vit --version 1 --repo models/``
+
+Writes (Triton layout, see docs/model-repository.md)::
+
+    <repo>/<name>/config.pbtxt, labels.txt
+    <repo>/<name>/<version>/model.onnx       classifier (fused attention, logits only)
+    <repo>/<name>/<version>/attention.onnx   same weights, explicit attention, logits + maps
+
+Two graphs rather than one graph with two outputs, so that ``/predict`` never computes attention
+probabilities it does not return (BENCHMARKS.md has the measurement). Nothing is written unless both
+graphs pass the ONNX checker and match PyTorch on real images at batch sizes 1, 7 and 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from export.checkpoint import CheckpointError, file_sha256, load_checkpoint, resolve_checkpoint
+from export.data import DatasetError, DatasetSpec, get_dataset_spec, load_dataset, normalize
+from export.model import VisionTransformer, WithAttention
+
+OPSET = 18
+METADATA_KEY = "vitserve"
+VERIFY_BATCH_SIZES = (1, 7, 64)
+LOGITS_TOLERANCE = 1e-4
+ATTENTION_TOLERANCE = 1e-4
+TRITON_MAX_BATCH_SIZE = 64
+
+
+class VerificationError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Graphs:
+    classifier: onnx.ModelProto
+    attention: onnx.ModelProto
+
+
+def strip_build_details(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Drop node metadata and doc strings: they hold stack traces with this machine's paths."""
+
+    def clean_graph(graph: onnx.GraphProto) -> None:
+        graph.doc_string = ""
+        del graph.metadata_props[:]
+        for value in [*graph.input, *graph.output, *graph.value_info]:
+            value.doc_string = ""
+            del value.metadata_props[:]
+        for initializer in graph.initializer:
+            initializer.doc_string = ""
+            del initializer.metadata_props[:]
+        for node in graph.node:
+            node.doc_string = ""
+            del node.metadata_props[:]
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    clean_graph(attribute.g)
+                for subgraph in attribute.graphs:
+                    clean_graph(subgraph)
+
+    clean_graph(model.graph)
+    for function in model.functions:
+        function.doc_string = ""
+        for node in function.node:
+            node.doc_string = ""
+            del node.metadata_props[:]
+    model.doc_string = ""
+    del model.metadata_props[:]
+    return model
+
+
+# The exporter warns about every torchvision op it cannot register; torchvision is not a dependency.
+logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+
+
+def to_onnx(module: torch.nn.Module, example: torch.Tensor, output_names: list[str]) -> onnx.ModelProto:
+    program = torch.onnx.export(
+        module,
+        (example,),
+        dynamo=True,
+        input_names=["images"],
+        output_names=output_names,
+        dynamic_shapes=({0: torch.export.Dim.DYNAMIC},),
+        opset_version=OPSET,
+        external_data=False,
+        verbose=False,
+    )
+    return strip_build_details(program.model_proto)
+
+
+def build_graphs(model: VisionTransformer) -> Graphs:
+    c = model.config
+    example = torch.zeros(2, c.in_channels, c.image_height, c.image_width)
+    model = model.eval()
+    model.set_fused_attention(True)
+    classifier = to_onnx(model, example, ["logits"])
+    attention = to_onnx(WithAttention(model), example, ["logits", "attention"])
+    return Graphs(classifier, attention)
+
+
+def session_for(model: onnx.ModelProto) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+
+
+def verify(model: VisionTransformer, graphs: Graphs, images: torch.Tensor) -> dict:
+    """Checker, then onnxruntime against PyTorch; raises VerificationError with the figures."""
+    for label, proto in (("model.onnx", graphs.classifier), ("attention.onnx", graphs.attention)):
+        try:
+            onnx.checker.check_model(proto, full_check=True)
+        except onnx.checker.ValidationError as error:
+            raise VerificationError(f"{label}: ONNX checker failed: {error}") from error
+    classifier, attention = session_for(graphs.classifier), session_for(graphs.attention)
+    figures = {}
+    failures = []
+    for batch_size in VERIFY_BATCH_SIZES:
+        if len(images) < batch_size:
+            raise VerificationError(f"need {batch_size} images to verify, got {len(images)}")
+        batch = images[:batch_size]
+        with torch.inference_mode():
+            expected_logits, expected_maps = model.forward_with_attention(batch)
+            expected_fused = model(batch)
+        feed = {"images": batch.numpy()}
+        (logits,) = classifier.run(["logits"], feed)
+        attention_logits, maps = attention.run(["logits", "attention"], feed)
+        row = {
+            "logits_max_abs_diff": float(np.abs(logits - expected_fused.numpy()).max()),
+            "attention_graph_logits_max_abs_diff": float(
+                np.abs(attention_logits - expected_logits.numpy()).max()
+            ),
+            "attention_max_abs_diff": float(np.abs(maps - expected_maps.numpy()).max()),
+            "argmax_mismatches": int(
+                (logits.argmax(1) != expected_fused.numpy().argmax(1)).sum()
+                + (attention_logits.argmax(1) != expected_logits.numpy().argmax(1)).sum()
+            ),
+        }
+        figures[f"batch_{batch_size}"] = row
+        if row["logits_max_abs_diff"] > LOGITS_TOLERANCE:
+            failures.append(f"batch {batch_size}: logits differ by {row['logits_max_abs_diff']:.3g}")
+        if row["attention_graph_logits_max_abs_diff"] > LOGITS_TOLERANCE:
+            failures.append(
+                f"batch {batch_size}: attention graph logits differ by "
+                f"{row['attention_graph_logits_max_abs_diff']:.3g}"
+            )
+        if row["attention_max_abs_diff"] > ATTENTION_TOLERANCE:
+            failures.append(
+                f"batch {batch_size}: attention maps differ by {row['attention_max_abs_diff']:.3g}"
+            )
+        if row["argmax_mismatches"]:
+            failures.append(f"batch {batch_size}: {row['argmax_mismatches']} argmax mismatches")
+    if failures:
+        raise VerificationError(
+            "ONNX output does not match PyTorch (tolerance "
+            f"{LOGITS_TOLERANCE:g}): " + "; ".join(failures) + f"\nfigures: {json.dumps(figures)}"
+        )
+    return figures
+
+
+def measure_accuracy(graph: onnx.ModelProto, images: torch.Tensor, labels: torch.Tensor) -> float:
+    session = session_for(graph)
+    correct = 0
+    for start in range(0, len(images), 500):
+        (logits,) = session.run(["logits"], {"images": images[start : start + 500].numpy()})
+        correct += int((logits.argmax(1) == labels[start : start + 500].numpy()).sum())
+    return correct / len(images)
+
+
+def tool_versions() -> dict:
+    import onnxscript
+
+    return {
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "onnxscript": onnxscript.__version__,
+        "onnxruntime": ort.__version__,
+        "opset": OPSET,
+        "python": sys.version.split()[0],
+    }
+
+
+def describe(
+    model: VisionTransformer,
+    spec: DatasetSpec,
+    labels: list[str],
+    name: str,
+    version: int,
+    graph: str,
+    test_accuracy: float | None,
+    test_images: int | None,
+    checkpoint_sha256: str,
+) -> dict:
+    c = model.config
+    return {
+        "format": 1,
+        "graph": graph,
+        "name": name,
+        "version": version,
+        "labels": labels,
+        "input": {
+            "name": "images",
+            "layout": "NCHW",
+            "dtype": "float32",
+            "channels": c.in_channels,
+            "height": c.image_height,
+            "width": c.image_width,
+        },
+        "outputs": {"logits": "logits", "attention": "attention"},
+        "preprocessing": {
+            "color": "grayscale" if c.in_channels == 1 else "rgb",
+            "resize": "fit-pad",
+            "pad_value": 0,
+            "polarity": spec.polarity,
+            "scale": 1.0 / 255.0,
+            "mean": list(spec.mean),
+            "std": list(spec.std),
+        },
+        "patch": {"size": c.patch_size, "grid": list(c.grid)},
+        "pooling": c.pooling,
+        "class_token": c.pooling == "token",
+        "tokens": c.num_tokens,
+        "depth": c.depth,
+        "heads": c.heads,
+        "attention_graph": "attention.onnx",
+        "dataset": spec.name,
+        "test_accuracy": test_accuracy,
+        "test_images": test_images,
+        "checkpoint_sha256": checkpoint_sha256,
+        "model_config": c.to_dict(),
+        "tools": tool_versions(),
+        "exported_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def with_metadata(model: onnx.ModelProto, document: dict) -> onnx.ModelProto:
+    onnx.helper.set_model_props(model, {METADATA_KEY: json.dumps(document, sort_keys=True)})
+    model.producer_name = "vitserve-export"
+    return model
+
+
+def triton_config(name: str, model: VisionTransformer, max_queue_delay_us: int = 2000) -> str:
+    c = model.config
+    return f"""name: "{name}"
+platform: "onnxruntime_onnx"
+max_batch_size: {TRITON_MAX_BATCH_SIZE}
+input [
+  {{
+    name: "images"
+    data_type: TYPE_FP32
+    dims: [ {c.in_channels}, {c.image_height}, {c.image_width} ]
+  }}
+]
+output [
+  {{
+    name: "logits"
+    data_type: TYPE_FP32
+    dims: [ {c.num_classes} ]
+    label_filename: "labels.txt"
+  }}
+]
+dynamic_batching {{
+  max_queue_delay_microseconds: {max_queue_delay_us}
+}}
+version_policy: {{ latest: {{ num_versions: 1 }} }}
+instance_group [ {{ kind: KIND_AUTO, count: 1 }} ]
+"""
+
+
+def write_entry(
+    repo: Path, name: str, version: int, graphs: Graphs, model: VisionTransformer, labels: list[str],
+    overwrite: bool,
+) -> Path:
+    """Write into a temporary directory first and move into place, so a failure leaves nothing."""
+    entry = repo / name
+    version_dir = entry / str(version)
+    if version_dir.exists() and not overwrite:
+        raise FileExistsError(
+            f"{version_dir} already exists; pass --overwrite to replace it or choose another --version"
+        )
+    entry.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=entry))
+    try:
+        onnx.save_model(graphs.classifier, staging / "model.onnx")
+        onnx.save_model(graphs.attention, staging / "attention.onnx")
+        (entry / "config.pbtxt").write_text(triton_config(name, model))
+        (entry / "labels.txt").write_text("\n".join(labels) + "\n")
+        if version_dir.exists():
+            shutil.rmtree(version_dir)
+        # mkdtemp makes the directory private; the service may run as another user.
+        staging.chmod(0o755)
+        staging.rename(version_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return version_dir
+
+
+def export_model(
+    checkpoint: str | Path,
+    name: str,
+    version: int,
+    repo: str | Path,
+    data_dir: str | Path | None = None,
+    overwrite: bool = False,
+    measure: bool = True,
+) -> dict:
+    """Export, verify and write a checkpoint; returns the metadata document and the figures."""
+    path = resolve_checkpoint(checkpoint)
+    model, metadata = load_checkpoint(path)
+    spec = get_dataset_spec(metadata["dataset"])
+    labels = json.loads(metadata["labels"])
+    version_dir = Path(repo) / name / str(version)
+    if version_dir.exists() and not overwrite:
+        raise FileExistsError(
+            f"{version_dir} already exists; pass --overwrite to replace it or choose another --version"
+        )
+    _, test = load_dataset(spec.name, data_dir)
+    images = normalize(test.images, spec)
+    graphs = build_graphs(model)
+    figures = verify(model, graphs, images[: max(VERIFY_BATCH_SIZES)])
+    accuracy = measure_accuracy(graphs.classifier, images, test.labels) if measure else None
+    sha = file_sha256(path)
+    for graph_name, proto in (("classifier", graphs.classifier), ("attention", graphs.attention)):
+        document = describe(
+            model, spec, labels, name, version, graph_name, accuracy,
+            len(test) if measure else None, sha,
+        )
+        with_metadata(proto, document)
+    written = write_entry(Path(repo), name, version, graphs, model, labels, overwrite)
+    return {"path": str(written), "test_accuracy": accuracy, "verification": figures}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m export.onnx", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="a .safetensors checkpoint or a run directory")
+    parser.add_argument("--name", required=True, help="model name in the repository")
+    parser.add_argument("--version", required=True, type=int, help="integer version, 1 or more")
+    parser.add_argument("--repo", default="models", help="model repository directory")
+    parser.add_argument("--data-dir", default=None, help="dataset directory (real test images)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing version")
+    parser.add_argument("--skip-accuracy", action="store_true", help="do not measure test accuracy")
+    args = parser.parse_args(argv)
+    if args.version < 1:
+        parser.error(f"--version must be 1 or more, got {args.version}")
+    if not args.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        parser.error(f"--name may hold letters, digits, '-', '_' and '.', got {args.name!r}")
+    try:
+        result = export_model(
+            args.checkpoint, args.name, args.version, args.repo, args.data_dir, args.overwrite,
+            measure=not args.skip_accuracy,
+        )
+    except (VerificationError, CheckpointError, DatasetError, FileExistsError) as error:
+        print(f"export failed, nothing written: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""The report of a training run: test metrics and plots, written next to the weights.
+
+    python -m export.report runs/fashion-small [--data-dir DIR]
+
+Reads ``RUN_DIR/model.safetensors`` (the best weights) and ``RUN_DIR/metrics.csv``; writes
+``results.json`` (test accuracy, loss, per-class accuracy, confusion matrix), ``curves.png``,
+``confusion_matrix.png`` and ``attention_gallery.png`` (test images with their attention rollout and
+the last layer's heads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from export.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint  # noqa: E402
+from export.data import DatasetError, Split, get_dataset_spec, load_dataset, normalize  # noqa: E402
+from export.evaluate import checkpoint_logits, classification_metrics  # noqa: E402
+from export.model import VisionTransformer  # noqa: E402
+from export.rollout import attention_rollout, last_layer_heads, normalise_maps, to_grid  # noqa: E402
+
+GALLERY_SIZE = 10
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """Rows of metrics.csv as numbers; a repeated epoch (a resumed run) keeps its last row."""
+    with path.open(newline="") as handle:
+        rows = [{key: float(value) for key, value in row.items()} for row in csv.DictReader(handle)]
+    by_epoch = {int(row["epoch"]): row for row in rows}
+    return [by_epoch[epoch] for epoch in sorted(by_epoch)]
+
+
+def plot_curves(rows: list[dict[str, float]], path: Path) -> None:
+    epochs = [row["epoch"] for row in rows]
+    figure, (loss_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    for axis, metric, title in ((loss_axis, "loss", "loss"), (accuracy_axis, "accuracy", "accuracy")):
+        axis.plot(epochs, [row[f"train_{metric}"] for row in rows], marker=".", label="train")
+        axis.plot(epochs, [row[f"val_{metric}"] for row in rows], marker=".", label="validation")
+        axis.set_xlabel("epoch")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    best = min(rows, key=lambda row: row["val_loss"])
+    loss_axis.axvline(best["epoch"], color="grey", linestyle="--", linewidth=0.8)
+    accuracy_axis.axvline(best["epoch"], color="grey", linestyle="--", linewidth=0.8)
+    figure.suptitle(
+        f"best validation loss {best['val_loss']:.4f} at epoch {int(best['epoch'])} "
+        f"(accuracy {100 * best['val_accuracy']:.2f}%); train metrics are on augmented images"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_confusion(results: dict, path: Path) -> None:
+    confusion = np.asarray(results["confusion_matrix"])
+    labels = results["labels"]
+    classes = len(labels)
+    support = confusion.sum(axis=1, keepdims=True)
+    fraction = confusion / np.maximum(support, 1)
+    size = max(5.0, 0.6 * classes + 2)
+    figure, axis = plt.subplots(figsize=(size + 1, size))
+    image = axis.imshow(fraction, cmap="Blues", vmin=0, vmax=1)
+    figure.colorbar(image, ax=axis, fraction=0.046, pad=0.04, label="fraction of the true class")
+    if classes <= 20:
+        axis.set_xticks(range(classes), labels, rotation=45, ha="right")
+        axis.set_yticks(range(classes), labels)
+        for row in range(classes):
+            for column in range(classes):
+                if confusion[row, column]:
+                    axis.text(
+                        column, row, str(confusion[row, column]), ha="center", va="center",
+                        fontsize=8, color="white" if fraction[row, column] > 0.5 else "black",
+                    )
+    axis.set_xlabel("predicted class")
+    axis.set_ylabel("true class")
+    axis.set_title(
+        f"{results['dataset']} test: accuracy {100 * results['accuracy']:.2f}% "
+        f"({results['correct']}/{results['images']})"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def gallery_indices(labels: torch.Tensor, count: int = GALLERY_SIZE) -> list[int]:
+    """The first test image of each class in class order, then the next images, ``count`` in all."""
+    chosen: list[int] = []
+    for label in range(int(labels.max()) + 1):
+        hits = (labels == label).nonzero()
+        if len(hits) and len(chosen) < count:
+            chosen.append(int(hits[0]))
+    for index in range(len(labels)):
+        if len(chosen) >= count:
+            break
+        if index not in chosen:
+            chosen.append(index)
+    return chosen
+
+
+@torch.inference_mode()
+def plot_attention_gallery(
+    model: VisionTransformer, split: Split, indices: list[int], spec, path: Path
+) -> None:
+    config = model.config
+    device = next(model.parameters()).device
+    images = split.images[indices]
+    logits, attention = model.forward_with_attention(normalize(images, spec).to(device))
+    attention = attention.float().cpu().numpy()
+    predicted = logits.argmax(dim=1).cpu().tolist()
+    rollout = normalise_maps(to_grid(attention_rollout(attention, config.pooling), config.grid))
+    heads = normalise_maps(to_grid(last_layer_heads(attention, config.pooling), config.grid))
+
+    columns = 2 + config.heads
+    figure, axes = plt.subplots(
+        len(indices), columns, figsize=(1.7 * columns, 1.8 * len(indices)), squeeze=False
+    )
+    extent = (-0.5, config.image_width - 0.5, config.image_height - 0.5, -0.5)
+    for row, index in enumerate(indices):
+        picture = images[row].permute(1, 2, 0).numpy()
+        show = {"cmap": "gray", "vmin": 0, "vmax": 255} if picture.shape[2] == 1 else {}
+        picture = picture[..., 0] if picture.shape[2] == 1 else picture
+        truth, guess = spec.labels[int(split.labels[index])], spec.labels[predicted[row]]
+        axes[row, 0].imshow(picture, **show)
+        axes[row, 0].set_ylabel(
+            f"true: {truth}\npred: {guess}", fontsize=7, color="black" if truth == guess else "red"
+        )
+        axes[row, 1].imshow(picture, **show)
+        axes[row, 1].imshow(
+            rollout[row], cmap="inferno", alpha=0.6, extent=extent, interpolation="bilinear"
+        )
+        for head in range(config.heads):
+            axes[row, 2 + head].imshow(heads[row, head], cmap="viridis", interpolation="nearest")
+    titles = ["image", "rollout"] + [f"layer {config.depth} head {h + 1}" for h in range(config.heads)]
+    for column, title in enumerate(titles):
+        axes[0, column].set_title(title, fontsize=8)
+    for axis in axes.flat:
+        axis.set_xticks([])
+        axis.set_yticks([])
+    pooled = "class-token row" if config.pooling == "token" else "mean over all query tokens"
+    figure.suptitle(f"attention per patch ({pooled})", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_report(run_dir: str | Path, data_dir: str | Path | None = None) -> dict:
+    """Evaluate the run's best checkpoint on the test split and write results.json and the plots.
+
+    ``data_dir`` defaults to the one the run was trained from (its settings.json), then to the
+    dataset's default directory.
+    """
+    run_dir = Path(run_dir)
+    settings_path = run_dir / "settings.json"
+    if data_dir is None and settings_path.is_file():
+        data_dir = json.loads(settings_path.read_text()).get("data_dir")
+    checkpoint = resolve_checkpoint(run_dir / "model.safetensors")
+    model, metadata = load_checkpoint(checkpoint)
+    spec = get_dataset_spec(metadata["dataset"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    _, test = load_dataset(spec.name, data_dir)
+
+    logits = checkpoint_logits(model, test, spec, device=device)
+    results = {
+        "checkpoint": str(checkpoint),
+        "dataset": spec.name,
+        "split": "test",
+        "parameters": model.num_parameters(),
+        "epoch": int(metadata["epoch"]) if "epoch" in metadata else None,
+        "val_loss": float(metadata["val_loss"]) if "val_loss" in metadata else None,
+        "val_accuracy": float(metadata["val_accuracy"]) if "val_accuracy" in metadata else None,
+        **classification_metrics(logits, test.labels.numpy(), json.loads(metadata["labels"])),
+    }
+    written = []
+    metrics_path = run_dir / "metrics.csv"
+    if metrics_path.is_file():
+        plot_curves(read_metrics(metrics_path), run_dir / "curves.png")
+        written.append("curves.png")
+    else:
+        print(f"{metrics_path} does not exist: no learning curves", file=sys.stderr)
+    plot_confusion(results, run_dir / "confusion_matrix.png")
+    indices = gallery_indices(test.labels)
+    plot_attention_gallery(model, test, indices, spec, run_dir / "attention_gallery.png")
+    written += ["confusion_matrix.png", "attention_gallery.png"]
+    results["gallery_test_indices"] = indices
+    results["plots"] = written
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(
+        f"{spec.name} test accuracy {100 * results['accuracy']:.2f}% "
+        f"({results['correct']}/{results['images']}), loss {results['loss']:.4f}; "
+        f"wrote results.json, {', '.join(written)} to {run_dir}",
+        flush=True,
+    )
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m export.report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path, help="run directory holding model.safetensors")
+    parser.add_argument("--data-dir", default=None, help="directory of the dataset's files")
+    args = parser.parse_args(argv)
+    try:
+        write_report(args.run_dir, data_dir=args.data_dir)
+    except (CheckpointError, DatasetError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""Model summary and the tensor shape after every stage, for any preset.
+
+    python -m export.summary --preset mnist-tiny [--batch 2] [--depth 4]
+
+The shapes come from running a random batch through the model's own modules, stage by stage, and
+the walk checks itself against the model: its embedding must equal ``VisionTransformer.embed`` and
+its logits the model's fused forward pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from export.config import PRESETS, ViTConfig, get_preset
+from export.model import VisionTransformer
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    name: str  # qualified name, "" for the model itself
+    kind: str
+    parameters: int  # recursive
+    depth: int
+
+
+def module_rows(model: VisionTransformer, max_depth: int = 4) -> list[ModuleRow]:
+    """Every module down to ``max_depth`` and the model's own parameters, in definition order."""
+    rows = [ModuleRow("", type(model).__name__, model.num_parameters(), 0)]
+    own = dict(model.named_parameters(recurse=False))
+    for name, child in model.named_children():
+        for sub_name, module in child.named_modules():
+            qualified = f"{name}.{sub_name}" if sub_name else name
+            depth = qualified.count(".") + 1
+            if depth <= max_depth:
+                parameters = sum(p.numel() for p in module.parameters())
+                rows.append(ModuleRow(qualified, type(module).__name__, parameters, depth))
+        if name == "patch_embedding":  # then the class token and the position table join in
+            for param_name, param in own.items():
+                rows.append(ModuleRow(param_name, "Parameter", param.numel(), 1))
+            if "position_embedding" not in own:
+                rows.append(ModuleRow("position_embedding", "buffer (fixed, not saved)", 0, 1))
+    return rows
+
+
+@torch.inference_mode()
+def trace_shapes(model: VisionTransformer, images: torch.Tensor) -> list[tuple[str, tuple[int, ...]]]:
+    """(stage, shape) after every stage of a forward pass, in eval mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        return _trace(model, images)
+    finally:
+        model.train(was_training)
+
+
+def _trace(model: VisionTransformer, images: torch.Tensor) -> list[tuple[str, tuple[int, ...]]]:
+    config = model.config
+    stages: list[tuple[str, tuple[int, ...]]] = []
+
+    def record(name: str, tensor: torch.Tensor) -> None:
+        stages.append((name, tuple(tensor.shape)))
+
+    record("input", images)
+    record("patch projection (conv)", model.patch_embedding.projection(images))
+    x = model.patch_embedding(images)
+    record("patch embedding", x)
+    if model.class_token is not None:
+        x = torch.cat([model.class_token.expand(x.shape[0], -1, -1), x], dim=1)
+        record("+ class token", x)
+    x = model.embedding_dropout(x + model.position_embedding)
+    record(f"+ position embedding ({config.position_embedding})", x)
+    if not torch.equal(x, model.embed(images)):
+        raise RuntimeError("the summary's walk diverged from VisionTransformer.embed")
+
+    captured: dict[str, torch.Tensor] = {}
+    maps = []
+    for index, block in enumerate(model.blocks):
+        attention = block.attention
+        hooks = [
+            attention.qkv.register_forward_hook(lambda m, i, o: captured.__setitem__("qkv", o)),
+            attention.projection.register_forward_hook(
+                lambda m, i, o: captured.__setitem__("concatenated", i[0])
+            ),
+            attention.register_forward_hook(lambda m, i, o: captured.__setitem__("attended", o[0])),
+            block.mlp.fc1.register_forward_hook(lambda m, i, o: captured.__setitem__("hidden", o)),
+        ]
+        try:
+            x, probabilities = block(x, return_attention=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        batch, tokens, _ = x.shape
+        q, k, v = captured["qkv"].reshape(
+            batch, tokens, 3, config.heads, config.head_dim
+        ).permute(2, 0, 3, 1, 4)
+        per_head = probabilities @ v
+        concatenated = per_head.transpose(1, 2).reshape(batch, tokens, config.dim)
+        if not torch.allclose(concatenated, captured["concatenated"], atol=1e-5, rtol=1e-4):
+            raise RuntimeError(f"block {index}: heads concatenated differ from the projection input")
+        prefix = f"block {index}"
+        record(f"{prefix} qkv", captured["qkv"])
+        record(f"{prefix} q / k / v per head", q)
+        record(f"{prefix} attention probabilities", probabilities)
+        record(f"{prefix} per-head output", per_head)
+        record(f"{prefix} heads concatenated", concatenated)
+        record(f"{prefix} multi-head attention (projected)", captured["attended"])
+        record(f"{prefix} mlp hidden", captured["hidden"])
+        record(f"{prefix} output", x)
+        maps.append(probabilities)
+
+    features = model.norm(x)
+    record("final norm", features)
+    pooled = features[:, 0] if config.pooling == "token" else features.mean(dim=1)
+    record(f"pooled ({config.pooling})", pooled)
+    representation = model.pre_logits(pooled)
+    if config.representation_size is not None:
+        record("pre-logits (Linear + Tanh)", representation)
+    logits = model.head(representation)
+    record("logits", logits)
+    record("attention maps (batch, layers, heads, tokens, tokens)", torch.stack(maps, dim=1))
+    if not torch.allclose(logits, model(images), atol=1e-4, rtol=1e-4):
+        raise RuntimeError("the summary's walk gives other logits than VisionTransformer.forward")
+    return stages
+
+
+def format_summary(model: VisionTransformer, batch: int = 1, max_depth: int = 4) -> str:
+    config = model.config
+    rows_grid, cols_grid = config.grid
+    lines = [
+        f"{type(model).__name__}: {config.image_height}x{config.image_width}x{config.in_channels} "
+        f"images, patch {config.patch_size} -> {rows_grid}x{cols_grid} = {config.num_patches} patches"
+        + (" + class token" if config.pooling == "token" else "")
+        + f", {config.num_tokens} tokens; dim {config.dim}, depth {config.depth}, heads "
+        f"{config.heads} (head dim {config.head_dim}), mlp {config.mlp_dim}, pooling {config.pooling}",
+        "",
+        f"{'module':<40} {'type':<28} {'parameters':>12}",
+    ]
+    for row in module_rows(model, max_depth)[1:]:
+        name = "  " * (row.depth - 1) + row.name.rsplit(".", 1)[-1]
+        lines.append(f"{name:<40} {row.kind:<28} {row.parameters:>12,}")
+    total = model.num_parameters()
+    trainable = model.num_parameters(trainable_only=True)
+    lines += [
+        "",
+        f"total parameters: {total:,} ({trainable:,} trainable), "
+        f"{4 * total / 2**20:.2f} MiB as float32",
+        "",
+        f"{'stage':<56} shape",
+    ]
+    images = torch.randn(batch, config.in_channels, config.image_height, config.image_width)
+    for name, shape in trace_shapes(model, images):
+        lines.append(f"{name:<56} {tuple(shape)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m export.summary", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    parser.add_argument("--batch", type=int, default=1, help="batch size of the traced input")
+    parser.add_argument("--depth", type=int, default=4, help="deepest module level listed")
+    args = parser.parse_args(argv)
+    if args.batch < 1:
+        parser.error(f"--batch must be at least 1, got {args.batch}")
+    config: ViTConfig = get_preset(args.preset)
+    torch.manual_seed(0)
+    model = VisionTransformer(config)
+    print(f"preset {args.preset}")
+    print(format_summary(model, args.batch, args.depth))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

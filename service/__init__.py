@@ -1,0 +1,1 @@
+"""vitserve inference service: FastAPI + onnxruntime, never torch."""

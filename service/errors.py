@@ -1,0 +1,200 @@
+"""One error shape for every failure: ``{"error": {"code", "message", "field", "request_id"}}``.
+
+Bad input is a 4xx naming the field and the limit it broke; only a fault of the service is a 500, and
+that one carries the request id (the traceback goes to the log, never to the client).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("vitserve")
+
+
+class ServiceError(Exception):
+    """An answer that is not a success: HTTP status, stable code, human message, offending field."""
+
+    status_code = 500
+    code = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        code: str | None = None,
+        status_code: int | None = None,
+        headers: Mapping[str, str] | None = None,
+        details: list[dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.details = details
+        if code is not None:
+            self.code = code
+        if status_code is not None:
+            self.status_code = status_code
+        self.headers = dict(headers or {})
+
+
+class InvalidInput(ServiceError):
+    status_code = 422
+    code = "invalid_input"
+
+
+class UnsupportedMediaType(ServiceError):
+    status_code = 415
+    code = "unsupported_media_type"
+
+
+class PayloadTooLarge(ServiceError):
+    status_code = 413
+    code = "payload_too_large"
+
+
+class Unauthorized(ServiceError):
+    status_code = 401
+    code = "unauthorized"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, field="Authorization", headers={"WWW-Authenticate": "Bearer"})
+
+
+class NotFound(ServiceError):
+    status_code = 404
+    code = "not_found"
+
+
+class ServiceUnavailable(ServiceError):
+    """503: queue full, timed out, not ready or shutting down. Always says when to retry."""
+
+    status_code = 503
+    code = "unavailable"
+
+    def __init__(self, message: str, *, code: str = "unavailable", retry_after_s: int = 1) -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(retry_after_s)})
+
+
+class InferenceFailed(ServiceError):
+    """500: the model run failed for the batch this request was in."""
+
+    status_code = 500
+    code = "inference_failed"
+
+
+def request_id_of(request: Request) -> str | None:
+    return request.scope.get("state", {}).get("request_id")
+
+
+def error_body(
+    code: str, message: str, request_id: str | None, field: str | None = None, details: Any = None
+) -> dict[str, Any]:
+    error: dict[str, Any] = {"code": code, "message": message, "field": field, "request_id": request_id}
+    if details is not None:
+        error["details"] = details
+    return {"error": error}
+
+
+def error_response(
+    request: Request,
+    status_code: int,
+    code: str,
+    message: str,
+    *,
+    field: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    details: Any = None,
+) -> JSONResponse:
+    request_id = request_id_of(request)
+    all_headers = dict(headers or {})
+    if request_id:
+        all_headers.setdefault("X-Request-ID", request_id)
+    return JSONResponse(
+        error_body(code, message, request_id, field, details),
+        status_code=status_code,
+        headers=all_headers,
+    )
+
+
+def location(loc: Sequence[str | int]) -> str:
+    """('body', 'images', 0, 'b64') -> 'images[0].b64'."""
+    text = ""
+    for part in loc:
+        if part in ("body", "query", "path", "header") and not text:
+            continue
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text or "body"
+
+
+def validation_details(errors: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [{"field": location(e.get("loc", ())), "message": e.get("msg", "")} for e in errors]
+
+
+def validation_message(details: Sequence[Mapping[str, Any]]) -> str:
+    return "; ".join(f"{d['field']}: {d['message']}" for d in details) or "invalid request"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, error: ServiceError) -> JSONResponse:
+        if error.status_code >= 500:
+            logger.error("%s [request %s]: %s", error.code, request_id_of(request), error.message)
+        return error_response(
+            request,
+            error.status_code,
+            error.code,
+            error.message,
+            field=error.field,
+            headers=error.headers,
+            details=error.details,
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        details = validation_details(error.errors())
+        return error_response(
+            request,
+            422,
+            "invalid_input",
+            validation_message(details),
+            field=details[0]["field"] if details else None,
+            details=details,
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        message = error.detail if isinstance(error.detail, str) else str(error.detail)
+        if error.status_code == 404:
+            message = f"no route {request.url.path}; see /docs for the API"
+        elif error.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return error_response(
+            request,
+            error.status_code,
+            codes.get(error.status_code, "http_error"),
+            message,
+            headers=getattr(error, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        request_id = request_id_of(request)
+        logger.exception("unhandled error [request %s]", request_id, exc_info=error)
+        return error_response(
+            request,
+            500,
+            "internal_error",
+            f"internal error; quote request id {request_id} when reporting it",
+        )

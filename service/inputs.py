@@ -1,0 +1,118 @@
+"""Read a request body as JSON or multipart/form-data into validated options and raw images.
+
+Both routes accept both encodings; the content type picks the parser. Nothing here decodes an image:
+it only collects (field name, bytes or pixel list) so that every error can name its field.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.errors import InvalidInput, UnsupportedMediaType, validation_details, validation_message
+from service.schemas import ImageInput
+
+JSON = "application/json"
+MULTIPART = "multipart/form-data"
+_DATA_URL = re.compile(r"^data:[\w/+.-]*(;[\w=.-]+)*;base64,", re.IGNORECASE)
+
+Options = TypeVar("Options", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class RawImage:
+    field: str
+    data: bytes | None = None
+    pixels: Any = None
+
+
+def media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
+def require_body_type(request: Request) -> str:
+    kind = media_type(request)
+    if kind == JSON or kind.endswith("+json"):
+        return JSON
+    if kind == MULTIPART:
+        return MULTIPART
+    shown = kind or "none"
+    raise UnsupportedMediaType(
+        f"Content-Type must be {JSON} or {MULTIPART}; got {shown}", field="Content-Type"
+    )
+
+
+def invalid_from(error: ValidationError) -> InvalidInput:
+    details = validation_details(error.errors(include_url=False))
+    field = details[0]["field"] if details else "body"
+    return InvalidInput(validation_message(details), field=field, details=details)
+
+
+def parse_json(body: bytes, model: type[Options]) -> Options:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        raise invalid_from(error) from None
+
+
+def image_from_json(image: ImageInput, field: str) -> RawImage:
+    if image.pixels is not None:
+        return RawImage(field=f"{field}.pixels", pixels=image.pixels)
+    text = _DATA_URL.sub("", (image.b64 or "").strip(), count=1)
+    text = "".join(text.split())
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInput(
+            f"{field}.b64: not valid base64 (standard alphabet, padded)", field=f"{field}.b64", code="invalid_base64"
+        ) from None
+    return RawImage(field=f"{field}.b64", data=data)
+
+
+async def read_multipart(
+    request: Request, file_field: str, max_files: int, options: type[Options]
+) -> tuple[list[RawImage], Options]:
+    """The file parts named ``file_field`` and the other fields validated as ``options``."""
+    try:
+        async with request.form(max_files=max_files + 1, max_fields=32, max_part_size=64 * 1024) as form:
+            values: dict[str, str] = {}
+            images: list[RawImage] = []
+            for key, value in form.multi_items():
+                if isinstance(value, UploadFile):
+                    if key != file_field:
+                        raise InvalidInput(
+                            f"{key}: unexpected file part; send the image(s) in part(s) named {file_field!r}",
+                            field=key,
+                        )
+                    images.append(RawImage(field=f"{file_field}[{len(images)}]", data=await value.read()))
+                else:
+                    if key == file_field:
+                        raise InvalidInput(
+                            f"{file_field}: must be a file part (with a filename), not a text field",
+                            field=file_field,
+                        )
+                    if key in values:
+                        raise InvalidInput(f"{key}: given more than once", field=key)
+                    values[key] = value
+    except StarletteHTTPException as error:
+        detail = str(error.detail)
+        if detail.startswith("Too many files"):
+            raise InvalidInput(
+                f"{file_field}: too many files; the limit is max_images_per_request={max_files}",
+                field=file_field,
+                code="too_many_images",
+            ) from None
+        raise InvalidInput(f"body: malformed multipart/form-data ({detail})", field="body") from None
+    try:
+        parsed = options.model_validate(values)
+    except ValidationError as error:
+        raise invalid_from(error) from None
+    return images, parsed

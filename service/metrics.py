@@ -1,0 +1,83 @@
+"""Prometheus metrics, one registry per app (so tests and several apps in one process never collide).
+
+Triton's split: time in the queue versus time in the model; average batch size is
+``vitserve_batch_size_sum / vitserve_batch_size_count`` (images per model execution).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+
+
+def _batch_buckets(largest: int) -> tuple[float, ...]:
+    buckets, size = [], 1
+    while size < largest:
+        buckets.append(float(size))
+        size *= 2
+    buckets.append(float(largest))
+    return tuple(buckets)
+
+
+class Metrics:
+    def __init__(self, max_batch_size: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "vitserve_http_requests",
+            "HTTP requests answered, by route template, method and status code.",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "vitserve_http_request_duration_seconds",
+            "Time from request start to the end of the response, by route template and method.",
+            ["route", "method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "vitserve_queue_wait_seconds",
+            "Time an image waited in the batcher queue before its batch started, by graph.",
+            ["graph"],
+            buckets=_QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.compute = Histogram(
+            "vitserve_compute_seconds",
+            "Time one batch spent in onnxruntime, by graph.",
+            ["graph"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "vitserve_batch_size",
+            "Images per model execution, by graph.",
+            ["graph"],
+            buckets=_batch_buckets(max_batch_size),
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "vitserve_queue_depth", "Images waiting in the batcher queue, by graph.", ["graph"], registry=r
+        )
+        self.inference_failures = Counter(
+            "vitserve_inference_failures",
+            "Batches whose model run raised an error, by graph.",
+            ["graph"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "vitserve_rejected_requests",
+            "Requests answered 503 by the batcher, by graph and reason (queue_full, timeout, shutting_down).",
+            ["graph", "reason"],
+            registry=r,
+        )
+        self.ready = Gauge("vitserve_ready", "1 while the service is ready to serve, else 0.", registry=r)
+        self.model_info = Gauge(
+            "vitserve_model_info",
+            "The model being served (value 1), with its name, version and execution provider.",
+            ["name", "version", "provider"],
+            registry=r,
+        )

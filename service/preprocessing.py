@@ -1,0 +1,304 @@
+"""Turn any accepted image into exactly what the model was trained on.
+
+Steps, in order: identify the format from its magic bytes (PNG, JPEG, WebP, BMP, GIF only), check the
+pixel count from the header before decoding (decompression bombs), decode the first frame, apply the EXIF
+orientation, bring any mode (palette, alpha, 16-bit, CMYK, ...) to 0-255 floats, reduce or expand to the
+model's channels, decide the polarity, fit the image inside the model's H x W keeping its aspect ratio,
+pad it centred, scale and normalise with the metadata's mean and std. Everything after decoding is numpy.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from service.errors import InvalidInput, UnsupportedMediaType
+from service.model_repository import ModelMetadata
+
+Invert = Literal["auto", "always", "never"]
+
+ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF")
+ACCEPTED_TEXT = "PNG, JPEG, WebP, BMP or GIF"
+
+# Magic bytes of the accepted formats, and of common others so that they get a 415 that names them.
+_ACCEPTED_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "PNG"),
+    (b"\xff\xd8\xff", "JPEG"),
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"BM", "BMP"),
+)
+_OTHER_MAGIC = (
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+    (b"%PDF", "PDF"),
+    (b"\x00\x00\x01\x00", "ICO"),
+    (b"8BPS", "PSD"),
+    (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"),
+    (b"\xff\x4f\xff\x51", "JPEG 2000"),
+    (b"qoif", "QOI"),
+    (b"\x76\x2f\x31\x01", "OpenEXR"),
+    (b"<svg", "SVG"),
+    (b"<?xml", "SVG/XML"),
+    (b"P1", "PBM"),
+    (b"P4", "PBM"),
+    (b"P2", "PGM"),
+    (b"P5", "PGM"),
+    (b"P3", "PPM"),
+    (b"P6", "PPM"),
+)
+
+# ITU-R 601-2 luma, as Pillow's convert("L") uses.
+_LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
+
+
+def sniff_format(data: bytes, field: str) -> str:
+    """The Pillow format name of ``data``; 415 for a known other format, 422 for unknown bytes."""
+    if not data:
+        raise InvalidInput(f"{field}: the image is empty (0 bytes)", field=field, code="empty_image")
+    for magic, name in _ACCEPTED_MAGIC:
+        if data.startswith(magic):
+            return name
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    other = None
+    for magic, name in _OTHER_MAGIC:
+        if data.startswith(magic):
+            other = name
+    if other is None and data[4:8] == b"ftyp":
+        other = "HEIF/AVIF"
+    if other is not None:
+        raise UnsupportedMediaType(
+            f"{field}: {other} images are not supported; send a {ACCEPTED_TEXT} file",
+            field=field,
+            code="unsupported_image_format",
+        )
+    raise InvalidInput(
+        f"{field}: not a recognisable image (expected a {ACCEPTED_TEXT} file)",
+        field=field,
+        code="undecodable_image",
+    )
+
+
+def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> Image.Image:
+    """Decode the first frame, upright, after checking the header's pixel count against the limit."""
+    image_format = sniff_format(data, field)
+    too_many = (
+        f"{field}: the image has too many pixels; the limit is max_pixels_per_image={max_pixels}"
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=[image_format])
+    except Image.DecompressionBombError as error:
+        raise InvalidInput(too_many, field=field, code="too_many_pixels") from error
+    except Exception as error:  # Pillow raises many exception types for malformed headers
+        raise InvalidInput(
+            f"{field}: cannot decode the {image_format} image ({error})", field=field, code="undecodable_image"
+        ) from error
+    width, height = image.size
+    if width < 1 or height < 1:
+        raise InvalidInput(f"{field}: the image is {width}x{height} pixels", field=field, code="empty_image")
+    if width * height > max_pixels:
+        raise InvalidInput(
+            f"{too_many} ({width}x{height} = {width * height} pixels)", field=field, code="too_many_pixels"
+        )
+    try:
+        image.draft(None, (draft_size, draft_size))  # JPEG only: decode at a reduced scale when it can
+        image.load()
+        image = ImageOps.exif_transpose(image)
+    except Exception as error:
+        raise InvalidInput(
+            f"{field}: cannot decode the {image_format} image ({error})", field=field, code="undecodable_image"
+        ) from error
+    return image
+
+
+def _composite_on_white(rgb: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    weight = alpha[..., None] / 255.0
+    return rgb * weight + 255.0 * (1.0 - weight)
+
+
+def image_to_array(image: Image.Image) -> np.ndarray:
+    """Any Pillow mode -> float32 ``[H, W, 1 or 3]`` in 0-255; transparency is composited on white."""
+    mode = image.mode
+    if mode.startswith("I;16"):
+        return (np.asarray(image, dtype=np.float32) / 257.0)[..., None]
+    if mode == "I":
+        return np.clip(np.asarray(image, dtype=np.float32) / 257.0, 0, 255)[..., None]
+    if mode == "F":
+        return np.clip(np.asarray(image, dtype=np.float32), 0, 255)[..., None]
+    if mode == "1":
+        image, mode = image.convert("L"), "L"
+    if mode == "P" or mode == "PA":
+        has_alpha = mode == "PA" or "transparency" in image.info
+        image = image.convert("RGBA" if has_alpha else "RGB")
+        mode = image.mode
+    if mode in ("LA", "La"):
+        array = np.asarray(image.convert("LA"), dtype=np.float32)
+        return _composite_on_white(array[..., :1], array[..., 1])
+    if mode in ("RGBA", "RGBa"):
+        array = np.asarray(image.convert("RGBA"), dtype=np.float32)
+        return _composite_on_white(array[..., :3], array[..., 3])
+    if mode == "L":
+        return np.asarray(image, dtype=np.float32)[..., None]
+    if mode != "RGB":  # CMYK, YCbCr, LAB, HSV, RGBX: Pillow knows the conversion
+        image = image.convert("RGB")
+    return np.asarray(image, dtype=np.float32)
+
+
+def pixels_to_array(pixels: Any, field: str, max_pixels: int) -> np.ndarray:
+    """A nested list H x W or C x H x W (C = 1 or 3) of 0-255 values -> float32 ``[H, W, C]``."""
+    try:
+        array = np.asarray(pixels, dtype=np.float32)
+    except (ValueError, TypeError) as error:
+        reason = "rows of different lengths" if "inhomogeneous" in str(error) else "a value that is not a number"
+        raise InvalidInput(
+            f"{field}: must be a rectangular nested list of numbers, H x W or C x H x W; found {reason}",
+            field=field,
+            code="invalid_pixels",
+        ) from error
+    if array.ndim == 2:
+        array = array[..., None]
+    elif array.ndim == 3:
+        if array.shape[0] not in (1, 3):
+            raise InvalidInput(
+                f"{field}: a 3-dimensional pixel array is C x H x W with C = 1 or 3; got shape "
+                f"{list(array.shape)}",
+                field=field,
+                code="invalid_pixels",
+            )
+        array = np.moveaxis(array, 0, -1)
+    else:
+        raise InvalidInput(
+            f"{field}: must be H x W or C x H x W; got {array.ndim} dimension(s), shape {list(array.shape)}",
+            field=field,
+            code="invalid_pixels",
+        )
+    height, width = array.shape[:2]
+    if height < 1 or width < 1:
+        raise InvalidInput(f"{field}: the image is empty ({height}x{width})", field=field, code="empty_image")
+    if height * width > max_pixels:
+        raise InvalidInput(
+            f"{field}: {width}x{height} = {width * height} pixels is over the limit "
+            f"max_pixels_per_image={max_pixels}",
+            field=field,
+            code="too_many_pixels",
+        )
+    bad = ~np.isfinite(array) | (array < 0) | (array > 255)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        if array.shape[2] == 1:
+            index = index[:2]
+        else:
+            index = (index[2], index[0], index[1])
+        raise InvalidInput(
+            f"{field}: values must be numbers from 0 to 255; found {array[np.nonzero(bad)][0]} at "
+            f"{list(index)}",
+            field=field,
+            code="invalid_pixels",
+        )
+    return array
+
+
+def _border_mean(array: np.ndarray) -> float:
+    height, width = array.shape[:2]
+    thickness = max(1, round(min(height, width) * 0.05))
+    if 2 * thickness >= min(height, width):
+        return float(array.mean())
+    frame = np.concatenate(
+        [
+            array[:thickness].reshape(-1),
+            array[-thickness:].reshape(-1),
+            array[thickness:-thickness, :thickness].reshape(-1),
+            array[thickness:-thickness, -thickness:].reshape(-1),
+        ]
+    )
+    return float(frame.mean())
+
+
+def should_invert(array: np.ndarray, polarity: str, invert: Invert) -> bool:
+    """``auto`` inverts when the image's border says it is the opposite of what training saw."""
+    if invert == "always":
+        return True
+    if invert == "never" or polarity == "natural":
+        return False
+    border = _border_mean(array)
+    return border > 127.5 if polarity == "light-on-dark" else border < 127.5
+
+
+def _resize(array: np.ndarray, height: int, width: int) -> np.ndarray:
+    if array.shape[:2] == (height, width):
+        return array
+    channels = [
+        np.asarray(
+            Image.fromarray(np.ascontiguousarray(array[..., c])).resize(
+                (width, height), Image.Resampling.BILINEAR
+            ),
+            dtype=np.float32,
+        )
+        for c in range(array.shape[2])
+    ]
+    return np.stack(channels, axis=-1)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One image ready for the model, and how it looks in the model's frame (original polarity)."""
+
+    tensor: np.ndarray  # float32 [C, H, W], normalised
+    display: np.ndarray  # uint8 [H, W, C], fit-padded, not inverted
+    inverted: bool
+
+
+class Preprocessor:
+    """The metadata's preprocessing, as one callable per input kind."""
+
+    def __init__(self, metadata: ModelMetadata, max_pixels: int) -> None:
+        self.metadata = metadata
+        self.max_pixels = max_pixels
+        spec, pre = metadata.input, metadata.preprocessing
+        self.channels, self.height, self.width = spec.channels, spec.height, spec.width
+        self.mean = np.asarray(pre.mean, dtype=np.float32)
+        self.std = np.asarray(pre.std, dtype=np.float32)
+
+    def from_bytes(self, data: bytes, field: str, invert: Invert = "auto") -> Prepared:
+        draft = max(self.height, self.width)
+        image = decode_image(data, field, self.max_pixels, draft)
+        return self.from_array(image_to_array(image), invert)
+
+    def from_pixels(self, pixels: Any, field: str, invert: Invert = "auto") -> Prepared:
+        return self.from_array(pixels_to_array(pixels, field, self.max_pixels), invert)
+
+    def from_array(self, array: np.ndarray, invert: Invert = "auto") -> Prepared:
+        """float32 ``[h, w, 1 or 3]`` in 0-255 -> the model's input."""
+        if array.shape[2] != self.channels:
+            array = array @ _LUMA[:, None] if self.channels == 1 else np.repeat(array, 3, axis=2)
+        pre = self.metadata.preprocessing
+        inverted = should_invert(array, pre.polarity, invert)
+        h, w = array.shape[:2]
+        scale = min(self.height / h, self.width / w)
+        new_h = min(self.height, max(1, round(h * scale)))
+        new_w = min(self.width, max(1, round(w * scale)))
+        resized = np.clip(_resize(array, new_h, new_w), 0.0, 255.0)
+        top, left = (self.height - new_h) // 2, (self.width - new_w) // 2
+
+        def pad(content: np.ndarray, value: float) -> np.ndarray:
+            canvas = np.full((self.height, self.width, self.channels), value, dtype=np.float32)
+            canvas[top : top + new_h, left : left + new_w] = content
+            return canvas
+
+        pad_value = float(pre.pad_value)
+        model_view = pad(255.0 - resized if inverted else resized, pad_value)
+        display = pad(resized, 255.0 - pad_value if inverted else pad_value)
+        tensor = (model_view * np.float32(pre.scale) - self.mean) / self.std
+        return Prepared(
+            tensor=np.ascontiguousarray(tensor.transpose(2, 0, 1), dtype=np.float32),
+            display=np.rint(display).astype(np.uint8),
+            inverted=inverted,
+        )

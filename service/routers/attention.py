@@ -1,0 +1,141 @@
+"""POST /attention: what the model looked at, as numbers (JSON) or as a heatmap overlay (PNG)."""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+import numpy as np
+from fastapi import APIRouter, Depends, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from service.attention_maps import attention_map, overlay_png
+from service.errors import InvalidInput, request_id_of
+from service.inputs import MULTIPART, image_from_json, parse_json, read_multipart, require_body_type
+from service.predictions import check_top_k, prediction
+from service.routers._openapi import ERROR_RESPONSES, request_body
+from service.schemas import (
+    EXAMPLE_PNG_B64,
+    AttentionOptions,
+    AttentionRequest,
+    AttentionResponse,
+    ModelRef,
+)
+from service.security import require_api_key
+from service.state import ServiceState
+
+router = APIRouter(tags=["inference"], dependencies=[Depends(require_api_key)])
+
+_MULTIPART = {
+    "type": "object",
+    "required": ["file"],
+    "properties": {
+        "file": {"type": "string", "format": "binary", "description": "One image file."},
+        "method": {"type": "string", "enum": ["rollout", "raw"], "default": "rollout"},
+        "layer": {"type": "integer", "minimum": 0},
+        "head": {"type": "integer", "minimum": 0},
+        "format": {"type": "string", "enum": ["json", "png"], "default": "json"},
+        "top_k": {"type": "integer", "minimum": 1, "default": 5},
+        "invert": {"type": "string", "enum": ["auto", "always", "never"], "default": "auto"},
+    },
+}
+_EXAMPLES = {
+    "rollout": {"summary": "Rollout as JSON", "value": {"image": {"b64": EXAMPLE_PNG_B64}}},
+    "raw": {
+        "summary": "One head of the first layer",
+        "value": {"image": {"b64": EXAMPLE_PNG_B64}, "method": "raw", "layer": 0, "head": 0},
+    },
+    "png": {"summary": "Heatmap overlay", "value": {"image": {"b64": EXAMPLE_PNG_B64}, "format": "png"}},
+}
+
+
+@router.post(
+    "/attention",
+    response_model=AttentionResponse,
+    summary="Attention map of one image",
+    description=(
+        "JSON `{\"image\": {\"b64\": ...} or {\"pixels\": ...}, \"method\": \"rollout\", \"layer\": null, "
+        "\"head\": null, \"format\": \"json\"}` or multipart/form-data with a file part `file` and the same "
+        "options as fields. `format=png` answers `image/png`: the model's view of the image (upscaled to "
+        "at least 224 px a side) with the map overlaid in the inferno colormap; the prediction is in the "
+        "headers `X-Prediction-Label`, `X-Prediction-Index` and `X-Prediction-Score`."
+    ),
+    responses={
+        **ERROR_RESPONSES,
+        200: {"content": {"image/png": {}}, "description": "The map as JSON, or the overlay as PNG."},
+    },
+    openapi_extra=request_body("AttentionRequest", _MULTIPART, _EXAMPLES),
+)
+async def attention(request: Request) -> Response | AttentionResponse:
+    state: ServiceState = request.app.state.service
+    runtime, preprocessor, _, batcher = state.serving()
+    if require_body_type(request) == MULTIPART:
+        images, options = await read_multipart(request, "file", 1, AttentionOptions)
+        if len(images) != 1:
+            raise InvalidInput(
+                f"file: send exactly one file part named 'file' (got {len(images)})", field="file"
+            )
+        image = images[0]
+    else:
+        body = parse_json(await request.body(), AttentionRequest)
+        image, options = image_from_json(body.image, "image"), body
+    meta = runtime.metadata
+    layer = meta.depth - 1 if options.layer is None else options.layer
+    if layer >= meta.depth:
+        raise InvalidInput(
+            f"layer: {layer} is out of range; the model has {meta.depth} layers (0 to {meta.depth - 1})",
+            field="layer",
+        )
+    if options.head is not None:
+        if options.method != "raw":
+            raise InvalidInput(
+                "head: only used with method 'raw' (rollout fuses the heads by their mean)", field="head"
+            )
+        if options.head >= meta.heads:
+            raise InvalidInput(
+                f"head: {options.head} is out of range; the model has {meta.heads} heads "
+                f"(0 to {meta.heads - 1})",
+                field="head",
+            )
+    check_top_k(options.top_k, meta.labels)
+
+    def prepare():
+        if image.data is not None:
+            return preprocessor.from_bytes(image.data, image.field, options.invert)
+        return preprocessor.from_pixels(image.pixels, image.field, options.invert)
+
+    prepared = await run_in_threadpool(prepare)
+    ((logits, maps),) = await batcher.submit(prepared.tensor[np.newaxis], request_id_of(request))
+    best = prediction(logits, meta.labels, options.top_k)
+    grid = meta.grid
+    heatmap = await run_in_threadpool(
+        attention_map,
+        maps,
+        method=options.method,
+        layer=layer,
+        head=options.head,
+        pooling=meta.pooling,
+        grid=grid,
+    )
+    if options.format == "png":
+        png = await run_in_threadpool(overlay_png, prepared.display, heatmap)
+        return Response(
+            content=png,
+            media_type="image/png",
+            headers={
+                "X-Prediction-Label": quote(best.label, safe=" /-_.()"),
+                "X-Prediction-Index": str(best.index),
+                "X-Prediction-Score": f"{best.score:.6f}",
+            },
+        )
+    entry = runtime.entry
+    return AttentionResponse(
+        model=ModelRef(name=entry.name, version=entry.version),
+        prediction=best,
+        method=options.method,
+        layer=layer,
+        head=options.head,
+        pooling=meta.pooling,
+        grid=grid,
+        inverted=prepared.inverted,
+        map=heatmap.tolist(),
+    )

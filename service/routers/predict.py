@@ -1,0 +1,96 @@
+"""POST /predict: classify one or more images (JSON or multipart/form-data)."""
+
+from __future__ import annotations
+
+import numpy as np
+from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
+
+from service.errors import InvalidInput, request_id_of
+from service.inputs import MULTIPART, RawImage, image_from_json, parse_json, read_multipart, require_body_type
+from service.predictions import check_top_k, prediction
+from service.preprocessing import Invert, Preprocessor
+from service.routers._openapi import ERROR_RESPONSES, request_body
+from service.schemas import EXAMPLE_PNG_B64, ModelRef, PredictOptions, PredictRequest, PredictResponse
+from service.security import require_api_key
+from service.state import ServiceState
+
+router = APIRouter(tags=["inference"], dependencies=[Depends(require_api_key)])
+
+_MULTIPART = {
+    "type": "object",
+    "required": ["files"],
+    "properties": {
+        "files": {
+            "type": "array",
+            "items": {"type": "string", "format": "binary"},
+            "description": "One or more image files (PNG, JPEG, WebP, BMP, GIF), each a part named 'files'.",
+        },
+        "top_k": {"type": "integer", "minimum": 1, "default": 5},
+        "invert": {"type": "string", "enum": ["auto", "always", "never"], "default": "auto"},
+    },
+}
+_EXAMPLES = {
+    "b64": {"summary": "A base64 PNG", "value": {"images": [{"b64": EXAMPLE_PNG_B64}], "top_k": 3}},
+    "pixels": {"summary": "Raw pixels, H x W", "value": {"images": [{"pixels": [[0, 255], [255, 0]]}]}},
+}
+
+
+def prepare_batch(preprocessor: Preprocessor, images: list[RawImage], invert: Invert) -> np.ndarray:
+    """Decode and preprocess every image (all before any is queued): ``[n, C, H, W]`` float32."""
+    tensors = []
+    for image in images:
+        if image.data is not None:
+            prepared = preprocessor.from_bytes(image.data, image.field, invert)
+        else:
+            prepared = preprocessor.from_pixels(image.pixels, image.field, invert)
+        tensors.append(prepared.tensor)
+    return np.stack(tensors)
+
+
+@router.post(
+    "/predict",
+    response_model=PredictResponse,
+    summary="Classify images",
+    description=(
+        "JSON `{\"images\": [{\"b64\": ...} or {\"pixels\": ...}], \"top_k\": 5, \"invert\": \"auto\"}` or "
+        "multipart/form-data with file parts named `files` and optional fields `top_k`, `invert`. "
+        "One prediction per image, in order."
+    ),
+    responses=ERROR_RESPONSES,
+    openapi_extra=request_body("PredictRequest", _MULTIPART, _EXAMPLES),
+)
+async def predict(request: Request) -> PredictResponse:
+    state: ServiceState = request.app.state.service
+    runtime, preprocessor, classifier, _ = state.serving()
+    settings = state.settings
+    limit = settings.max_images_per_request
+    if require_body_type(request) == MULTIPART:
+        images, options = await read_multipart(request, "files", limit, PredictOptions)
+        if not images:
+            raise InvalidInput("files: no file part; send one or more parts named 'files'", field="files")
+    else:
+        body = parse_json(await request.body(), PredictRequest)
+        if len(body.images) > limit:
+            raise InvalidInput(
+                f"images: {len(body.images)} images; the limit is max_images_per_request={limit}",
+                field="images",
+                code="too_many_images",
+            )
+        images = [image_from_json(image, f"images[{i}]") for i, image in enumerate(body.images)]
+        options = body
+    if len(images) > limit:
+        raise InvalidInput(
+            f"files: {len(images)} files; the limit is max_images_per_request={limit}",
+            field="files",
+            code="too_many_images",
+        )
+    labels = runtime.metadata.labels
+    check_top_k(options.top_k, labels)
+    batch = await run_in_threadpool(prepare_batch, preprocessor, images, options.invert)
+    rows = await classifier.submit(batch, request_id_of(request))
+    entry = runtime.entry
+    return PredictResponse(
+        model=ModelRef(name=entry.name, version=entry.version),
+        predictions=[prediction(logits, labels, options.top_k) for (logits,) in rows],
+    )

@@ -1,0 +1,249 @@
+"""Request and response models of the HTTP API, with the examples shown in the OpenAPI docs."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Invert = Literal["auto", "always", "never"]
+
+# A 1x1 black PNG, used in the examples.
+EXAMPLE_PNG_B64 = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAAAAAA6fptVAAAACklEQVR4nGNgAAAAAgABSK+kcQAAAABJRU5ErkJggg=="
+)
+
+_INVERT_DESCRIPTION = (
+    "Polarity: the shipped model saw light objects on a dark background. 'auto' inverts an image whose "
+    "border is the opposite (e.g. a dark garment photographed on white); 'always' and 'never' override."
+)
+
+
+class ImageInput(BaseModel):
+    """One image: either an encoded file (base64) or raw pixel values. Give exactly one of the two."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"b64": EXAMPLE_PNG_B64}, {"pixels": [[0, 128], [255, 64]]}]},
+    )
+
+    b64: str | None = Field(
+        default=None,
+        description="Base64 of a PNG, JPEG, WebP, BMP or GIF file (a data: URL prefix is accepted).",
+    )
+    pixels: list[Any] | None = Field(
+        default=None,
+        description=(
+            "Nested list H x W (grayscale) or C x H x W (C = 1 or 3) of numbers from 0 to 255."
+        ),
+        json_schema_extra={"items": {"type": "array", "items": {}}},
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ImageInput:
+        if (self.b64 is None) == (self.pixels is None):
+            raise ValueError("give exactly one of 'b64' or 'pixels'")
+        return self
+
+
+class PredictOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    top_k: int = Field(default=5, ge=1, description="How many of the best classes to list per image.")
+    invert: Invert = Field(default="auto", description=_INVERT_DESCRIPTION)
+
+
+class PredictRequest(PredictOptions):
+    """JSON body of POST /predict."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {"images": [{"b64": EXAMPLE_PNG_B64}], "top_k": 3},
+                {"images": [{"pixels": [[0] * 4] * 4}, {"b64": EXAMPLE_PNG_B64}], "invert": "never"},
+            ]
+        },
+    )
+
+    images: list[ImageInput] = Field(
+        min_length=1, description="The images to classify, answered in the same order."
+    )
+
+
+class AttentionOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["rollout", "raw"] = Field(
+        default="rollout",
+        description=(
+            "'rollout': attention rolled out from the first layer up to 'layer' (head mean, identity "
+            "added for the residual path, rows renormalised); 'raw': the attention of 'layer' alone."
+        ),
+    )
+    layer: int | None = Field(
+        default=None, ge=0, description="Layer, from 0; the last layer when omitted."
+    )
+    head: int | None = Field(
+        default=None,
+        ge=0,
+        description="Head, from 0, for method 'raw' only; the mean over the heads when omitted.",
+    )
+    format: Literal["json", "png"] = Field(
+        default="json",
+        description="'json': the map as numbers; 'png': the image with the map overlaid as a heatmap.",
+    )
+    top_k: int = Field(default=5, ge=1, description="How many of the best classes to list.")
+    invert: Invert = Field(default="auto", description=_INVERT_DESCRIPTION)
+
+
+class AttentionRequest(AttentionOptions):
+    """JSON body of POST /attention."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {"image": {"b64": EXAMPLE_PNG_B64}},
+                {"image": {"b64": EXAMPLE_PNG_B64}, "method": "raw", "layer": 0, "head": 1},
+                {"image": {"b64": EXAMPLE_PNG_B64}, "format": "png"},
+            ]
+        },
+    )
+
+    image: ImageInput
+
+
+class ClassScore(BaseModel):
+    label: str = Field(examples=["Trouser"])
+    index: int = Field(examples=[1])
+    score: float = Field(description="Softmax probability.", examples=[0.98])
+
+
+class Prediction(ClassScore):
+    top_k: list[ClassScore] = Field(description="The best classes, best first.")
+
+
+class ModelRef(BaseModel):
+    name: str = Field(examples=["fashion-mnist-vit"])
+    version: int = Field(examples=[1])
+
+
+_PREDICTION_EXAMPLE = {
+    "label": "Trouser",
+    "index": 1,
+    "score": 0.98,
+    "top_k": [
+        {"label": "Trouser", "index": 1, "score": 0.98},
+        {"label": "Dress", "index": 3, "score": 0.01},
+    ],
+}
+
+
+class PredictResponse(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"model": {"name": "fashion-mnist-vit", "version": 1}, "predictions": [_PREDICTION_EXAMPLE]}
+            ]
+        }
+    )
+
+    model: ModelRef
+    predictions: list[Prediction] = Field(description="One entry per input image, in order.")
+
+
+class AttentionResponse(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": {"name": "fashion-mnist-vit", "version": 1},
+                    "prediction": _PREDICTION_EXAMPLE,
+                    "method": "rollout",
+                    "layer": 5,
+                    "head": None,
+                    "pooling": "mean",
+                    "grid": [2, 2],
+                    "inverted": False,
+                    "map": [[0.0, 0.4], [1.0, 0.7]],
+                }
+            ]
+        }
+    )
+
+    model: ModelRef
+    prediction: Prediction
+    method: Literal["rollout", "raw"]
+    layer: int = Field(description="The layer the map is read at (rollout: the last layer rolled out).")
+    head: int | None = Field(description="The head, or null for the mean over heads.")
+    pooling: Literal["token", "mean"] = Field(
+        description="What the classifier pools: the class token's row, or the mean over token rows."
+    )
+    grid: tuple[int, int] = Field(description="Patch grid, rows x columns: the shape of 'map'.")
+    inverted: bool = Field(description="Whether the image was inverted to the model's polarity.")
+    map: list[list[float]] = Field(
+        description="Attention per patch, min-max scaled to [0, 1] (a constant map is all zeros)."
+    )
+
+
+class InputInfo(BaseModel):
+    name: str
+    layout: str
+    dtype: str
+    channels: int
+    height: int
+    width: int
+
+
+class BatchingInfo(BaseModel):
+    max_batch_size: int
+    attention_max_batch_size: int
+    max_queue_delay_ms: float
+    max_queue_size: int
+    request_timeout_s: float
+
+
+class LimitsInfo(BaseModel):
+    max_body_bytes: int
+    max_images_per_request: int
+    max_pixels_per_image: int
+    accepted_formats: list[str]
+
+
+class ModelInfo(BaseModel):
+    name: str = Field(examples=["fashion-mnist-vit"])
+    version: int = Field(examples=[1])
+    labels: list[str]
+    input: InputInfo
+    preprocessing: dict[str, Any]
+    grid: tuple[int, int]
+    pooling: str
+    depth: int
+    heads: int
+    dataset: str | None
+    test_accuracy: float | None
+    provider: str = Field(description="The onnxruntime execution provider in use.", examples=["CPUExecutionProvider"])
+    batching: BatchingInfo
+    limits: LimitsInfo
+
+
+class ModelsResponse(BaseModel):
+    models: list[ModelInfo]
+
+
+class Health(BaseModel):
+    status: Literal["live", "ready", "starting", "shutting_down"]
+    ready: bool
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(examples=["invalid_input"])
+    message: str = Field(examples=["images[0].b64: not valid base64"])
+    field: str | None = Field(default=None, examples=["images[0].b64"])
+    request_id: str | None = Field(default=None, examples=["3f2c9a6e0b7d4c1e"])
+    details: list[dict[str, Any]] | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,34 @@
+"""Optional API key: ``Authorization: Bearer <key>`` when ``VITSERVE_API_KEY`` is set.
+
+Applied to /predict, /attention and /models; liveness, readiness and metrics stay open. The key is
+compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from service.errors import Unauthorized
+
+# Declares the scheme in the OpenAPI document; the header is parsed below to give precise messages.
+bearer_scheme = HTTPBearer(auto_error=False, description="The API key, when the service has one.")
+
+
+async def require_api_key(
+    request: Request, _credentials: HTTPAuthorizationCredentials | None = Depends(bearer_scheme)
+) -> None:
+    api_key = request.app.state.settings.api_key
+    if api_key is None:
+        return
+    header = request.headers.get("authorization")
+    if not header:
+        raise Unauthorized("this service needs an API key: send the header 'Authorization: Bearer <API key>'")
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("the Authorization header must be 'Bearer <API key>'")
+    if not hmac.compare_digest(token.encode("utf-8"), api_key.get_secret_value().encode("utf-8")):
+        raise Unauthorized("the API key in the Authorization header is not valid")

@@ -1,0 +1,169 @@
+"""Service settings: every knob is an environment variable with the prefix ``VITSERVE_``.
+
+The README's settings table is built from the field descriptions below, so they are the documentation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Configuration of the vitserve inference service (environment variables ``VITSERVE_*``)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="VITSERVE_",
+        extra="ignore",
+        protected_namespaces=(),
+        validate_default=True,
+    )
+
+    # The model.
+    model_repository: Path = Field(
+        default=Path("models"),
+        description="Directory of the model repository (layout of docs/model-repository.md).",
+    )
+    model_name: str = Field(
+        default="fashion-mnist-vit",
+        min_length=1,
+        description="Name of the model to serve: a directory inside the model repository.",
+    )
+    model_version: int | None = Field(
+        default=None,
+        ge=1,
+        description="Version to serve (a numbered directory); unset serves the highest version.",
+    )
+
+    # Dynamic batching and queueing.
+    max_batch_size: int = Field(
+        default=32,
+        ge=1,
+        le=1024,
+        description="Most images run through the model in one batch; warm-up covers every size up to it.",
+    )
+    max_queue_delay_ms: float = Field(
+        default=2.0,
+        ge=0.0,
+        le=10_000.0,
+        description=(
+            "Longest time the oldest queued image waits for a batch to fill before the batch runs anyway "
+            "(milliseconds)."
+        ),
+    )
+    max_queue_size: int = Field(
+        default=512,
+        ge=1,
+        description=(
+            "Most images waiting in the queue of a graph; a request that does not fit is answered 503 "
+            "with Retry-After at once."
+        ),
+    )
+    request_timeout_s: float = Field(
+        default=30.0,
+        gt=0.0,
+        description="A request not answered within this many seconds of entering the queue gets 503.",
+    )
+    retry_after_s: int = Field(
+        default=1,
+        ge=0,
+        description="Value of the Retry-After header sent with 503 answers (seconds).",
+    )
+    attention_max_batch_size: int = Field(
+        default=8,
+        ge=1,
+        le=1024,
+        description="Most images in one batch of the attention graph (its outputs are much larger).",
+    )
+
+    # onnxruntime.
+    provider: Literal["auto", "cuda", "cpu"] = Field(
+        default="auto",
+        description=(
+            "Execution provider: 'auto' uses CUDA when onnxruntime has it and falls back to the CPU; "
+            "'cuda' fails start-up without it; 'cpu' never uses a GPU."
+        ),
+    )
+    cuda_device_id: int = Field(default=0, ge=0, description="CUDA device the model runs on.")
+    cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = Field(
+        default="HEURISTIC",
+        description="CUDA provider option cudnn_conv_algo_search (HEURISTIC keeps warm-up short).",
+    )
+    cuda_mem_limit_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="CUDA provider option gpu_mem_limit: most bytes of GPU memory its arena may use.",
+    )
+    intra_op_threads: int = Field(
+        default=0,
+        ge=0,
+        description="onnxruntime intra-op threads per session (0 lets onnxruntime choose).",
+    )
+    inter_op_threads: int = Field(
+        default=0,
+        ge=0,
+        description="onnxruntime inter-op threads per session (0 lets onnxruntime choose).",
+    )
+
+    # Limits on what a request may carry.
+    max_body_bytes: int = Field(
+        default=16 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body in bytes; a larger one is answered 413 before it is read.",
+    )
+    max_images_per_request: int = Field(
+        default=64,
+        ge=1,
+        description="Most images in one /predict request.",
+    )
+    max_pixels_per_image: int = Field(
+        default=4096 * 4096,
+        ge=1,
+        le=2 * 89_478_485,
+        description=(
+            "Most pixels (width x height) an image may have; checked from its header before decoding "
+            "(at most Pillow's own decompression-bomb limit, 178956970)."
+        ),
+    )
+
+    # Access, logging, network.
+    api_key: SecretStr | None = Field(
+        default=None,
+        description=(
+            "When set, /predict, /attention and /models need 'Authorization: Bearer <key>'; "
+            "health and metrics stay open."
+        ),
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        default="info",
+        description="Log level of the service and of uvicorn.",
+    )
+    host: str = Field(default="127.0.0.1", description="Address `python -m service` listens on.")
+    port: int = Field(
+        default=8000,
+        ge=1,
+        le=65535,
+        validation_alias=AliasChoices("VITSERVE_PORT", "PORT", "port"),
+        description="Port `python -m service` listens on (VITSERVE_PORT, or PORT as platforms set it).",
+    )
+    graceful_shutdown_s: float = Field(
+        default=60.0,
+        gt=0.0,
+        description="Longest wait for queued and running requests on SIGTERM before they are cancelled.",
+    )
+
+    @model_validator(mode="after")
+    def _queue_holds_a_request(self) -> Settings:
+        if self.max_queue_size < self.max_images_per_request:
+            raise ValueError(
+                f"max_queue_size ({self.max_queue_size}) must be at least max_images_per_request "
+                f"({self.max_images_per_request}), or a full-sized request could never be queued"
+            )
+        return self
+
+    @property
+    def max_queue_delay_s(self) -> float:
+        return self.max_queue_delay_ms / 1000.0

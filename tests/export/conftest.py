@@ -1,0 +1,67 @@
+"""Shared fixtures: a tiny preset, and one short training run on real Fashion-MNIST images."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from export import train
+from export.config import PRESETS, ViTConfig
+
+REPO = Path(__file__).resolve().parents[2]
+FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+# 4x4 patches of 7 px: a forward pass costs next to nothing, and it still learns Fashion-MNIST.
+TINY = ViTConfig(patch_size=7, dim=32, depth=2, heads=2, mlp_dim=64, pooling="token")
+TINY_PRESET = "test-tiny"
+
+# Another process may be training on this machine's cores: stay on one thread.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> ViTConfig:
+    return TINY
+
+
+@pytest.fixture(scope="session")
+def tiny_preset():
+    """Registers the ``test-tiny`` preset for the whole session (train.main reads PRESETS)."""
+    PRESETS[TINY_PRESET] = TINY
+    yield TINY_PRESET
+    PRESETS.pop(TINY_PRESET, None)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, tiny_preset) -> Path:
+    """A finished run: 2,000 real training images, 6 epochs, best weights in model.safetensors."""
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    code = train.main(
+        [
+            "--preset", tiny_preset, "--dataset", "fashion-mnist", "--out", str(out),
+            "--epochs", "6", "--batch-size", "50", "--lr", "3e-3", "--warmup-epochs", "1",
+            "--train-limit", "2000", "--validation-size", "1000", "--seed", "0", "--no-augment",
+            "--no-report",
+        ]
+    )
+    assert code == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def run_module():
+    """``run_module("export.evaluate", *args)``: ``python -m`` from the repository root, as a user."""
+
+    def run(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        return subprocess.run(
+            [sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True,
+            text=True, timeout=timeout,
+        )
+
+    return run

@@ -1,0 +1,230 @@
+"""The ViT: shapes stage by stage, patch embedding, position tables, attention, pooling, inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from export.config import PRESETS, ViTConfig, get_preset
+from export.model import PatchEmbedding, VisionTransformer, WithAttention, sinusoidal_table
+from export.summary import format_summary, module_rows, trace_shapes
+
+
+def small(**changes) -> ViTConfig:
+    values = {"image_height": 16, "image_width": 16, "patch_size": 4, "dim": 32, "depth": 2,
+              "heads": 4, "mlp_dim": 64, **changes}
+    return ViTConfig(**values)
+
+
+def with_random_head(model: VisionTransformer) -> VisionTransformer:
+    """The head is zero-initialised (all logits 0): give it weights so outputs can differ."""
+    nn.init.normal_(model.head.weight, std=0.5)
+    nn.init.normal_(model.head.bias, std=0.5)
+    return model
+
+
+# -- the seeds' shape table (vit-hands-on), for every block of every preset --------------------
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_seed_shape_table(name):
+    config = get_preset(name)
+    batch = 1 if name == "vit-b16" else 3
+    torch.manual_seed(0)
+    model = VisionTransformer(config)
+    images = torch.randn(batch, config.in_channels, config.image_height, config.image_width)
+    stages = trace_shapes(model, images)
+    shapes = dict(stages)
+    assert len(shapes) == len(stages), "stage names must be unique"
+    nseq, tokens, d, nh = config.num_patches, config.num_tokens, config.dim, config.heads
+    assert nseq == (config.image_height // config.patch_size) * (config.image_width // config.patch_size)
+
+    # linearProjection: (B, nc, h, w) -> (B, Nseq, d_model)
+    assert shapes["input"] == (batch, config.in_channels, config.image_height, config.image_width)
+    assert shapes["patch embedding"] == (batch, nseq, d)
+    assert ("+ class token" in shapes) == (config.pooling == "token")
+    for layer in range(config.depth):
+        # attentionBlock: (B, Nseq, d_model) -> (B, Nseq, d_model // nh), one per head
+        assert shapes[f"block {layer} per-head output"] == (batch, nh, tokens, d // nh)
+        assert shapes[f"block {layer} attention probabilities"] == (batch, nh, tokens, tokens)
+        # multiHeadAttentionBlock and encoderBlock: (B, Nseq, d_model) -> (B, Nseq, d_model)
+        assert shapes[f"block {layer} multi-head attention (projected)"] == (batch, tokens, d)
+        assert shapes[f"block {layer} mlp hidden"] == (batch, tokens, config.mlp_dim)
+        assert shapes[f"block {layer} output"] == (batch, tokens, d)
+    assert shapes[f"pooled ({config.pooling})"] == (batch, d)
+    if config.representation_size is not None:
+        assert shapes["pre-logits (Linear + Tanh)"] == (batch, config.representation_size)
+    # vit: (B, nc, h, w) -> (B, num_classes)
+    assert shapes["logits"] == (batch, config.num_classes)
+    assert shapes["attention maps (batch, layers, heads, tokens, tokens)"] == (
+        batch, config.depth, nh, tokens, tokens,
+    )
+
+
+def test_summary_lists_every_parameter_once():
+    model = VisionTransformer(get_preset("mnist-tiny"))
+    rows = module_rows(model, max_depth=1)
+    assert sum(row.parameters for row in rows if row.depth == 1) == model.num_parameters()
+    text = format_summary(model, batch=2)
+    assert "total parameters: 115,498" in text
+    assert "block 1 attention probabilities" in text and "(2, 2, 2, 197, 197)" in text
+
+
+def test_summary_shows_a_fixed_position_table_as_a_buffer():
+    rows = module_rows(VisionTransformer(small(position_embedding="sinusoidal")))
+    (row,) = [row for row in rows if row.name == "position_embedding"]
+    assert row.parameters == 0 and "buffer" in row.kind
+
+
+# -- patch embedding -----------------------------------------------------------------------
+def test_conv_patch_embedding_equals_manual_patchify_and_linear():
+    config = small(image_height=12, image_width=20, in_channels=3, dim=16)
+    embedding = PatchEmbedding(config)
+    images = torch.randn(2, 3, 12, 20)
+    p, rows, cols = 4, 3, 5
+    # (B, C, rows, p, cols, p) -> (B, rows * cols, C * p * p): patches row-major, pixels (c, y, x).
+    patches = images.reshape(2, 3, rows, p, cols, p).permute(0, 2, 4, 1, 3, 5).reshape(2, 15, 48)
+    weight = embedding.projection.weight.reshape(16, 48)
+    manual = patches @ weight.T + embedding.projection.bias
+    torch.testing.assert_close(embedding(images), manual, atol=1e-5, rtol=1e-5)
+
+
+# -- position embeddings -------------------------------------------------------------------
+def test_sinusoidal_table_matches_its_formula():
+    dim = 16
+    table = sinusoidal_table(50, dim)
+    assert table.shape == (50, dim) and table.dtype == torch.float32
+    for position in (0, 1, 7, 49):
+        for i in range(dim // 2):
+            angle = position / 10000 ** (2 * i / dim)
+            assert table[position, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert table[position, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+def test_sinusoidal_positions_are_fixed_and_not_saved():
+    config = small(position_embedding="sinusoidal", pooling="token")
+    model = VisionTransformer(config)
+    assert "position_embedding" not in dict(model.named_parameters())
+    assert "position_embedding" not in model.state_dict()
+    assert not model.position_embedding.requires_grad
+    torch.testing.assert_close(
+        model.position_embedding[0], sinusoidal_table(config.num_tokens, config.dim)
+    )
+    learned = VisionTransformer(small())
+    assert "position_embedding" in dict(learned.named_parameters())
+    assert "position_embedding" in learned.state_dict()
+
+
+# -- attention ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("pooling", ["token", "mean"])
+@pytest.mark.parametrize("training", [False, True])
+def test_fused_and_explicit_attention_agree(pooling, training, monkeypatch):
+    torch.manual_seed(0)
+    model = with_random_head(VisionTransformer(small(pooling=pooling))).train(training)
+    images = torch.randn(4, 1, 16, 16)
+    calls = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch.nn.functional, "scaled_dot_product_attention",
+        lambda *a, **k: calls.append(1) or real_sdpa(*a, **k),
+    )
+    fused = model(images)
+    assert len(calls) == model.config.depth, "the default forward must use the fused kernel"
+    model.set_fused_attention(False)
+    explicit = model(images)
+    assert len(calls) == model.config.depth, "the explicit path must not call the fused kernel"
+    model.set_fused_attention(True)
+    with_maps, _ = model.forward_with_attention(images)
+    assert fused.abs().max() > 0.1
+    torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused, with_maps, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_rows_are_probabilities():
+    config = small(pooling="token")
+    model = VisionTransformer(config).eval()
+    _, maps = model.forward_with_attention(torch.randn(3, 1, 16, 16))
+    assert maps.shape == (3, config.depth, config.heads, config.num_tokens, config.num_tokens)
+    assert (maps >= 0).all()
+    torch.testing.assert_close(maps.sum(-1), torch.ones(maps.shape[:-1]), atol=1e-5, rtol=0)
+    logits, maps2 = WithAttention(model)(torch.randn(3, 1, 16, 16))
+    assert logits.shape == (3, 10) and maps2.shape == maps.shape
+
+
+def test_get_attention_output_selects_layer_and_head_and_validates():
+    torch.manual_seed(0)
+    model = VisionTransformer(small(depth=3, heads=2)).eval()
+    images = torch.randn(2, 1, 16, 16)
+    _, maps = model.forward_with_attention(images)
+    for layer in range(3):
+        for head in range(2):
+            torch.testing.assert_close(model.get_attention_output(images, layer, head), maps[:, layer, head])
+    assert not torch.allclose(maps[:, 0, 0], maps[:, 2, 1])
+    with pytest.raises(ValueError, match=r"layer must be in \[0, 3\), got 3"):
+        model.get_attention_output(images, 3, 0)
+    with pytest.raises(ValueError, match=r"layer must be in \[0, 3\), got -1"):
+        model.get_attention_output(images, -1, 0)
+    with pytest.raises(ValueError, match=r"head must be in \[0, 2\), got 2"):
+        model.get_attention_output(images, 0, 2)
+
+
+# -- pooling -----------------------------------------------------------------------------------
+def test_token_pooling_reads_only_the_class_token():
+    model = VisionTransformer(small(pooling="token", representation_size=8)).eval()
+    assert model.class_token is not None and model.config.num_tokens == 17
+    features = torch.randn(2, 17, 32)
+    others_changed = features.clone()
+    others_changed[:, 1:] += 1.0
+    token_changed = features.clone()
+    token_changed[:, 0] += 1.0
+    pooled = model.forward_head(features, pre_logits=True)
+    assert pooled.shape == (2, 8)
+    torch.testing.assert_close(model.forward_head(others_changed, pre_logits=True), pooled)
+    assert not torch.allclose(model.forward_head(token_changed, pre_logits=True), pooled)
+
+
+def test_mean_pooling_reads_every_token():
+    model = VisionTransformer(small(pooling="mean", representation_size=8)).eval()
+    assert model.class_token is None and model.config.num_tokens == 16
+    features = torch.randn(2, 16, 32)
+    changed = features.clone()
+    changed[:, 5] += 1.0
+    pooled = model.forward_head(features, pre_logits=True)
+    torch.testing.assert_close(pooled, model.pre_logits(features.mean(dim=1)))
+    assert not torch.allclose(model.forward_head(changed, pre_logits=True), pooled)
+
+
+def test_without_representation_size_the_head_sees_the_pooled_features():
+    model = VisionTransformer(small(pooling="mean")).eval()
+    features = torch.randn(2, 16, 32)
+    torch.testing.assert_close(model.forward_head(features, pre_logits=True), features.mean(dim=1))
+
+
+# -- inputs ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("channels", [1, 3])
+def test_one_and_three_channels(channels):
+    model = VisionTransformer(small(in_channels=channels)).eval()
+    assert model.patch_embedding.projection.in_channels == channels
+    assert model(torch.randn(2, channels, 16, 16)).shape == (2, 10)
+    other = 4 - channels
+    with pytest.raises(ValueError, match=rf"expected images of shape \(batch, {channels}, 16, 16\)"):
+        model(torch.randn(2, other, 16, 16))
+
+
+def test_non_square_images():
+    config = ViTConfig(image_height=28, image_width=56, patch_size=4, dim=32, depth=2, heads=2,
+                       mlp_dim=64, pooling="token")
+    assert config.grid == (7, 14) and config.num_patches == 98 and config.num_tokens == 99
+    model = VisionTransformer(config).eval()
+    logits, maps = model.forward_with_attention(torch.randn(2, 1, 28, 56))
+    assert logits.shape == (2, 10) and maps.shape == (2, 2, 2, 99, 99)
+    with pytest.raises(ValueError, match=r"got \(2, 1, 56, 28\)"):
+        model(torch.randn(2, 1, 56, 28))
+
+
+def test_a_patch_that_does_not_divide_a_side_is_refused():
+    with pytest.raises(ValueError, match="patch_size 5 does not divide image_height 28"):
+        ViTConfig(patch_size=5)
+    with pytest.raises(ValueError, match="patch_size 8 does not divide image_width 28"):
+        ViTConfig(image_height=32, image_width=28, patch_size=8)
