@@ -60,7 +60,9 @@ def read_metadata(path: Path) -> dict[str, str]:
         ) from error
     for key in ("config", "dataset", "labels"):
         if key not in metadata:
-            raise CheckpointError(f"{path}: safetensors metadata lacks {key!r}; not a vitserve checkpoint")
+            raise CheckpointError(
+                f"{path}: safetensors metadata lacks {key!r}; not a vitserve checkpoint"
+            )
     return metadata
 
 

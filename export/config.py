@@ -32,8 +32,15 @@ class ViTConfig:
 
     def __post_init__(self) -> None:
         for name in (
-            "image_height", "image_width", "in_channels", "patch_size", "num_classes",
-            "dim", "depth", "heads", "mlp_dim",
+            "image_height",
+            "image_width",
+            "in_channels",
+            "patch_size",
+            "num_classes",
+            "dim",
+            "depth",
+            "heads",
+            "mlp_dim",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -113,7 +113,9 @@ def get_dataset_spec(name: str) -> DatasetSpec:
     try:
         return DATASETS[name]
     except KeyError:
-        raise ValueError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}") from None
+        raise ValueError(
+            f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,9 @@ def _read_maybe_gzipped(directory: Path, stem: str, spec: DatasetSpec) -> bytes:
                     return gzip.decompress(candidate.read_bytes())
                 return candidate.read_bytes()
             except (OSError, EOFError, gzip.BadGzipFile) as error:
-                raise DatasetError(f"{candidate}: cannot read ({error}); {spec.how_to_get}") from error
+                raise DatasetError(
+                    f"{candidate}: cannot read ({error}); {spec.how_to_get}"
+                ) from error
     raise DatasetError(
         f"{spec.name}: neither {directory / stem}.gz nor {directory / stem} exists; {spec.how_to_get}"
     )
@@ -164,8 +168,12 @@ def parse_idx(data: bytes, source: str = "<bytes>") -> np.ndarray:
 
 def load_idx_split(directory: Path, prefix: str, spec: DatasetSpec) -> Split:
     image_stem, label_stem = f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte"
-    images = parse_idx(_read_maybe_gzipped(directory, image_stem, spec), str(directory / image_stem))
-    labels = parse_idx(_read_maybe_gzipped(directory, label_stem, spec), str(directory / label_stem))
+    images = parse_idx(
+        _read_maybe_gzipped(directory, image_stem, spec), str(directory / image_stem)
+    )
+    labels = parse_idx(
+        _read_maybe_gzipped(directory, label_stem, spec), str(directory / label_stem)
+    )
     if images.ndim != 3 or images.shape[1:] != (spec.height, spec.width):
         raise DatasetError(
             f"{directory / image_stem}: expected images of {spec.height}x{spec.width}, "
@@ -185,12 +193,14 @@ def load_idx_split(directory: Path, prefix: str, spec: DatasetSpec) -> Split:
 class _CifarUnpickler(pickle.Unpickler):
     """CIFAR-10 batches are pickles of plain dicts; refuse anything that would run code."""
 
-    ALLOWED = {
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-    }
+    ALLOWED = frozenset(
+        {
+            ("numpy", "ndarray"),
+            ("numpy", "dtype"),
+            ("numpy.core.multiarray", "_reconstruct"),
+            ("numpy._core.multiarray", "_reconstruct"),
+        }
+    )
 
     def find_class(self, module: str, name: str):
         if (module, name) in self.ALLOWED:
@@ -211,9 +221,7 @@ def load_cifar_batch(path: Path, spec: DatasetSpec) -> Split:
         ) from error
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(labels) != len(data):
         raise DatasetError(f"{path}: expected (N, 3072) data and N labels, got {data.shape}")
-    return Split(
-        torch.from_numpy(data.reshape(-1, 3, 32, 32).copy()), torch.from_numpy(labels)
-    )
+    return Split(torch.from_numpy(data.reshape(-1, 3, 32, 32).copy()), torch.from_numpy(labels))
 
 
 def load_dataset(name: str, data_dir: str | Path | None = None) -> tuple[Split, Split]:
@@ -224,9 +232,7 @@ def load_dataset(name: str, data_dir: str | Path | None = None) -> tuple[Split, 
         raise DatasetError(f"{spec.name}: directory {directory} does not exist; {spec.how_to_get}")
     if name == "cifar10":
         parts = [load_cifar_batch(directory / f"data_batch_{i}", spec) for i in range(1, 6)]
-        train = Split(
-            torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts])
-        )
+        train = Split(torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts]))
         return train, load_cifar_batch(directory / "test_batch", spec)
     return load_idx_split(directory, "train", spec), load_idx_split(directory, "t10k", spec)
 

@@ -62,17 +62,21 @@ def classification_metrics(
         np.diag(confusion), support, out=np.zeros(classes, dtype=np.float64), where=support > 0
     )
     return {
-        "images": int(len(labels)),
+        "images": len(labels),
         "correct": correct,
         "accuracy": correct / len(labels),
         "loss": loss,
         "labels": list(class_names),
-        "per_class_accuracy": {name: float(v) for name, v in zip(class_names, per_class)},
+        "per_class_accuracy": {
+            name: float(v) for name, v in zip(class_names, per_class, strict=True)
+        },
         "confusion_matrix": confusion.tolist(),
     }
 
 
-def _check_fits(spec: DatasetSpec, channels: int, height: int, width: int, classes: int, source: Path) -> None:
+def _check_fits(
+    spec: DatasetSpec, channels: int, height: int, width: int, classes: int, source: Path
+) -> None:
     expected = (spec.channels, spec.height, spec.width, len(spec.labels))
     if (channels, height, width, classes) != expected:
         raise EvaluationError(
@@ -90,7 +94,10 @@ def _test_split(spec: DatasetSpec, data_dir: str | Path | None) -> Split:
 # -- checkpoints -----------------------------------------------------------------------------------
 @torch.inference_mode()
 def checkpoint_logits(
-    model: torch.nn.Module, split: Split, spec: DatasetSpec, batch_size: int = 256,
+    model: torch.nn.Module,
+    split: Split,
+    spec: DatasetSpec,
+    batch_size: int = 256,
     device: torch.device | None = None,
 ) -> np.ndarray:
     """float32 logits of a model on a split, in float32 (no autocast: the numbers ONNX must match)."""
@@ -204,14 +211,23 @@ def evaluate_onnx(
     _check_fits(
         spec, shape["channels"], shape["height"], shape["width"], len(metadata["labels"]), path
     )
+    polarity = metadata["preprocessing"].get("polarity", spec.polarity)
+    if polarity != spec.polarity:
+        raise EvaluationError(
+            f"{path}: the model expects {polarity} images, {spec.name} holds {spec.polarity} ones"
+        )
     inputs = {i.name: i for i in session.get_inputs()}
     input_name = shape.get("name", next(iter(inputs)))
     if input_name not in inputs:
-        raise EvaluationError(f"{path}: the metadata names input {input_name!r}, the graph has {list(inputs)}")
+        raise EvaluationError(
+            f"{path}: the metadata names input {input_name!r}, the graph has {list(inputs)}"
+        )
     outputs = [o.name for o in session.get_outputs()]
     logits_name = metadata.get("outputs", {}).get("logits", outputs[0])
     if logits_name not in outputs:
-        raise EvaluationError(f"{path}: the metadata names output {logits_name!r}, the graph has {outputs}")
+        raise EvaluationError(
+            f"{path}: the metadata names output {logits_name!r}, the graph has {outputs}"
+        )
     fixed_batch = inputs[input_name].shape[0]
     pad = isinstance(fixed_batch, int) and fixed_batch > 0
     if pad:
@@ -225,9 +241,13 @@ def evaluate_onnx(
         batch = preprocess(images[start : start + batch_size], metadata["preprocessing"])
         count = len(batch)
         if pad and count < batch_size:
-            batch = np.concatenate([batch, np.zeros((batch_size - count, *batch.shape[1:]), np.float32)])
+            batch = np.concatenate(
+                [batch, np.zeros((batch_size - count, *batch.shape[1:]), np.float32)]
+            )
         logits.append(session.run([logits_name], {input_name: batch})[0][:count])
-    results = classification_metrics(np.concatenate(logits), test.labels.numpy(), metadata["labels"])
+    results = classification_metrics(
+        np.concatenate(logits), test.labels.numpy(), metadata["labels"]
+    )
     return {
         "source": str(path),
         "format": "onnx",
@@ -235,6 +255,7 @@ def evaluate_onnx(
         "dataset": spec.name,
         "split": "test",
         "seconds": round(time.perf_counter() - started, 3),
+        "metadata_test_accuracy": metadata.get("test_accuracy"),
         **results,
     }
 
@@ -249,7 +270,11 @@ def resolve_source(source: str | Path) -> tuple[str, Path]:
         if (source / "model.onnx").is_file():
             return "onnx", source / "model.onnx"
         versions = sorted(
-            (int(p.name) for p in source.iterdir() if p.name.isdigit() and (p / "model.onnx").is_file()),
+            (
+                int(p.name)
+                for p in source.iterdir()
+                if p.name.isdigit() and (p / "model.onnx").is_file()
+            ),
         )
         if versions:
             return "onnx", source / str(versions[-1]) / "model.onnx"
@@ -277,11 +302,19 @@ def format_results(results: dict) -> str:
         f"{results['dataset']} {results['split']} split, {results['images']} images: "
         f"accuracy {100 * results['accuracy']:.2f}% ({results['correct']}/{results['images']}), "
         f"loss {results['loss']:.4f}",
+    ]
+    if results.get("metadata_test_accuracy") is not None:
+        lines.append(
+            f"the model's metadata claims test accuracy {100 * results['metadata_test_accuracy']:.2f}%"
+        )
+    lines += [
         "",
         "confusion matrix (rows: true class, columns: predicted class)",
-        " " * (name_width + 4) + "".join(f"{i:>{width}}" for i in range(len(labels))) + "  accuracy",
+        " " * (name_width + 4)
+        + "".join(f"{i:>{width}}" for i in range(len(labels)))
+        + "  accuracy",
     ]
-    for index, (label, row) in enumerate(zip(labels, confusion)):
+    for index, (label, row) in enumerate(zip(labels, confusion, strict=True)):
         accuracy = results["per_class_accuracy"][label]
         lines.append(
             f"{index:>2} {label[:name_width]:<{name_width}} "
@@ -293,23 +326,34 @@ def format_results(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m export.evaluate", description=__doc__,
+        prog="python -m export.evaluate",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("source", help="checkpoint (.safetensors or run directory) or ONNX model")
-    parser.add_argument("--dataset", choices=sorted(DATASETS), default=None,
-                        help="dataset to evaluate on (default: the one the model names)")
+    parser.add_argument(
+        "--dataset",
+        choices=sorted(DATASETS),
+        default=None,
+        help="dataset to evaluate on (default: the one the model names)",
+    )
     parser.add_argument("--data-dir", default=None, help="directory of the dataset's files")
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch and onnxruntime)")
-    parser.add_argument("--json", type=Path, default=None, dest="json_out", help="also write the results here")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU threads (torch and onnxruntime)"
+    )
+    parser.add_argument(
+        "--json", type=Path, default=None, dest="json_out", help="also write the results here"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         kind, path = resolve_source(args.source)
         if kind == "onnx":
-            results = evaluate_onnx(path, args.dataset, args.data_dir, args.batch_size, args.threads)
+            results = evaluate_onnx(
+                path, args.dataset, args.data_dir, args.batch_size, args.threads
+            )
         else:
             results = evaluate_checkpoint(path, args.dataset, args.data_dir, args.batch_size)
     except (EvaluationError, CheckpointError, DatasetError, ValueError) as error:

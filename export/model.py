@@ -63,7 +63,9 @@ class Attention(nn.Module):
         self, x: torch.Tensor, return_attention: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, tokens, dim = x.shape
-        qkv = self.qkv(x).reshape(batch, tokens, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = (
+            self.qkv(x).reshape(batch, tokens, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        )
         q, k, v = qkv.unbind(0)  # each (B, heads, tokens, head_dim)
         probabilities = None
         if self.fused and not return_attention:

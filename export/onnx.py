@@ -88,7 +88,9 @@ def strip_build_details(model: onnx.ModelProto) -> onnx.ModelProto:
 logging.getLogger("torch.onnx").setLevel(logging.ERROR)
 
 
-def to_onnx(module: torch.nn.Module, example: torch.Tensor, output_names: list[str]) -> onnx.ModelProto:
+def to_onnx(
+    module: torch.nn.Module, example: torch.Tensor, output_names: list[str]
+) -> onnx.ModelProto:
     program = torch.onnx.export(
         module,
         (example,),
@@ -109,7 +111,7 @@ def build_graphs(model: VisionTransformer) -> Graphs:
     model = model.eval()
     model.set_fused_attention(True)
     classifier = to_onnx(model, example, ["logits"])
-    attention = to_onnx(WithAttention(model), example, ["logits", "attention"])
+    attention = to_onnx(WithAttention(model).eval(), example, ["logits", "attention"])
     return Graphs(classifier, attention)
 
 
@@ -154,7 +156,9 @@ def verify(model: VisionTransformer, graphs: Graphs, images: torch.Tensor) -> di
         }
         figures[f"batch_{batch_size}"] = row
         if row["logits_max_abs_diff"] > LOGITS_TOLERANCE:
-            failures.append(f"batch {batch_size}: logits differ by {row['logits_max_abs_diff']:.3g}")
+            failures.append(
+                f"batch {batch_size}: logits differ by {row['logits_max_abs_diff']:.3g}"
+            )
         if row["attention_graph_logits_max_abs_diff"] > LOGITS_TOLERANCE:
             failures.append(
                 f"batch {batch_size}: attention graph logits differ by "
@@ -284,7 +288,12 @@ instance_group [ {{ kind: KIND_AUTO, count: 1 }} ]
 
 
 def write_entry(
-    repo: Path, name: str, version: int, graphs: Graphs, model: VisionTransformer, labels: list[str],
+    repo: Path,
+    name: str,
+    version: int,
+    graphs: Graphs,
+    model: VisionTransformer,
+    labels: list[str],
     overwrite: bool,
 ) -> Path:
     """Write into a temporary directory first and move into place, so a failure leaves nothing."""
@@ -338,8 +347,15 @@ def export_model(
     sha = file_sha256(path)
     for graph_name, proto in (("classifier", graphs.classifier), ("attention", graphs.attention)):
         document = describe(
-            model, spec, labels, name, version, graph_name, accuracy,
-            len(test) if measure else None, sha,
+            model,
+            spec,
+            labels,
+            name,
+            version,
+            graph_name,
+            accuracy,
+            len(test) if measure else None,
+            sha,
         )
         with_metadata(proto, document)
     written = write_entry(Path(repo), name, version, graphs, model, labels, overwrite)
@@ -347,8 +363,11 @@ def export_model(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m export.onnx", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m export.onnx",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("checkpoint", help="a .safetensors checkpoint or a run directory")
     parser.add_argument("--name", required=True, help="model name in the repository")
     parser.add_argument("--version", required=True, type=int, help="integer version, 1 or more")
@@ -363,7 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--name may hold letters, digits, '-', '_' and '.', got {args.name!r}")
     try:
         result = export_model(
-            args.checkpoint, args.name, args.version, args.repo, args.data_dir, args.overwrite,
+            args.checkpoint,
+            args.name,
+            args.version,
+            args.repo,
+            args.data_dir,
+            args.overwrite,
             measure=not args.skip_accuracy,
         )
     except (VerificationError, CheckpointError, DatasetError, FileExistsError) as error:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
-        prog="python -m export.pipeline", description=__doc__,
+        prog="python -m export.pipeline",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", required=True, type=Path, help="run directory (train output)")
@@ -47,7 +48,15 @@ def train_argv(args: argparse.Namespace, train_args: list[str]) -> list[str]:
 
 
 def export_argv(args: argparse.Namespace) -> list[str]:
-    argv = [str(args.out), "--name", args.name, "--version", str(args.version), "--repo", str(args.repo)]
+    argv = [
+        str(args.out),
+        "--name",
+        args.name,
+        "--version",
+        str(args.version),
+        "--repo",
+        str(args.repo),
+    ]
     if args.data_dir is not None:
         argv += ["--data-dir", args.data_dir]
     if args.overwrite:
@@ -66,12 +75,17 @@ def evaluate_argv(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args, train_args = parse_args(argv)
     from export import evaluate, onnx, train
+    from export.data import DatasetError
 
     command = train_argv(args, train_args)
     if "--resume" in command:
         print(f"resuming {args.out} with its saved settings (last/state.json)", flush=True)
     print("== train: python -m export.train " + " ".join(command), flush=True)
-    code = train.main(command)
+    try:
+        code = train.main(command)
+    except (DatasetError, ValueError, OSError) as error:
+        print(f"error: training failed: {error}", file=sys.stderr)
+        return 2
     if code:
         return code
     command = export_argv(args)

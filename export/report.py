@@ -2,8 +2,9 @@
 
     python -m export.report runs/fashion-small [--data-dir DIR]
 
-Reads ``RUN_DIR/model.safetensors`` (the best weights) and ``RUN_DIR/metrics.csv``; writes
-``results.json`` (test accuracy, loss, per-class accuracy, confusion matrix), ``curves.png``,
+Reads ``RUN_DIR/model.safetensors`` (the best weights), ``RUN_DIR/metrics.csv`` and
+``RUN_DIR/settings.json``; writes ``results.json`` (test accuracy, cross-entropy without label
+smoothing, per-class accuracy, confusion matrix), ``curves.png``,
 ``confusion_matrix.png`` and ``attention_gallery.png`` (test images with their attention rollout and
 the last layer's heads).
 """
@@ -20,15 +21,15 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
 
-from export.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint  # noqa: E402
-from export.data import DatasetError, Split, get_dataset_spec, load_dataset, normalize  # noqa: E402
-from export.evaluate import checkpoint_logits, classification_metrics  # noqa: E402
-from export.model import VisionTransformer  # noqa: E402
-from export.rollout import attention_rollout, last_layer_heads, normalise_maps, to_grid  # noqa: E402
+from export.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+from export.data import DatasetError, Split, get_dataset_spec, load_dataset, normalize
+from export.evaluate import checkpoint_logits, classification_metrics
+from export.model import VisionTransformer
+from export.rollout import attention_rollout, last_layer_heads, normalise_maps, to_grid
 
 GALLERY_SIZE = 10
 
@@ -41,10 +42,14 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     return [by_epoch[epoch] for epoch in sorted(by_epoch)]
 
 
-def plot_curves(rows: list[dict[str, float]], path: Path) -> None:
+def plot_curves(rows: list[dict[str, float]], path: Path, settings: dict | None = None) -> None:
+    """Loss and accuracy per epoch; ``settings`` (the run's settings.json) explains the numbers."""
     epochs = [row["epoch"] for row in rows]
     figure, (loss_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(11, 4))
-    for axis, metric, title in ((loss_axis, "loss", "loss"), (accuracy_axis, "accuracy", "accuracy")):
+    for axis, metric, title in (
+        (loss_axis, "loss", "loss"),
+        (accuracy_axis, "accuracy", "accuracy"),
+    ):
         axis.plot(epochs, [row[f"train_{metric}"] for row in rows], marker=".", label="train")
         axis.plot(epochs, [row[f"val_{metric}"] for row in rows], marker=".", label="validation")
         axis.set_xlabel("epoch")
@@ -54,9 +59,15 @@ def plot_curves(rows: list[dict[str, float]], path: Path) -> None:
     best = min(rows, key=lambda row: row["val_loss"])
     loss_axis.axvline(best["epoch"], color="grey", linestyle="--", linewidth=0.8)
     accuracy_axis.axvline(best["epoch"], color="grey", linestyle="--", linewidth=0.8)
+    notes = []
+    settings = settings or {}
+    if settings.get("label_smoothing"):
+        notes.append(f"losses with label smoothing {settings['label_smoothing']:g}")
+    if settings.get("augment"):
+        notes.append("train metrics on augmented images")
     figure.suptitle(
         f"best validation loss {best['val_loss']:.4f} at epoch {int(best['epoch'])} "
-        f"(accuracy {100 * best['val_accuracy']:.2f}%); train metrics are on augmented images"
+        f"(accuracy {100 * best['val_accuracy']:.2f}%)" + ("; " + ", ".join(notes) if notes else "")
     )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -80,8 +91,13 @@ def plot_confusion(results: dict, path: Path) -> None:
             for column in range(classes):
                 if confusion[row, column]:
                     axis.text(
-                        column, row, str(confusion[row, column]), ha="center", va="center",
-                        fontsize=8, color="white" if fraction[row, column] > 0.5 else "black",
+                        column,
+                        row,
+                        str(confusion[row, column]),
+                        ha="center",
+                        va="center",
+                        fontsize=8,
+                        color="white" if fraction[row, column] > 0.5 else "black",
                     )
     axis.set_xlabel("predicted class")
     axis.set_ylabel("true class")
@@ -142,7 +158,9 @@ def plot_attention_gallery(
         )
         for head in range(config.heads):
             axes[row, 2 + head].imshow(heads[row, head], cmap="viridis", interpolation="nearest")
-    titles = ["image", "rollout"] + [f"layer {config.depth} head {h + 1}" for h in range(config.heads)]
+    titles = ["image", "rollout"] + [
+        f"layer {config.depth} head {h + 1}" for h in range(config.heads)
+    ]
     for column, title in enumerate(titles):
         axes[0, column].set_title(title, fontsize=8)
     for axis in axes.flat:
@@ -163,8 +181,9 @@ def write_report(run_dir: str | Path, data_dir: str | Path | None = None) -> dic
     """
     run_dir = Path(run_dir)
     settings_path = run_dir / "settings.json"
-    if data_dir is None and settings_path.is_file():
-        data_dir = json.loads(settings_path.read_text()).get("data_dir")
+    settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
+    if data_dir is None:
+        data_dir = settings.get("data_dir")
     checkpoint = resolve_checkpoint(run_dir / "model.safetensors")
     model, metadata = load_checkpoint(checkpoint)
     spec = get_dataset_spec(metadata["dataset"])
@@ -186,7 +205,7 @@ def write_report(run_dir: str | Path, data_dir: str | Path | None = None) -> dic
     written = []
     metrics_path = run_dir / "metrics.csv"
     if metrics_path.is_file():
-        plot_curves(read_metrics(metrics_path), run_dir / "curves.png")
+        plot_curves(read_metrics(metrics_path), run_dir / "curves.png", settings)
         written.append("curves.png")
     else:
         print(f"{metrics_path} does not exist: no learning curves", file=sys.stderr)
@@ -207,8 +226,11 @@ def write_report(run_dir: str | Path, data_dir: str | Path | None = None) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m export.report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m export.report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("run_dir", type=Path, help="run directory holding model.safetensors")
     parser.add_argument("--data-dir", default=None, help="directory of the dataset's files")
     args = parser.parse_args(argv)

@@ -46,7 +46,9 @@ def module_rows(model: VisionTransformer, max_depth: int = 4) -> list[ModuleRow]
 
 
 @torch.inference_mode()
-def trace_shapes(model: VisionTransformer, images: torch.Tensor) -> list[tuple[str, tuple[int, ...]]]:
+def trace_shapes(
+    model: VisionTransformer, images: torch.Tensor
+) -> list[tuple[str, tuple[int, ...]]]:
     """(stage, shape) after every stage of a forward pass, in eval mode."""
     was_training = model.training
     model.eval()
@@ -93,13 +95,17 @@ def _trace(model: VisionTransformer, images: torch.Tensor) -> list[tuple[str, tu
             for hook in hooks:
                 hook.remove()
         batch, tokens, _ = x.shape
-        q, k, v = captured["qkv"].reshape(
-            batch, tokens, 3, config.heads, config.head_dim
-        ).permute(2, 0, 3, 1, 4)
+        q, _, v = (
+            captured["qkv"]
+            .reshape(batch, tokens, 3, config.heads, config.head_dim)
+            .permute(2, 0, 3, 1, 4)
+        )
         per_head = probabilities @ v
         concatenated = per_head.transpose(1, 2).reshape(batch, tokens, config.dim)
         if not torch.allclose(concatenated, captured["concatenated"], atol=1e-5, rtol=1e-4):
-            raise RuntimeError(f"block {index}: heads concatenated differ from the projection input")
+            raise RuntimeError(
+                f"block {index}: heads concatenated differ from the projection input"
+            )
         prefix = f"block {index}"
         record(f"{prefix} qkv", captured["qkv"])
         record(f"{prefix} q / k / v per head", q)
@@ -157,8 +163,11 @@ def format_summary(model: VisionTransformer, batch: int = 1, max_depth: int = 4)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m export.summary", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m export.summary",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
     parser.add_argument("--batch", type=int, default=1, help="batch size of the traced input")
     parser.add_argument("--depth", type=int, default=4, help="deepest module level listed")

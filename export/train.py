@@ -71,7 +71,11 @@ def pick_device() -> torch.device:
 
 
 def configure_optimizer(model: torch.nn.Module, settings: TrainSettings) -> torch.optim.AdamW:
-    """Weight decay on matrices (2+ dims) only: not on biases, norms, tokens or position tables."""
+    """Weight decay on parameters with 2+ dims only, not on biases or norms.
+
+    The class token and the learned position table are stored as (1, n, dim), so they are decayed too
+    (as nanoGPT decays its embeddings).
+    """
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     return torch.optim.AdamW(
@@ -84,12 +88,16 @@ def configure_optimizer(model: torch.nn.Module, settings: TrainSettings) -> torc
     )
 
 
-def learning_rate_at(step: int, total_steps: int, warmup_steps: int, settings: TrainSettings) -> float:
+def learning_rate_at(
+    step: int, total_steps: int, warmup_steps: int, settings: TrainSettings
+) -> float:
     if step < warmup_steps:
         return settings.learning_rate * (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return settings.min_learning_rate + (settings.learning_rate - settings.min_learning_rate) * cosine
+    return (
+        settings.min_learning_rate + (settings.learning_rate - settings.min_learning_rate) * cosine
+    )
 
 
 @torch.inference_mode()
@@ -281,20 +289,26 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainSettings, Path, Path
     parser.add_argument("--epochs", type=int, default=defaults.epochs)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--lr", type=float, default=defaults.learning_rate, dest="learning_rate")
-    parser.add_argument("--min-lr", type=float, default=defaults.min_learning_rate, dest="min_learning_rate")
+    parser.add_argument(
+        "--min-lr", type=float, default=defaults.min_learning_rate, dest="min_learning_rate"
+    )
     parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
     parser.add_argument("--warmup-epochs", type=float, default=defaults.warmup_epochs)
     parser.add_argument("--label-smoothing", type=float, default=defaults.label_smoothing)
     parser.add_argument("--clip-grad-norm", type=float, default=defaults.clip_grad_norm)
     parser.add_argument("--patience", type=int, default=defaults.patience)
     parser.add_argument("--validation-size", type=int, default=defaults.validation_size)
-    parser.add_argument("--train-limit", type=int, default=None, help="use only the first N training images")
+    parser.add_argument(
+        "--train-limit", type=int, default=None, help="use only the first N training images"
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--compile", action="store_true", help="torch.compile the training step")
     parser.add_argument("--no-augment", action="store_false", dest="augment")
     parser.add_argument("--resume", type=Path, default=None, help="run directory to continue")
-    parser.add_argument("--no-report", action="store_true", help="skip the plots and test evaluation")
+    parser.add_argument(
+        "--no-report", action="store_true", help="skip the plots and test evaluation"
+    )
     args = vars(parser.parse_args(argv))
     out, resume, no_report = args.pop("out"), args.pop("resume"), args.pop("no_report")
     return TrainSettings(**args), out, resume, no_report
@@ -305,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     if resume is not None:
         saved = json.loads((resume / "last" / "state.json").read_text())["settings"]
         # The schedule and data depend on the saved settings; only threads/compile may change.
-        settings = TrainSettings(**{**saved, "threads": settings.threads, "compile": settings.compile})
+        settings = TrainSettings(
+            **{**saved, "threads": settings.threads, "compile": settings.compile}
+        )
         out_dir = resume
     if settings.threads:
         torch.set_num_threads(settings.threads)

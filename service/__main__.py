@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from types import FrameType
 
@@ -37,6 +38,13 @@ def main() -> None:
         proxy_headers=False,
     )
     server = _Server(config, app.state.service)
+
+    def exit_after_drain(sig: int, frame: FrameType | None) -> None:
+        # uvicorn re-raises SIGTERM once it has drained and restored this handler; without it the
+        # process would end killed by the signal (-15) although every request was answered.
+        sys.exit(0 if server.started else 3)
+
+    signal.signal(signal.SIGTERM, exit_after_drain)
     server.run()
     if not server.started:
         sys.exit(3)  # start-up failed (the reason is logged above); uvicorn's exit code for it

@@ -11,6 +11,7 @@ gets 503. A failing model run fails only the requests in that batch. ``stop()`` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -67,11 +68,21 @@ class DynamicBatcher:
         return len(self._pending)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.graph}")
+        self._task = asyncio.get_running_loop().create_task(
+            self._loop(), name=f"batcher-{self.graph}"
+        )
 
-    async def submit(self, rows: np.ndarray, request_id: str | None = None) -> list[tuple[np.ndarray, ...]]:
+    async def submit(
+        self, rows: np.ndarray, request_id: str | None = None
+    ) -> list[tuple[np.ndarray, ...]]:
         """Queue ``rows`` (one image each) and return each image's outputs, in order."""
-        if self._closing or self._task is None:
+        if self._task is None:
+            raise ServiceUnavailable(
+                f"the {self.graph} batcher has not started; retry shortly",
+                code="not_ready",
+                retry_after_s=self.retry_after_s,
+            )
+        if self._closing:
             self._reject("shutting_down")
             raise ServiceUnavailable(
                 "the service is shutting down and accepts no new work; retry on another instance",
@@ -110,9 +121,12 @@ class DynamicBatcher:
                 raise failures[0]
             return [future.result() for future in futures]
         finally:
-            for future in futures:
-                if not future.done():
-                    future.cancel()  # the loop skips cancelled items
+            abandoned = [future for future in futures if not future.done()]
+            for future in abandoned:
+                future.cancel()
+            if abandoned:  # free their places in the queue now, not when the loop next looks
+                self._pending = deque(item for item in self._pending if not item.future.done())
+                self._metrics.queue_depth.labels(self.graph).set(len(self._pending))
 
     def _reject(self, reason: str) -> None:
         self._metrics.rejections.labels(self.graph, reason).inc()
@@ -136,10 +150,8 @@ class DynamicBatcher:
                 wait = self._pending[0].enqueued + self.max_queue_delay_s - loop.time()
                 if wait > 0:
                     self._wakeup.clear()
-                    try:
+                    with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wakeup.wait(), wait)
-                    except TimeoutError:
-                        pass
                     continue
             batch: list[_Item] = []
             while self._pending and len(batch) < self.max_batch_size:
@@ -159,7 +171,9 @@ class DynamicBatcher:
             outputs = await loop.run_in_executor(self._executor, self._run_batch, images)
             for output in outputs:
                 if len(output) != len(batch):
-                    raise RuntimeError(f"the model returned {len(output)} rows for a batch of {len(batch)}")
+                    raise RuntimeError(
+                        f"the model returned {len(output)} rows for a batch of {len(batch)}"
+                    )
         except Exception as error:
             self._metrics.inference_failures.labels(self.graph).inc()
             request_ids = sorted({item.request_id for item in batch if item.request_id})
@@ -192,12 +206,19 @@ class DynamicBatcher:
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
             except TimeoutError:
-                logger.error("%s batcher did not drain within %.1f s; failing what is left", self.graph, timeout_s)
+                logger.error(
+                    "%s batcher did not drain within %.1f s; failing what is left",
+                    self.graph,
+                    timeout_s,
+                )
                 self._task.cancel()
                 for item in self._pending:
                     if not item.future.done():
                         item.future.set_exception(
-                            ServiceUnavailable("the service shut down before this request ran", code="shutting_down")
+                            ServiceUnavailable(
+                                "the service shut down before this request ran",
+                                code="shutting_down",
+                            )
                         )
                 self._pending.clear()
         self._executor.shutdown(wait=True)

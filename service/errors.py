@@ -97,7 +97,12 @@ def request_id_of(request: Request) -> str | None:
 def error_body(
     code: str, message: str, request_id: str | None, field: str | None = None, details: Any = None
 ) -> dict[str, Any]:
-    error: dict[str, Any] = {"code": code, "message": message, "field": field, "request_id": request_id}
+    error: dict[str, Any] = {
+        "code": code,
+        "message": message,
+        "field": field,
+        "request_id": request_id,
+    }
     if details is not None:
         error["details"] = details
     return {"error": error}

@@ -17,7 +17,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.errors import InvalidInput, UnsupportedMediaType, validation_details, validation_message
+from service.errors import (
+    InvalidInput,
+    UnsupportedMediaType,
+    validation_details,
+    validation_message,
+)
 from service.schemas import ImageInput
 
 JSON = "application/json"
@@ -72,7 +77,9 @@ def image_from_json(image: ImageInput, field: str) -> RawImage:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidInput(
-            f"{field}.b64: not valid base64 (standard alphabet, padded)", field=f"{field}.b64", code="invalid_base64"
+            f"{field}.b64: not valid base64 (standard alphabet, padded)",
+            field=f"{field}.b64",
+            code="invalid_base64",
         ) from None
     return RawImage(field=f"{field}.b64", data=data)
 
@@ -82,7 +89,9 @@ async def read_multipart(
 ) -> tuple[list[RawImage], Options]:
     """The file parts named ``file_field`` and the other fields validated as ``options``."""
     try:
-        async with request.form(max_files=max_files + 1, max_fields=32, max_part_size=64 * 1024) as form:
+        async with request.form(
+            max_files=max_files + 1, max_fields=32, max_part_size=64 * 1024
+        ) as form:
             values: dict[str, str] = {}
             images: list[RawImage] = []
             for key, value in form.multi_items():
@@ -92,7 +101,9 @@ async def read_multipart(
                             f"{key}: unexpected file part; send the image(s) in part(s) named {file_field!r}",
                             field=key,
                         )
-                    images.append(RawImage(field=f"{file_field}[{len(images)}]", data=await value.read()))
+                    images.append(
+                        RawImage(field=f"{file_field}[{len(images)}]", data=await value.read())
+                    )
                 else:
                     if key == file_field:
                         raise InvalidInput(
@@ -110,7 +121,9 @@ async def read_multipart(
                 field=file_field,
                 code="too_many_images",
             ) from None
-        raise InvalidInput(f"body: malformed multipart/form-data ({detail})", field="body") from None
+        raise InvalidInput(
+            f"body: malformed multipart/form-data ({detail})", field="body"
+        ) from None
     try:
         parsed = options.model_validate(values)
     except ValidationError as error:

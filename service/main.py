@@ -14,7 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.middleware import RequestContextMiddleware
-from service.routers import attention, health, metrics, models, predict
+from service.routers import attention, demo, health, metrics, models, predict, v2
 from service.schemas import AttentionRequest, PredictRequest
 from service.settings import Settings
 from service.state import ServiceState
@@ -47,7 +47,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         title=app.title, version=app.version, description=app.description, routes=app.routes
     )
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
-    for model in (PredictRequest, AttentionRequest):
+    for model in (PredictRequest, AttentionRequest, v2.InferRequest):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -74,11 +74,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = app_metrics
     app.state.service = state
     install_error_handlers(app)
-    app.add_middleware(
-        RequestContextMiddleware, max_body_bytes=settings.max_body_bytes, metrics=app_metrics
+    routers = (
+        predict.router,
+        attention.router,
+        models.router,
+        health.router,
+        metrics.router,
+        v2.router,
+        demo.router,
     )
-    for router in (predict.router, attention.router, models.router, health.router, metrics.router):
+    for router in routers:
         app.include_router(router)
+    app.add_middleware(
+        RequestContextMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        metrics=app_metrics,
+        static_paths=frozenset(
+            route.path for router in routers for route in router.routes if "{" not in route.path
+        ),
+    )
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

@@ -8,7 +8,22 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 _QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
@@ -60,7 +75,10 @@ class Metrics:
             registry=r,
         )
         self.queue_depth = Gauge(
-            "vitserve_queue_depth", "Images waiting in the batcher queue, by graph.", ["graph"], registry=r
+            "vitserve_queue_depth",
+            "Images waiting in the batcher queue, by graph.",
+            ["graph"],
+            registry=r,
         )
         self.inference_failures = Counter(
             "vitserve_inference_failures",
@@ -74,7 +92,9 @@ class Metrics:
             ["graph", "reason"],
             registry=r,
         )
-        self.ready = Gauge("vitserve_ready", "1 while the service is ready to serve, else 0.", registry=r)
+        self.ready = Gauge(
+            "vitserve_ready", "1 while the service is ready to serve, else 0.", registry=r
+        )
         self.model_info = Gauge(
             "vitserve_model_info",
             "The model being served (value 1), with its name, version and execution provider.",

@@ -20,13 +20,31 @@ from service.metrics import Metrics
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
+def _route_template(scope: Scope, static_paths: frozenset[str]) -> str:
+    """The matched route's path template; for a request answered before routing (an early 413), its
+    path when that is one of the app's parameter-free routes. Never the raw path of an unknown URL."""
+    route = scope.get("route")
+    if route is not None and getattr(route, "path", None):
+        return route.path
+    path = scope.get("path", "")
+    return path if path in static_paths else "unmatched"
+
+
 def _too_large(limit: int) -> str:
     return f"the request body is over the limit max_body_bytes={limit} bytes"
 
 
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_body_bytes: int,
+        metrics: Metrics,
+        static_paths: frozenset[str] = frozenset(),
+    ) -> None:
         self.app = app
+        self.static_paths = static_paths
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
 
@@ -67,8 +85,7 @@ class RequestContextMiddleware:
                 return
             await self.app(scope, receive_limited, send_with_id)
         finally:
-            route = scope.get("route")
-            template = getattr(route, "path", None) or "unmatched"
+            template = _route_template(scope, self.static_paths)
             method = scope.get("method", "")
             self.metrics.requests.labels(template, method, str(status)).inc()
             self.metrics.latency.labels(template, method).observe(time.perf_counter() - started)

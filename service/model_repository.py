@@ -85,7 +85,9 @@ class ModelMetadata(_Meta):
         spec, pre = self.input, self.preprocessing
         expected_color = "grayscale" if spec.channels == 1 else "rgb"
         if pre.color != expected_color:
-            raise ValueError(f"preprocessing.color {pre.color!r} does not fit input.channels {spec.channels}")
+            raise ValueError(
+                f"preprocessing.color {pre.color!r} does not fit input.channels {spec.channels}"
+            )
         for key in ("mean", "std"):
             if len(getattr(pre, key)) != spec.channels:
                 raise ValueError(
@@ -95,15 +97,21 @@ class ModelMetadata(_Meta):
             raise ValueError("preprocessing.std values must be positive")
         size = self.patch.size
         if spec.height % size or spec.width % size:
-            raise ValueError(f"patch.size {size} does not divide the input {spec.height}x{spec.width}")
+            raise ValueError(
+                f"patch.size {size} does not divide the input {spec.height}x{spec.width}"
+            )
         grid = (spec.height // size, spec.width // size)
         if tuple(self.patch.grid) != grid:
             raise ValueError(f"patch.grid {list(self.patch.grid)} should be {list(grid)}")
         if self.class_token != (self.pooling == "token"):
-            raise ValueError(f"class_token {self.class_token} does not fit pooling {self.pooling!r}")
+            raise ValueError(
+                f"class_token {self.class_token} does not fit pooling {self.pooling!r}"
+            )
         expected_tokens = grid[0] * grid[1] + (1 if self.class_token else 0)
         if self.tokens != expected_tokens:
-            raise ValueError(f"tokens {self.tokens} should be {expected_tokens} for this grid and pooling")
+            raise ValueError(
+                f"tokens {self.tokens} should be {expected_tokens} for this grid and pooling"
+            )
         if len(set(self.labels)) != len(self.labels):
             raise ValueError("labels are not unique")
         return self
@@ -149,7 +157,9 @@ def find_model(repository: Path, name: str, version: int | None = None) -> Model
         )
     versions = _versions(model_dir)
     if not versions:
-        raise ModelLoadError(f"{model_dir} has no numbered version directory (e.g. {model_dir / '1'})")
+        raise ModelLoadError(
+            f"{model_dir} has no numbered version directory (e.g. {model_dir / '1'})"
+        )
     if version is None:
         version = versions[-1]
     elif version not in versions:
@@ -168,7 +178,9 @@ def find_model(repository: Path, name: str, version: int | None = None) -> Model
     )
     for path in (entry.classifier_path, entry.attention_path):
         if not path.is_file():
-            raise ModelLoadError(f"{path} is missing: every model version needs {CLASSIFIER_FILE} and {ATTENTION_FILE}")
+            raise ModelLoadError(
+                f"{path} is missing: every model version needs {CLASSIFIER_FILE} and {ATTENTION_FILE}"
+            )
     return entry
 
 
@@ -182,12 +194,15 @@ def parse_metadata(custom_metadata: dict[str, str], path: Path, graph: str) -> M
     try:
         document = json.loads(raw)
     except json.JSONDecodeError as error:
-        raise ModelLoadError(f"{path}: the {METADATA_KEY!r} metadata is not valid JSON ({error})") from error
+        raise ModelLoadError(
+            f"{path}: the {METADATA_KEY!r} metadata is not valid JSON ({error})"
+        ) from error
     try:
         metadata = ModelMetadata.model_validate(document)
     except ValidationError as error:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'metadata'}: {e['msg']}" for e in error.errors()
+            f"{'.'.join(str(p) for p in e['loc']) or 'metadata'}: {e['msg']}"
+            for e in error.errors()
         )
         raise ModelLoadError(f"{path}: invalid {METADATA_KEY!r} metadata: {problems}") from error
     if metadata.graph != graph:

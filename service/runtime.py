@@ -81,7 +81,9 @@ def open_session(path: Path, settings: Settings) -> ort.InferenceSession:
     return session
 
 
-def _check_graph(session: ort.InferenceSession, meta: ModelMetadata, path: Path, graph: str) -> None:
+def _check_graph(
+    session: ort.InferenceSession, meta: ModelMetadata, path: Path, graph: str
+) -> None:
     inputs = session.get_inputs()
     spec = meta.input
     if len(inputs) != 1 or inputs[0].name != spec.name:
@@ -89,19 +91,25 @@ def _check_graph(session: ort.InferenceSession, meta: ModelMetadata, path: Path,
         raise ModelLoadError(f"{path}: expected one input {spec.name!r}, the graph has {names}")
     shape = list(inputs[0].shape)
     if inputs[0].type != "tensor(float)":
-        raise ModelLoadError(f"{path}: input {spec.name!r} is {inputs[0].type}, expected tensor(float)")
+        raise ModelLoadError(
+            f"{path}: input {spec.name!r} is {inputs[0].type}, expected tensor(float)"
+        )
     if len(shape) != 4 or shape[1:] != [spec.channels, spec.height, spec.width]:
         raise ModelLoadError(
             f"{path}: input shape {shape} does not match the metadata "
             f"[batch, {spec.channels}, {spec.height}, {spec.width}]"
         )
     if isinstance(shape[0], int):
-        raise ModelLoadError(f"{path}: the batch axis is fixed at {shape[0]}; export it with a dynamic batch axis")
+        raise ModelLoadError(
+            f"{path}: the batch axis is fixed at {shape[0]}; export it with a dynamic batch axis"
+        )
     outputs = {o.name: list(o.shape) for o in session.get_outputs()}
     wanted = [meta.outputs.logits] + ([meta.outputs.attention] if graph == "attention" else [])
     for name in wanted:
         if name not in outputs:
-            raise ModelLoadError(f"{path}: output {name!r} missing; the graph has {sorted(outputs)}")
+            raise ModelLoadError(
+                f"{path}: output {name!r} missing; the graph has {sorted(outputs)}"
+            )
     classes = outputs[meta.outputs.logits][1:]
     if classes and isinstance(classes[0], int) and classes[0] != meta.num_classes:
         raise ModelLoadError(

@@ -24,7 +24,9 @@ class ImageInput(BaseModel):
 
     model_config = ConfigDict(
         extra="forbid",
-        json_schema_extra={"examples": [{"b64": EXAMPLE_PNG_B64}, {"pixels": [[0, 128], [255, 64]]}]},
+        json_schema_extra={
+            "examples": [{"b64": EXAMPLE_PNG_B64}, {"pixels": [[0, 128], [255, 64]]}]
+        },
     )
 
     b64: str | None = Field(
@@ -49,7 +51,9 @@ class ImageInput(BaseModel):
 class PredictOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    top_k: int = Field(default=5, ge=1, description="How many of the best classes to list per image.")
+    top_k: int = Field(
+        default=5, ge=1, description="How many of the best classes to list per image."
+    )
     invert: Invert = Field(default="auto", description=_INVERT_DESCRIPTION)
 
 
@@ -61,7 +65,10 @@ class PredictRequest(PredictOptions):
         json_schema_extra={
             "examples": [
                 {"images": [{"b64": EXAMPLE_PNG_B64}], "top_k": 3},
-                {"images": [{"pixels": [[0] * 4] * 4}, {"b64": EXAMPLE_PNG_B64}], "invert": "never"},
+                {
+                    "images": [{"pixels": [[0] * 4] * 4}, {"b64": EXAMPLE_PNG_B64}],
+                    "invert": "never",
+                },
             ]
         },
     )
@@ -144,7 +151,10 @@ class PredictResponse(BaseModel):
     model_config = ConfigDict(
         json_schema_extra={
             "examples": [
-                {"model": {"name": "fashion-mnist-vit", "version": 1}, "predictions": [_PREDICTION_EXAMPLE]}
+                {
+                    "model": {"name": "fashion-mnist-vit", "version": 1},
+                    "predictions": [_PREDICTION_EXAMPLE],
+                }
             ]
         }
     )
@@ -175,7 +185,9 @@ class AttentionResponse(BaseModel):
     model: ModelRef
     prediction: Prediction
     method: Literal["rollout", "raw"]
-    layer: int = Field(description="The layer the map is read at (rollout: the last layer rolled out).")
+    layer: int = Field(
+        description="The layer the map is read at (rollout: the last layer rolled out)."
+    )
     head: int | None = Field(description="The head, or null for the mean over heads.")
     pooling: Literal["token", "mean"] = Field(
         description="What the classifier pools: the class token's row, or the mean over token rows."
@@ -223,7 +235,9 @@ class ModelInfo(BaseModel):
     heads: int
     dataset: str | None
     test_accuracy: float | None
-    provider: str = Field(description="The onnxruntime execution provider in use.", examples=["CPUExecutionProvider"])
+    provider: str = Field(
+        description="The onnxruntime execution provider in use.", examples=["CPUExecutionProvider"]
+    )
     batching: BatchingInfo
     limits: LimitsInfo
 

@@ -25,7 +25,9 @@ async def require_api_key(
         return
     header = request.headers.get("authorization")
     if not header:
-        raise Unauthorized("this service needs an API key: send the header 'Authorization: Bearer <API key>'")
+        raise Unauthorized(
+            "this service needs an API key: send the header 'Authorization: Bearer <API key>'"
+        )
     scheme, _, token = header.strip().partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:

@@ -20,7 +20,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def request_body(json_model: str, multipart_schema: dict[str, Any], examples: dict[str, Any]) -> dict[str, Any]:
+def request_body(
+    json_model: str, multipart_schema: dict[str, Any], examples: dict[str, Any]
+) -> dict[str, Any]:
     """``openapi_extra`` for a route whose body is JSON (``json_model``) or multipart/form-data."""
     return {
         "requestBody": {

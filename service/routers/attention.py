@@ -44,7 +44,10 @@ _EXAMPLES = {
         "summary": "One head of the first layer",
         "value": {"image": {"b64": EXAMPLE_PNG_B64}, "method": "raw", "layer": 0, "head": 0},
     },
-    "png": {"summary": "Heatmap overlay", "value": {"image": {"b64": EXAMPLE_PNG_B64}, "format": "png"}},
+    "png": {
+        "summary": "Heatmap overlay",
+        "value": {"image": {"b64": EXAMPLE_PNG_B64}, "format": "png"},
+    },
 }
 
 
@@ -53,15 +56,18 @@ _EXAMPLES = {
     response_model=AttentionResponse,
     summary="Attention map of one image",
     description=(
-        "JSON `{\"image\": {\"b64\": ...} or {\"pixels\": ...}, \"method\": \"rollout\", \"layer\": null, "
-        "\"head\": null, \"format\": \"json\"}` or multipart/form-data with a file part `file` and the same "
+        'JSON `{"image": {"b64": ...} or {"pixels": ...}, "method": "rollout", "layer": null, '
+        '"head": null, "format": "json"}` or multipart/form-data with a file part `file` and the same '
         "options as fields. `format=png` answers `image/png`: the model's view of the image (upscaled to "
         "at least 224 px a side) with the map overlaid in the inferno colormap; the prediction is in the "
         "headers `X-Prediction-Label`, `X-Prediction-Index` and `X-Prediction-Score`."
     ),
     responses={
         **ERROR_RESPONSES,
-        200: {"content": {"image/png": {}}, "description": "The map as JSON, or the overlay as PNG."},
+        200: {
+            "content": {"image/png": {}},
+            "description": "The map as JSON, or the overlay as PNG.",
+        },
     },
     openapi_extra=request_body("AttentionRequest", _MULTIPART, _EXAMPLES),
 )
@@ -88,7 +94,8 @@ async def attention(request: Request) -> Response | AttentionResponse:
     if options.head is not None:
         if options.method != "raw":
             raise InvalidInput(
-                "head: only used with method 'raw' (rollout fuses the heads by their mean)", field="head"
+                "head: only used with method 'raw' (rollout fuses the heads by their mean)",
+                field="head",
             )
         if options.head >= meta.heads:
             raise InvalidInput(

@@ -46,16 +46,23 @@ def model_info(state: ServiceState) -> ModelInfo:
     )
 
 
-@router.get("/models", response_model=ModelsResponse, summary="The models served", responses=ERROR_RESPONSES)
+@router.get(
+    "/models", response_model=ModelsResponse, summary="The models served", responses=ERROR_RESPONSES
+)
 async def models(request: Request) -> ModelsResponse:
     return ModelsResponse(models=[model_info(request.app.state.service)])
 
 
 @router.get(
-    "/models/{name}", response_model=ModelInfo, summary="One model served", responses=ERROR_RESPONSES
+    "/models/{name}",
+    response_model=ModelInfo,
+    summary="One model served",
+    responses=ERROR_RESPONSES,
 )
 async def model(name: str, request: Request) -> ModelInfo:
     info = model_info(request.app.state.service)
     if name != info.name:
-        raise NotFound(f"name: no model {name!r} is served; this service serves {info.name!r}", field="name")
+        raise NotFound(
+            f"name: no model {name!r} is served; this service serves {info.name!r}", field="name"
+        )
     return info

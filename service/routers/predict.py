@@ -7,11 +7,24 @@ from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
 from service.errors import InvalidInput, request_id_of
-from service.inputs import MULTIPART, RawImage, image_from_json, parse_json, read_multipart, require_body_type
+from service.inputs import (
+    MULTIPART,
+    RawImage,
+    image_from_json,
+    parse_json,
+    read_multipart,
+    require_body_type,
+)
 from service.predictions import check_top_k, prediction
 from service.preprocessing import Invert, Preprocessor
 from service.routers._openapi import ERROR_RESPONSES, request_body
-from service.schemas import EXAMPLE_PNG_B64, ModelRef, PredictOptions, PredictRequest, PredictResponse
+from service.schemas import (
+    EXAMPLE_PNG_B64,
+    ModelRef,
+    PredictOptions,
+    PredictRequest,
+    PredictResponse,
+)
 from service.security import require_api_key
 from service.state import ServiceState
 
@@ -32,7 +45,10 @@ _MULTIPART = {
 }
 _EXAMPLES = {
     "b64": {"summary": "A base64 PNG", "value": {"images": [{"b64": EXAMPLE_PNG_B64}], "top_k": 3}},
-    "pixels": {"summary": "Raw pixels, H x W", "value": {"images": [{"pixels": [[0, 255], [255, 0]]}]}},
+    "pixels": {
+        "summary": "Raw pixels, H x W",
+        "value": {"images": [{"pixels": [[0, 255], [255, 0]]}]},
+    },
 }
 
 
@@ -53,7 +69,7 @@ def prepare_batch(preprocessor: Preprocessor, images: list[RawImage], invert: In
     response_model=PredictResponse,
     summary="Classify images",
     description=(
-        "JSON `{\"images\": [{\"b64\": ...} or {\"pixels\": ...}], \"top_k\": 5, \"invert\": \"auto\"}` or "
+        'JSON `{"images": [{"b64": ...} or {"pixels": ...}], "top_k": 5, "invert": "auto"}` or '
         "multipart/form-data with file parts named `files` and optional fields `top_k`, `invert`. "
         "One prediction per image, in order."
     ),
@@ -68,7 +84,9 @@ async def predict(request: Request) -> PredictResponse:
     if require_body_type(request) == MULTIPART:
         images, options = await read_multipart(request, "files", limit, PredictOptions)
         if not images:
-            raise InvalidInput("files: no file part; send one or more parts named 'files'", field="files")
+            raise InvalidInput(
+                "files: no file part; send one or more parts named 'files'", field="files"
+            )
     else:
         body = parse_json(await request.body(), PredictRequest)
         if len(body.images) > limit:

@@ -43,9 +43,27 @@ def tiny_run(tmp_path_factory, tiny_preset) -> Path:
     out = tmp_path_factory.mktemp("runs") / "tiny"
     code = train.main(
         [
-            "--preset", tiny_preset, "--dataset", "fashion-mnist", "--out", str(out),
-            "--epochs", "6", "--batch-size", "50", "--lr", "3e-3", "--warmup-epochs", "1",
-            "--train-limit", "2000", "--validation-size", "1000", "--seed", "0", "--no-augment",
+            "--preset",
+            tiny_preset,
+            "--dataset",
+            "fashion-mnist",
+            "--out",
+            str(out),
+            "--epochs",
+            "6",
+            "--batch-size",
+            "50",
+            "--lr",
+            "3e-3",
+            "--warmup-epochs",
+            "1",
+            "--train-limit",
+            "2000",
+            "--validation-size",
+            "1000",
+            "--seed",
+            "0",
+            "--no-augment",
             "--no-report",
         ]
     )
@@ -60,8 +78,12 @@ def run_module():
     def run(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         return subprocess.run(
-            [sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True,
-            text=True, timeout=timeout,
+            [sys.executable, "-m", module, *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
 
     return run

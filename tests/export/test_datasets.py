@@ -60,9 +60,15 @@ def test_parse_idx_reads_shape_and_values():
         (b"\x01\x02\x08\x01" + struct.pack(">I", 1) + b"\x00", "bad magic number"),
         (b"PK\x03\x04garbage", "bad magic number"),
         (b"\x00\x00", "bad magic number"),
-        (b"\x00\x00\x0d\x01" + struct.pack(">I", 1) + b"\x00\x00\x00\x00", "0x0d is not unsigned byte"),
+        (
+            b"\x00\x00\x0d\x01" + struct.pack(">I", 1) + b"\x00\x00\x00\x00",
+            "0x0d is not unsigned byte",
+        ),
         (b"\x00\x00\x08\x03" + struct.pack(">I", 2), "truncated IDX header"),
-        (idx_bytes(np.zeros((2, 3), np.uint8))[:-1], r"promises 6 bytes of data for shape \(2, 3\), file holds 5"),
+        (
+            idx_bytes(np.zeros((2, 3), np.uint8))[:-1],
+            r"promises 6 bytes of data for shape \(2, 3\), file holds 5",
+        ),
         (idx_bytes(np.zeros((2, 3), np.uint8)) + b"\x00", "file holds 7"),
     ],
 )
@@ -115,7 +121,9 @@ def test_missing_directory_says_how_to_get_the_data(tmp_path):
 def test_missing_file_says_how_to_get_the_data(tmp_path):
     directory = write_mnist_dir(tmp_path / "mnist")
     (directory / "t10k-labels-idx1-ubyte.gz").unlink()
-    with pytest.raises(DatasetError, match=rf"{directory}/t10k-labels-idx1-ubyte.gz nor .* --data-dir"):
+    with pytest.raises(
+        DatasetError, match=rf"{directory}/t10k-labels-idx1-ubyte.gz nor .* --data-dir"
+    ):
         load_dataset("mnist", directory)
 
 
@@ -169,14 +177,18 @@ def test_cifar10_refuses_a_pickle_that_would_run_code(tmp_path):
 
     path = tmp_path / "data_batch_1"
     path.write_bytes(pickle.dumps({b"data": Exploit(), b"labels": [0]}))
-    with pytest.raises(DatasetError, match=rf"{path}: not a CIFAR-10 python batch .*refusing to load"):
+    with pytest.raises(
+        DatasetError, match=rf"{path}: not a CIFAR-10 python batch .*refusing to load"
+    ):
         load_cifar_batch(path, get_dataset_spec("cifar10"))
     assert not marker.exists()
 
 
 def test_cifar10_refuses_a_batch_of_the_wrong_shape(tmp_path):
     path = tmp_path / "test_batch"
-    path.write_bytes(pickle.dumps({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}, protocol=4))
+    path.write_bytes(
+        pickle.dumps({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}, protocol=4)
+    )
     with pytest.raises(DatasetError, match=r"expected \(N, 3072\) data"):
         load_cifar_batch(path, get_dataset_spec("cifar10"))
 
@@ -208,7 +220,9 @@ def test_augmentation_shift_is_a_crop_of_the_zero_padded_image():
     offsets = set()
     for i in range(len(images)):
         matches = [
-            (dy, dx) for dy in range(5) for dx in range(5)
+            (dy, dx)
+            for dy in range(5)
+            for dx in range(5)
             if torch.equal(shifted[i], padded[i, :, dy : dy + 28, dx : dx + 28])
         ]
         assert matches, f"image {i} is not a shifted crop"
@@ -221,9 +235,9 @@ def test_augmentation_flip_and_erasing():
     flipped = Augmentation(max_shift=0, horizontal_flip=True, erasing_probability=0.0)(
         images, torch.Generator().manual_seed(0)
     )
-    is_flipped = [torch.equal(f, i.flip(-1)) for f, i in zip(flipped, images)]
-    is_same = [torch.equal(f, i) for f, i in zip(flipped, images)]
-    assert all(a or b for a, b in zip(is_flipped, is_same))
+    is_flipped = [torch.equal(f, i.flip(-1)) for f, i in zip(flipped, images, strict=True)]
+    is_same = [torch.equal(f, i) for f, i in zip(flipped, images, strict=True)]
+    assert all(a or b for a, b in zip(is_flipped, is_same, strict=True))
     assert 10 < sum(is_flipped) < 54
 
     erased = Augmentation(max_shift=0, horizontal_flip=False, erasing_probability=1.0)(
@@ -257,7 +271,9 @@ def test_validation_split_is_deterministic_and_disjoint():
     train, validation = train_validation_split(full, 20, seed=3)
     train2, validation2 = train_validation_split(full, 20, seed=3)
     assert len(train) == 80 and len(validation) == 20
-    assert torch.equal(validation.labels, validation2.labels) and torch.equal(train.labels, train2.labels)
+    assert torch.equal(validation.labels, validation2.labels) and torch.equal(
+        train.labels, train2.labels
+    )
     assert not set(train.labels.tolist()) & set(validation.labels.tolist())
     assert sorted(train.labels.tolist() + validation.labels.tolist()) == list(range(100))
     _, other = train_validation_split(full, 20, seed=4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 from pathlib import Path
@@ -14,7 +15,6 @@ from safetensors.torch import load_file
 from export import train
 from export.model import VisionTransformer
 from export.train import TrainSettings, configure_optimizer, learning_rate_at
-
 
 
 def read_rows(run: Path) -> list[dict[str, str]]:
@@ -42,8 +42,8 @@ def test_learning_rate_warms_up_linearly_then_follows_a_cosine():
     lr = [learning_rate_at(step, total, warmup, settings) for step in range(total + 1)]
     assert lr[0] == pytest.approx(1e-5) and lr[49] == pytest.approx(5e-4)
     assert lr[99] == pytest.approx(1e-3) and lr[100] == pytest.approx(1e-3)
-    assert all(a < b for a, b in zip(lr[:99], lr[1:100]))
-    assert all(a >= b for a, b in zip(lr[100:], lr[101:]))
+    assert all(a < b for a, b in itertools.pairwise(lr[:100]))
+    assert all(a >= b for a, b in itertools.pairwise(lr[100:]))
     assert lr[550] == pytest.approx((1e-3 + 1e-5) / 2)
     assert lr[1000] == pytest.approx(1e-5)
     middle = 100 + 225  # a quarter of the way through the cosine
@@ -62,8 +62,12 @@ def test_training_on_real_fashion_mnist_lowers_the_validation_loss(tiny_run):
     assert float(rows[-1]["val_accuracy"]) > 0.6
     settings = json.loads((tiny_run / "settings.json").read_text())
     assert settings["train_limit"] == 2000 and settings["preset"] == "test-tiny"
-    for name in ("model.safetensors", "last/model.safetensors", "last/optimizer.safetensors",
-                 "last/state.json"):
+    for name in (
+        "model.safetensors",
+        "last/model.safetensors",
+        "last/optimizer.safetensors",
+        "last/state.json",
+    ):
         assert (tiny_run / name).is_file(), name
     state = json.loads((tiny_run / "last" / "state.json").read_text())
     assert state["epoch"] == 6 and state["step"] == 6 * 2000 // 50
@@ -74,9 +78,26 @@ class Interrupted(Exception):
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly_where_an_uninterrupted_run_goes(tmp_path, tiny_preset, monkeypatch):
-    args = ["--preset", tiny_preset, "--epochs", "2", "--batch-size", "64", "--train-limit", "256",
-            "--validation-size", "128", "--warmup-epochs", "1", "--seed", "5", "--no-report"]
+def test_resume_continues_exactly_where_an_uninterrupted_run_goes(
+    tmp_path, tiny_preset, monkeypatch
+):
+    args = [
+        "--preset",
+        tiny_preset,
+        "--epochs",
+        "2",
+        "--batch-size",
+        "64",
+        "--train-limit",
+        "256",
+        "--validation-size",
+        "128",
+        "--warmup-epochs",
+        "1",
+        "--seed",
+        "5",
+        "--no-report",
+    ]
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     assert train.main([*args, "--out", str(straight)]) == 0
 
@@ -97,7 +118,9 @@ def test_resume_continues_exactly_where_an_uninterrupted_run_goes(tmp_path, tiny
     assert train.main(["--out", str(ignored), "--resume", str(interrupted)]) == 0
     assert not ignored.exists()
 
-    ends = [json.loads((run / "last" / "state.json").read_text()) for run in (straight, interrupted)]
+    ends = [
+        json.loads((run / "last" / "state.json").read_text()) for run in (straight, interrupted)
+    ]
     assert ends[0]["step"] == ends[1]["step"] == 2 * (256 // 64)
     assert ends[0]["epoch"] == ends[1]["epoch"] == 2
     for name in ("last/model.safetensors", "last/optimizer.safetensors", "model.safetensors"):

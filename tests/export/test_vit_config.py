@@ -26,8 +26,10 @@ from export.model import VisionTransformer
         ({"attention_dropout": -0.1}, r"attention_dropout must be in \[0, 1\), got -0.1"),
         ({"pooling": "avg"}, "pooling must be 'token' or 'mean', got 'avg'"),
         ({"position_embedding": "rope"}, "position_embedding must be 'learned' or 'sinusoidal'"),
-        ({"position_embedding": "sinusoidal", "dim": 27, "heads": 3},
-         "sinusoidal position embedding needs an even dim, got 27"),
+        (
+            {"position_embedding": "sinusoidal", "dim": 27, "heads": 3},
+            "sinusoidal position embedding needs an even dim, got 27",
+        ),
         ({"patch_size": 3}, "patch_size 3 does not divide image_height 28"),
     ],
 )
@@ -44,20 +46,40 @@ def test_from_dict_refuses_unknown_fields_and_round_trips():
 
 
 def test_unknown_preset_lists_the_known_ones():
-    with pytest.raises(ValueError, match="unknown preset 'vit-h14'; choose one of: .*mnist-tiny"):
+    with pytest.raises(ValueError, match=r"unknown preset 'vit-h14'; choose one of: .*mnist-tiny"):
         get_preset("vit-h14")
 
 
 def test_presets_hold_the_seed_sizes():
     tiny = get_preset("mnist-tiny")
-    assert (tiny.image_height, tiny.patch_size, tiny.depth, tiny.heads, tiny.dim, tiny.mlp_dim,
-            tiny.representation_size, tiny.in_channels) == (28, 2, 2, 2, 64, 256, 32, 1)
+    assert (
+        tiny.image_height,
+        tiny.patch_size,
+        tiny.depth,
+        tiny.heads,
+        tiny.dim,
+        tiny.mlp_dim,
+        tiny.representation_size,
+        tiny.in_channels,
+    ) == (28, 2, 2, 2, 64, 256, 32, 1)
     cifar = get_preset("cifar10-small")
-    assert (cifar.image_height, cifar.in_channels, cifar.patch_size, cifar.dim, cifar.depth,
-            cifar.heads, cifar.mlp_dim) == (32, 3, 4, 48, 4, 4, 192)
+    assert (
+        cifar.image_height,
+        cifar.in_channels,
+        cifar.patch_size,
+        cifar.dim,
+        cifar.depth,
+        cifar.heads,
+        cifar.mlp_dim,
+    ) == (32, 3, 4, 48, 4, 4, 192)
     base = get_preset("vit-b16")
     assert (base.image_height, base.patch_size, base.dim, base.depth, base.heads, base.mlp_dim) == (
-        224, 16, 768, 12, 12, 3072,
+        224,
+        16,
+        768,
+        12,
+        12,
+        3072,
     )
     assert set(PRESETS) >= {"mnist-tiny", "cifar10-small", "vit-b16", "fashion-small"}
 

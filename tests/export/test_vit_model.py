@@ -14,8 +14,16 @@ from export.summary import format_summary, module_rows, trace_shapes
 
 
 def small(**changes) -> ViTConfig:
-    values = {"image_height": 16, "image_width": 16, "patch_size": 4, "dim": 32, "depth": 2,
-              "heads": 4, "mlp_dim": 64, **changes}
+    values = {
+        "image_height": 16,
+        "image_width": 16,
+        "patch_size": 4,
+        "dim": 32,
+        "depth": 2,
+        "heads": 4,
+        "mlp_dim": 64,
+        **changes,
+    }
     return ViTConfig(**values)
 
 
@@ -38,7 +46,9 @@ def test_seed_shape_table(name):
     shapes = dict(stages)
     assert len(shapes) == len(stages), "stage names must be unique"
     nseq, tokens, d, nh = config.num_patches, config.num_tokens, config.dim, config.heads
-    assert nseq == (config.image_height // config.patch_size) * (config.image_width // config.patch_size)
+    assert nseq == (config.image_height // config.patch_size) * (
+        config.image_width // config.patch_size
+    )
 
     # linearProjection: (B, nc, h, w) -> (B, Nseq, d_model)
     assert shapes["input"] == (batch, config.in_channels, config.image_height, config.image_width)
@@ -58,7 +68,11 @@ def test_seed_shape_table(name):
     # vit: (B, nc, h, w) -> (B, num_classes)
     assert shapes["logits"] == (batch, config.num_classes)
     assert shapes["attention maps (batch, layers, heads, tokens, tokens)"] == (
-        batch, config.depth, nh, tokens, tokens,
+        batch,
+        config.depth,
+        nh,
+        tokens,
+        tokens,
     )
 
 
@@ -126,7 +140,8 @@ def test_fused_and_explicit_attention_agree(pooling, training, monkeypatch):
     calls = []
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(
-        torch.nn.functional, "scaled_dot_product_attention",
+        torch.nn.functional,
+        "scaled_dot_product_attention",
         lambda *a, **k: calls.append(1) or real_sdpa(*a, **k),
     )
     fused = model(images)
@@ -159,7 +174,9 @@ def test_get_attention_output_selects_layer_and_head_and_validates():
     _, maps = model.forward_with_attention(images)
     for layer in range(3):
         for head in range(2):
-            torch.testing.assert_close(model.get_attention_output(images, layer, head), maps[:, layer, head])
+            torch.testing.assert_close(
+                model.get_attention_output(images, layer, head), maps[:, layer, head]
+            )
     assert not torch.allclose(maps[:, 0, 0], maps[:, 2, 1])
     with pytest.raises(ValueError, match=r"layer must be in \[0, 3\), got 3"):
         model.get_attention_output(images, 3, 0)
@@ -208,13 +225,23 @@ def test_one_and_three_channels(channels):
     assert model.patch_embedding.projection.in_channels == channels
     assert model(torch.randn(2, channels, 16, 16)).shape == (2, 10)
     other = 4 - channels
-    with pytest.raises(ValueError, match=rf"expected images of shape \(batch, {channels}, 16, 16\)"):
+    with pytest.raises(
+        ValueError, match=rf"expected images of shape \(batch, {channels}, 16, 16\)"
+    ):
         model(torch.randn(2, other, 16, 16))
 
 
 def test_non_square_images():
-    config = ViTConfig(image_height=28, image_width=56, patch_size=4, dim=32, depth=2, heads=2,
-                       mlp_dim=64, pooling="token")
+    config = ViTConfig(
+        image_height=28,
+        image_width=56,
+        patch_size=4,
+        dim=32,
+        depth=2,
+        heads=2,
+        mlp_dim=64,
+        pooling="token",
+    )
     assert config.grid == (7, 14) and config.num_patches == 98 and config.num_tokens == 99
     model = VisionTransformer(config).eval()
     logits, maps = model.forward_with_attention(torch.randn(2, 1, 28, 56))
@@ -228,3 +255,17 @@ def test_a_patch_that_does_not_divide_a_side_is_refused():
         ViTConfig(patch_size=5)
     with pytest.raises(ValueError, match="patch_size 8 does not divide image_width 28"):
         ViTConfig(image_height=32, image_width=28, patch_size=8)
+
+
+def test_summary_command_prints_modules_and_shapes(run_module):
+    completed = run_module("export.summary", "--preset", "cifar10-small", "--batch", "2")
+    assert completed.returncode == 0, completed.stderr
+    out = completed.stdout
+    assert "preset cifar10-small" in out and "32x32x3 images, patch 4 -> 8x8 = 64 patches" in out
+    assert "+ class token" in out and "(2, 65, 48)" in out
+    assert "block 3 per-head output" in out and "(2, 4, 65, 12)" in out
+    assert "logits" in out and "(2, 10)" in out
+    model = VisionTransformer(get_preset("cifar10-small"))
+    assert f"total parameters: {model.num_parameters():,}" in out
+    refused = run_module("export.summary", "--preset", "cifar10-small", "--batch", "0")
+    assert refused.returncode == 2 and "--batch must be at least 1, got 0" in refused.stderr

@@ -1,0 +1,111 @@
+# vitserve: the two commands are `make serve` and `make test`; `make help` lists the rest.
+
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+MAKEFLAGS += --no-builtin-rules
+
+PYTHON ?= python3
+VENV ?= .venv
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+# make train / make export
+PRESET ?= fashion-small
+DATASET ?= fashion-mnist
+RUN ?= runs/$(PRESET)
+MODEL ?= fashion-mnist-vit
+VERSION ?= 2
+REPO ?= models
+
+BIN := $(VENV)/bin
+VPY := $(BIN)/python
+PIP := $(VPY) -m pip install --disable-pip-version-check --quiet
+
+SERVE_REQS := requirements/serve.txt
+TEST_REQS := requirements/serve.txt requirements/export.txt requirements/dev.txt
+# A stamp per set of requirements, named after the files' hash: a second run installs nothing, and a
+# change to any pinned file installs again.
+req_hash = $(shell cat $(1) | sha256sum | cut -c1-16)
+SERVE_STAMP := $(VENV)/.installed-serve-$(call req_hash,$(SERVE_REQS))
+TEST_STAMP := $(VENV)/.installed-test-$(call req_hash,$(TEST_REQS))
+
+DATASET_DIR := /usr/share/datasets/fashion-mnist
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: help serve test lint format hadolint compose-check pytest dataset train export bench \
+	docker-build clean
+
+help: ## List the targets.
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+
+$(VPY):
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), f"Python 3.11 or newer needed, found {sys.version}"'
+	$(PYTHON) -m venv $(VENV)
+
+$(SERVE_STAMP): | $(VPY)
+	$(PIP) -r $(SERVE_REQS)
+	rm -f $(VENV)/.installed-serve-*
+	touch $@
+
+$(TEST_STAMP): | $(VPY)
+	$(PIP) $(addprefix -r ,$(TEST_REQS))
+	rm -f $(VENV)/.installed-test-* $(VENV)/.installed-serve-*
+	touch $@ $(SERVE_STAMP)
+
+serve: $(SERVE_STAMP) ## Serve the shipped model at http://127.0.0.1:PORT (PORT=8000); installs no torch.
+	@echo "vitserve: http://$(HOST):$(PORT)  (OpenAPI docs: http://$(HOST):$(PORT)/docs)"
+	VITSERVE_HOST=$(HOST) VITSERVE_PORT=$(PORT) exec $(VPY) -m service
+
+test: lint hadolint compose-check pytest ## Lint, check the Dockerfile and compose file, run every test.
+
+lint: $(TEST_STAMP) ## ruff check and ruff format --check.
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(TEST_STAMP) ## Fix what ruff can and format the code.
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+hadolint: $(TEST_STAMP) ## Lint the Dockerfile (rules in .hadolint.yaml).
+	$(BIN)/hadolint Dockerfile
+
+compose-check: $(TEST_STAMP) ## Validate docker-compose.yml (no Docker engine needed).
+	$(BIN)/docker-compose -f docker-compose.yml --profile cpu --profile export config --quiet
+
+# pytest exits 5 when it collected no test: that fails here like any other non-zero status.
+pytest: $(TEST_STAMP) dataset ## Run the test suite.
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+dataset: ## Install Debian's dataset-fashion-mnist when its files are missing.
+	@missing=0; \
+	for f in train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte t10k-labels-idx1-ubyte; do \
+		[ -e $(DATASET_DIR)/$$f ] || [ -e $(DATASET_DIR)/$$f.gz ] || missing=1; \
+	done; \
+	if [ $$missing = 0 ]; then \
+		echo "Fashion-MNIST: $(DATASET_DIR)"; \
+	else \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$(SUDO) apt-get install -y --no-install-recommends dataset-fashion-mnist \
+		|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends dataset-fashion-mnist; }; \
+	fi
+
+train: $(TEST_STAMP) dataset ## Train a ViT: PRESET=fashion-small RUN=runs/fashion-small.
+	$(VPY) -m export.train --preset $(PRESET) --dataset $(DATASET) --out $(RUN)
+
+export: $(TEST_STAMP) dataset ## Export RUN to ONNX as models/MODEL/VERSION.
+	$(VPY) -m export.onnx $(RUN) --name $(MODEL) --version $(VERSION) --repo $(REPO)
+
+bench: $(TEST_STAMP) ## Run the benchmarks (results: BENCHMARKS.md).
+	@test -d bench || { echo "no bench/ directory yet" >&2; exit 1; }
+	$(VPY) -m bench
+
+docker-build: ## Build the three images (needs a Docker engine).
+	docker build --target service-cpu -t vitserve:cpu .
+	docker build --target service-gpu -t vitserve:gpu .
+	docker build --target export -t vitserve:export .
+
+clean: ## Remove the virtual environment, caches and test artifacts (never runs/ or models/).
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis test-artifacts
+	find . -path ./runs -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

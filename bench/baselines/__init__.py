@@ -1,0 +1,1 @@
+"""Servers the vitserve service is measured against."""

@@ -1,0 +1,250 @@
+"""onnxruntime vs PyTorch eager on the same weights and the same thread count, and the classifier graph
+vs the attention graph.
+
+``python -m bench.engine --json OUT [--quick] [--threads N]``
+
+- The shipped model: onnxruntime runs ``model.onnx`` with the service's own session options
+  (``service.runtime.open_session``); PyTorch runs ``export.model.VisionTransformer`` built from the
+  file's ``model_config`` with the file's initializers copied in (bench/weights.py, checked against
+  onnxruntime before anything is timed).
+- A larger model (DeiT-Tiny sizes on 32x32 RGB, patch 4: 5.4M parameters, about 15x the shipped model's
+  compute per image), randomly initialised, exported on the fly with ``export.onnx.to_onnx`` (the
+  function ``build_graphs`` uses for the classifier) into a temporary directory.
+- ``model.onnx`` vs ``attention.onnx`` of the shipped model at batch 32 (and 1): what ``/predict``
+  would pay if it ran the graph that also outputs attention maps.
+
+Every point is images/s, repeated (interleaved across engines and batch sizes), reported as the median
+with min and max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from bench.stats import rate, summarize
+from bench.weights import read_metadata, torch_from_onnx
+from export.config import ViTConfig
+from export.model import VisionTransformer
+from service.runtime import open_session
+from service.settings import Settings
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "models" / "fashion-mnist-vit" / "1"
+LARGE_NAME = "vit-ti-cifar"
+LARGE = ViTConfig(
+    image_height=32,
+    image_width=32,
+    in_channels=3,
+    patch_size=4,
+    num_classes=10,
+    dim=192,
+    depth=12,
+    heads=3,
+    mlp_dim=768,
+    pooling="token",
+)
+
+
+def threads_default() -> int:
+    """OMP_NUM_THREADS when set (smoke runs on a shared machine), else every CPU we may use."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def ort_session(path: Path, threads: int):
+    return open_session(path, Settings(provider="cpu", intra_op_threads=threads))
+
+
+def images_for(config: ViTConfig, batch: int) -> np.ndarray:
+    rng = np.random.default_rng(batch)
+    shape = (batch, config.in_channels, config.image_height, config.image_width)
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+def compare_engines(
+    name: str,
+    model: VisionTransformer,
+    onnx_path: Path,
+    threads: int,
+    batches: list[int],
+    repeats: int,
+    min_time_s: float,
+) -> dict:
+    session = ort_session(onnx_path, threads)
+    input_name = session.get_inputs()[0].name
+    runners = {}
+    for batch in batches:
+        x = images_for(model.config, batch)
+        tensor = torch.from_numpy(x)
+
+        def run_ort(x=x):
+            return session.run(None, {input_name: x})
+
+        def run_torch(tensor=tensor):
+            with torch.inference_mode():
+                return model(tensor)
+
+        runners[batch] = {"onnxruntime": run_ort, "pytorch": run_torch}
+        for run in runners[batch].values():  # warm-up, and a check that both agree
+            run()
+        with torch.inference_mode():
+            difference = float(np.abs(model(tensor).numpy() - run_ort()[0]).max())
+        if difference > 1e-3 * max(1.0, float(np.abs(run_ort()[0]).max())):
+            raise RuntimeError(f"{name}: engines disagree by {difference:.3g} at batch {batch}")
+    samples: dict[str, dict[int, list[float]]] = {
+        "onnxruntime": {b: [] for b in batches},
+        "pytorch": {b: [] for b in batches},
+    }
+    for repeat in range(repeats):
+        for batch in batches:
+            engines = ["onnxruntime", "pytorch"]
+            if repeat % 2:
+                engines.reverse()
+            for engine in engines:
+                min_calls = 2 if batch >= 64 else 3
+                samples[engine][batch].append(
+                    rate(runners[batch][engine], batch, min_time_s, min_calls)
+                )
+    table = {}
+    for batch in batches:
+        ort_summary = summarize(samples["onnxruntime"][batch])
+        torch_summary = summarize(samples["pytorch"][batch])
+        table[str(batch)] = {
+            "onnxruntime": ort_summary,
+            "pytorch": torch_summary,
+            "onnxruntime_over_pytorch": ort_summary["median"] / torch_summary["median"],
+        }
+        print(
+            f"  {name} batch {batch:>3}: onnxruntime {ort_summary['median']:>9,.0f} img/s, "
+            f"pytorch {torch_summary['median']:>9,.0f} img/s",
+            flush=True,
+        )
+    return {
+        "config": model.config.to_dict(),
+        "parameters": model.num_parameters(),
+        "samples": {e: {str(b): v for b, v in s.items()} for e, s in samples.items()},
+        "batches": table,
+    }
+
+
+def classifier_vs_attention(
+    threads: int, batches: list[int], repeats: int, min_time_s: float
+) -> dict:
+    sessions = {
+        "model.onnx": ort_session(SHIPPED / "model.onnx", threads),
+        "attention.onnx": ort_session(SHIPPED / "attention.onnx", threads),
+    }
+    config = ViTConfig.from_dict(
+        read_metadata(onnx.load(str(SHIPPED / "model.onnx")))["model_config"]
+    )
+    result = {}
+    for batch in batches:
+        x = images_for(config, batch)
+        runs = {
+            graph: (lambda s=session, x=x: s.run(None, {"images": x}))
+            for graph, session in sessions.items()
+        }
+        for run in runs.values():
+            run()
+        samples = {graph: [] for graph in runs}
+        for repeat in range(repeats):
+            order = list(runs) if repeat % 2 == 0 else list(reversed(runs))
+            for graph in order:
+                samples[graph].append(rate(runs[graph], batch, min_time_s, 3))
+        ratios = [
+            c / a for c, a in zip(samples["model.onnx"], samples["attention.onnx"], strict=True)
+        ]
+        result[str(batch)] = {
+            "model.onnx": summarize(samples["model.onnx"]),
+            "attention.onnx": summarize(samples["attention.onnx"]),
+            "classifier_over_attention": summarize(ratios),
+            "samples": samples,
+        }
+        print(
+            f"  classifier vs attention graph, batch {batch}: "
+            f"{result[str(batch)]['model.onnx']['median']:,.0f} vs "
+            f"{result[str(batch)]['attention.onnx']['median']:,.0f} img/s",
+            flush=True,
+        )
+    return result
+
+
+def export_large(directory: Path) -> tuple[VisionTransformer, Path, float]:
+    """The larger model, randomly initialised (head included, so the logits are not all zero)."""
+    from export.onnx import to_onnx  # imports the exporter stack only when needed
+
+    torch.manual_seed(0)
+    model = VisionTransformer(LARGE).eval()
+    torch.nn.init.normal_(model.head.weight, std=0.02)
+    started = time.perf_counter()
+    example = torch.zeros(2, LARGE.in_channels, LARGE.image_height, LARGE.image_width)
+    model.set_fused_attention(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        proto = to_onnx(model, example, ["logits"])
+    path = directory / "model.onnx"
+    onnx.save_model(proto, path)
+    return model, path, time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__)
+    parser.add_argument("--json", type=Path, required=True, help="where to write the results")
+    parser.add_argument("--quick", action="store_true", help="smoke run: few, short repeats")
+    parser.add_argument("--threads", type=int, default=threads_default())
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--min-time", type=float, default=None, help="seconds per timed point")
+    parser.add_argument("--skip-large", action="store_true", help="only the shipped model")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (2 if args.quick else 3)
+    min_time = args.min_time or (0.05 if args.quick else 0.5)
+    batches = [1, 32] if args.quick else [1, 8, 32, 128]
+    threads = args.threads
+    torch.set_num_threads(threads)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    started = time.perf_counter()
+    results: dict = {
+        "threads": threads,
+        "repeats": repeats,
+        "min_time_s": min_time,
+        "batches": batches,
+        "models": {},
+    }
+    print(f"engine: {threads} thread(s), {repeats} repeats, >= {min_time} s per point", flush=True)
+    shipped, _ = torch_from_onnx(SHIPPED / "model.onnx")
+    results["models"]["fashion-mnist-vit (shipped)"] = compare_engines(
+        "shipped", shipped, SHIPPED / "model.onnx", threads, batches, repeats, min_time
+    )
+    results["classifier_vs_attention"] = classifier_vs_attention(
+        threads, [1, 32], max(repeats, 5) if not args.quick else repeats, min_time
+    )
+    if not args.skip_large:
+        with tempfile.TemporaryDirectory(prefix="vitserve-bench-") as tmp:
+            large, path, export_s = export_large(Path(tmp))
+            print(f"  exported {LARGE_NAME} in {export_s:.1f} s", flush=True)
+            entry = compare_engines(LARGE_NAME, large, path, threads, batches, repeats, min_time)
+            entry["export_seconds"] = export_s
+            results["models"][f"{LARGE_NAME} (larger)"] = entry
+    results["seconds"] = time.perf_counter() - started
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=1))
+    print(f"engine: done in {results['seconds']:.0f} s -> {args.json}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The images and request bodies every benchmark sends: Fashion-MNIST test images as 28x28 PNG files.
+
+Read straight from the IDX file Debian's ``dataset-fashion-mnist`` installs (no torch needed); when it
+is missing, deterministic synthetic garments of the same size stand in (the report says which).
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+DATASET_DIRS = (Path("/usr/share/datasets/fashion-mnist"), Path("data/fashion-mnist"))
+TEST_IMAGES = "t10k-images-idx3-ubyte.gz"
+
+
+def load_images(count: int) -> tuple[np.ndarray, str]:
+    """``count`` uint8 images [count, 28, 28] and where they came from."""
+    for directory in DATASET_DIRS:
+        path = directory / TEST_IMAGES
+        if path.is_file():
+            with gzip.open(path, "rb") as handle:
+                raw = handle.read(16 + count * 28 * 28)
+            images = np.frombuffer(raw, dtype=np.uint8, offset=16).reshape(-1, 28, 28)
+            return images[:count].copy(), str(path)
+    rng = np.random.default_rng(0)
+    images = np.zeros((count, 28, 28), dtype=np.uint8)
+    for i in range(count):
+        top, left = rng.integers(2, 8, size=2)
+        images[i, top : 28 - top, left : 28 - left] = rng.integers(80, 255)
+    return images, "synthetic (Fashion-MNIST not found)"
+
+
+def png_bytes(image: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def b64_pngs(count: int) -> tuple[list[str], str]:
+    images, source = load_images(count)
+    return [base64.b64encode(png_bytes(image)).decode("ascii") for image in images], source
+
+
+def predict_body(encoded: list[str], top_k: int = 5) -> bytes:
+    return json.dumps({"images": [{"b64": e} for e in encoded], "top_k": top_k}).encode()
+
+
+def attention_body(encoded: str, output: str) -> bytes:
+    return json.dumps({"image": {"b64": encoded}, "format": output}).encode()
+
+
+def photo_jpeg(width: int = 640, height: int = 480) -> bytes:
+    """A photo-like RGB JPEG: a dark garment-shaped blob on a light, noisy background."""
+    rng = np.random.default_rng(1)
+    y, x = np.mgrid[0:height, 0:width]
+    background = 200 + 30 * (x / width) + rng.normal(0, 6, (height, width))
+    blob = ((x - width / 2) / (width / 4)) ** 2 + ((y - height / 2) / (height / 3)) ** 2 < 1
+    gray = np.where(blob, 60 + rng.normal(0, 10, (height, width)), background)
+    rgb = np.clip(np.stack([gray, gray * 0.95, gray * 0.9], axis=-1), 0, 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(rgb).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()

@@ -1,0 +1,241 @@
+// vitserve demo page: plain JavaScript, no build step, nothing loaded from elsewhere.
+// Calls /models (description), /predict (top classes) and /attention with format=png (overlay).
+"use strict";
+
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const keyInput = $("api-key");
+  const fileInput = $("file-input");
+  const dropzone = $("dropzone");
+  const canvas = $("canvas");
+  const invert = $("invert");
+  const statusLine = $("status");
+  const errorBox = $("error");
+  const labelHeading = $("prediction-label");
+  const scores = $("scores");
+  const preview = $("preview");
+  const overlay = $("overlay");
+  const TOP_K = 5;
+  const KEY_STORAGE = "vitserve-api-key";
+  let latest = 0; // only the newest request may write the results
+  const urls = { preview: null, overlay: null };
+
+  keyInput.value = sessionStorage.getItem(KEY_STORAGE) || "";
+  keyInput.addEventListener("change", () => {
+    sessionStorage.setItem(KEY_STORAGE, keyInput.value.trim());
+    describeModel();
+  });
+
+  function authHeaders() {
+    const key = keyInput.value.trim();
+    return key ? { Authorization: `Bearer ${key}` } : {};
+  }
+
+  // The service answers errors as {"error": {"message": ...}} (the /v2 routes as {"error": "..."}).
+  async function errorMessage(response) {
+    let message = `the service answered ${response.status} ${response.statusText}`.trim();
+    try {
+      const body = await response.json();
+      const error = body && body.error;
+      if (typeof error === "string") message = error;
+      else if (error && error.message) message = error.message;
+    } catch (_) {
+      // not JSON: keep the status line
+    }
+    if (response.status === 401) message += ". Enter the service's API key above.";
+    if (response.status === 503) {
+      const retry = response.headers.get("Retry-After");
+      message += retry ? ` (retry in ${retry} s)` : "";
+    }
+    return message;
+  }
+
+  function showError(message) {
+    errorBox.textContent = message;
+    errorBox.hidden = false;
+  }
+
+  function clearResults() {
+    errorBox.hidden = true;
+    errorBox.textContent = "";
+    labelHeading.textContent = "";
+    scores.replaceChildren();
+    showFigure(overlay, false);
+    overlay.removeAttribute("src");
+  }
+
+  // An image and its caption are shown or hidden together.
+  function showFigure(img, visible) {
+    img.hidden = !visible;
+    img.closest("figure").hidden = !visible;
+  }
+
+  function setImage(img, key, blob) {
+    if (urls[key]) URL.revokeObjectURL(urls[key]);
+    urls[key] = URL.createObjectURL(blob);
+    img.src = urls[key];
+    showFigure(img, true);
+  }
+  // A file the browser cannot show (not an image, or a format it lacks) gets no broken preview.
+  preview.addEventListener("error", () => showFigure(preview, false));
+
+  async function describeModel() {
+    const info = $("model-info");
+    try {
+      const response = await fetch("/models", { headers: authHeaders() });
+      if (!response.ok) {
+        info.textContent = `Model description unavailable: ${await errorMessage(response)}`;
+        if (response.status === 401) keyInput.focus();
+        return;
+      }
+      const model = (await response.json()).models[0];
+      const accuracy =
+        model.test_accuracy == null ? "" : `, ${(100 * model.test_accuracy).toFixed(1)}% test accuracy`;
+      info.textContent =
+        `${model.name} version ${model.version}: ${model.labels.length} classes ` +
+        `(${model.labels.join(", ")}), input ${model.input.width}×${model.input.height}` +
+        `${accuracy}, on ${model.provider}.`;
+    } catch (error) {
+      info.textContent = `Cannot reach the service (${error.message}).`;
+    }
+  }
+
+  function renderPrediction(prediction) {
+    labelHeading.textContent = prediction.label;
+    const items = prediction.top_k.map((entry) => {
+      const item = document.createElement("li");
+      const name = document.createElement("span");
+      name.className = "label";
+      name.textContent = entry.label;
+      const bar = document.createElement("span");
+      bar.className = "bar";
+      const fill = document.createElement("span");
+      fill.className = "fill";
+      fill.style.display = "block";
+      fill.style.width = `${(100 * entry.score).toFixed(1)}%`;
+      bar.append(fill);
+      const score = document.createElement("span");
+      score.className = "score";
+      score.textContent = `${(100 * entry.score).toFixed(1)}%`;
+      item.append(name, bar, score);
+      return item;
+    });
+    scores.replaceChildren(...items);
+  }
+
+  async function post(path, blob, filename, fields) {
+    const form = new FormData();
+    form.append(path === "/predict" ? "files" : "file", blob, filename);
+    for (const [key, value] of Object.entries(fields)) form.append(key, value);
+    return fetch(path, { method: "POST", headers: authHeaders(), body: form });
+  }
+
+  async function classify(blob, filename) {
+    const ticket = ++latest;
+    clearResults();
+    setImage(preview, "preview", blob);
+    statusLine.textContent = "Asking the model…";
+    const options = { invert: invert.value };
+    try {
+      const [predicted, attended] = await Promise.all([
+        post("/predict", blob, filename, { ...options, top_k: String(TOP_K) }),
+        post("/attention", blob, filename, { ...options, format: "png" }),
+      ]);
+      if (ticket !== latest) return;
+      if (!predicted.ok) {
+        statusLine.textContent = "The model could not classify this image.";
+        showError(await errorMessage(predicted));
+        return;
+      }
+      const body = await predicted.json();
+      if (ticket !== latest) return;
+      renderPrediction(body.predictions[0]);
+      statusLine.textContent = `${body.model.name} version ${body.model.version} says:`;
+      if (attended.ok) {
+        setImage(overlay, "overlay", await attended.blob());
+      } else {
+        showError(`No attention overlay: ${await errorMessage(attended)}`);
+      }
+    } catch (error) {
+      if (ticket !== latest) return;
+      statusLine.textContent = "No answer.";
+      showError(`Cannot reach the service (${error.message}).`);
+    }
+  }
+
+  // --- file input and drag and drop -----------------------------------------------------------
+  fileInput.addEventListener("change", () => {
+    const file = fileInput.files[0];
+    if (file) classify(file, file.name);
+    fileInput.value = ""; // choosing the same file again classifies again
+  });
+  dropzone.addEventListener("dragover", (event) => {
+    event.preventDefault();
+    dropzone.classList.add("over");
+  });
+  dropzone.addEventListener("dragleave", () => dropzone.classList.remove("over"));
+  dropzone.addEventListener("drop", (event) => {
+    event.preventDefault();
+    dropzone.classList.remove("over");
+    const file = event.dataTransfer.files[0];
+    if (file) classify(file, file.name);
+    else showError("Nothing to classify: drop an image file.");
+  });
+  dropzone.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" || event.key === " ") {
+      event.preventDefault();
+      fileInput.click();
+    }
+  });
+
+  // --- drawing ---------------------------------------------------------------------------------
+  const context = canvas.getContext("2d");
+  function clearCanvas() {
+    context.fillStyle = "#000";
+    context.fillRect(0, 0, canvas.width, canvas.height);
+  }
+  clearCanvas();
+  context.strokeStyle = "#fff";
+  context.lineWidth = 22;
+  context.lineCap = "round";
+  context.lineJoin = "round";
+  let drawing = false;
+
+  function point(event) {
+    const box = canvas.getBoundingClientRect();
+    return [
+      ((event.clientX - box.left) * canvas.width) / box.width,
+      ((event.clientY - box.top) * canvas.height) / box.height,
+    ];
+  }
+  canvas.addEventListener("pointerdown", (event) => {
+    drawing = true;
+    canvas.setPointerCapture(event.pointerId);
+    const [x, y] = point(event);
+    context.beginPath();
+    context.moveTo(x, y);
+    context.lineTo(x + 0.01, y);
+    context.stroke();
+  });
+  canvas.addEventListener("pointermove", (event) => {
+    if (!drawing) return;
+    const [x, y] = point(event);
+    context.lineTo(x, y);
+    context.stroke();
+  });
+  const stop = () => {
+    drawing = false;
+  };
+  canvas.addEventListener("pointerup", stop);
+  canvas.addEventListener("pointercancel", stop);
+
+  $("clear-canvas").addEventListener("click", clearCanvas);
+  $("classify-drawing").addEventListener("click", () => {
+    canvas.toBlob((blob) => {
+      if (blob) classify(blob, "drawing.png");
+      else showError("The drawing could not be turned into an image.");
+    }, "image/png");
+  });
+
+  describeModel();
+})();

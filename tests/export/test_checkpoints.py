@@ -1,0 +1,87 @@
+"""Checkpoints are safetensors with the config in their metadata, and nothing else is loaded."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from export.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from export.data import FASHION_MNIST_LABELS
+from export.model import VisionTransformer
+
+
+@pytest.mark.parametrize("position_embedding", ["learned", "sinusoidal"])
+def test_save_and_load_give_the_same_model(tmp_path, tiny_config, position_embedding):
+    config = tiny_config.replace(position_embedding=position_embedding, representation_size=16)
+    torch.manual_seed(0)
+    model = VisionTransformer(config)
+    torch.nn.init.normal_(model.head.weight)
+    path = tmp_path / "model.safetensors"
+    save_checkpoint(model, path, "fashion-mnist", FASHION_MNIST_LABELS, epoch="3")
+    loaded, metadata = load_checkpoint(tmp_path)  # a run directory means its model.safetensors
+    assert loaded.config == config and not loaded.training
+    assert metadata["dataset"] == "fashion-mnist" and metadata["epoch"] == "3"
+    assert json.loads(metadata["labels"]) == list(FASHION_MNIST_LABELS)
+    original, restored = model.state_dict(), loaded.state_dict()
+    assert original.keys() == restored.keys()
+    assert all(torch.equal(original[key], restored[key]) for key in original)
+    images = torch.randn(2, 1, 28, 28)
+    torch.testing.assert_close(loaded(images), model.eval()(images), atol=0, rtol=0)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_pickle_is_refused_without_being_unpickled(tmp_path):
+    marker = tmp_path / "unpickled"
+
+    class Payload:
+        def __reduce__(self):
+            return open, (str(marker), "w")
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(pickle.dumps({"weights": Payload()}))
+    with pytest.raises(CheckpointError, match=rf"{path}: not a safetensors file .*never unpickled"):
+        load_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_a_torch_save_file_is_refused(tmp_path):
+    path = tmp_path / "model.pt"
+    torch.save({"weight": torch.zeros(2)}, path)
+    with pytest.raises(CheckpointError, match=rf"{path}: not a safetensors file"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("content", [b"", b"short", b'{"not": "safetensors"}' * 4])
+def test_other_files_are_refused_with_their_path(tmp_path, content):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError, match=rf"{path}: not a safetensors file"):
+        load_checkpoint(path)
+
+
+def test_missing_checkpoint_and_missing_metadata(tmp_path):
+    with pytest.raises(CheckpointError, match="no such checkpoint file"):
+        load_checkpoint(tmp_path / "absent.safetensors")
+    path = tmp_path / "bare.safetensors"
+    save_file({"w": torch.zeros(2)}, str(path))
+    with pytest.raises(CheckpointError, match="lacks 'config'; not a vitserve checkpoint"):
+        load_checkpoint(path)
+
+
+def test_weights_that_do_not_fit_the_config_are_refused(tmp_path, tiny_config):
+    model = VisionTransformer(tiny_config)
+    path = tmp_path / "model.safetensors"
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    bigger = tiny_config.replace(dim=64)
+    metadata = {
+        "config": bigger.to_json(),
+        "dataset": "fashion-mnist",
+        "labels": json.dumps(list(FASHION_MNIST_LABELS)),
+    }
+    save_file(state, str(path), metadata=metadata)
+    with pytest.raises(CheckpointError, match="weights do not fit the config"):
+        load_checkpoint(path)

@@ -1,0 +1,182 @@
+"""ONNX export: parity with PyTorch, self-describing metadata, Triton layout, refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from export import onnx as onnx_export
+from export.checkpoint import load_checkpoint
+from export.data import get_dataset_spec, load_dataset, normalize
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_run, tmp_path_factory) -> tuple[Path, dict]:
+    repo = tmp_path_factory.mktemp("repo")
+    result = onnx_export.export_model(tiny_run, "tiny", 3, repo)
+    return repo, result
+
+
+def metadata_of(path: Path) -> dict:
+    model = onnx.load(str(path))
+    props = {p.key: p.value for p in model.metadata_props}
+    return json.loads(props["vitserve"])
+
+
+def test_writes_the_triton_layout(exported):
+    repo, result = exported
+    entry = repo / "tiny"
+    assert sorted(p.name for p in entry.iterdir()) == ["3", "config.pbtxt", "labels.txt"]
+    assert sorted(p.name for p in (entry / "3").iterdir()) == ["attention.onnx", "model.onnx"]
+    assert (entry / "labels.txt").read_text().splitlines()[1] == "Trouser"
+    config = (entry / "config.pbtxt").read_text()
+    assert 'platform: "onnxruntime_onnx"' in config
+    assert "dims: [ 1, 28, 28 ]" in config and "dims: [ 10 ]" in config
+    assert (entry / "3").stat().st_mode & 0o755 == 0o755
+    assert result["path"] == str(entry / "3")
+
+
+def test_verification_figures_are_within_tolerance(exported):
+    _, result = exported
+    assert set(result["verification"]) == {"batch_1", "batch_7", "batch_64"}
+    for row in result["verification"].values():
+        assert row["logits_max_abs_diff"] <= 1e-4
+        assert row["attention_max_abs_diff"] <= 1e-4
+        assert row["argmax_mismatches"] == 0
+
+
+def test_graphs_have_a_dynamic_batch_axis_and_match_pytorch(exported, tiny_run):
+    repo, _ = exported
+    model, _ = load_checkpoint(tiny_run)
+    spec = get_dataset_spec("fashion-mnist")
+    _, test = load_dataset("fashion-mnist")
+    images = normalize(test.images[:13], spec)
+    classifier = ort.InferenceSession(str(repo / "tiny/3/model.onnx"))
+    attention = ort.InferenceSession(str(repo / "tiny/3/attention.onnx"))
+    assert [o.name for o in classifier.get_outputs()] == ["logits"]
+    assert [o.name for o in attention.get_outputs()] == ["logits", "attention"]
+    assert not isinstance(classifier.get_inputs()[0].shape[0], int)
+    (logits,) = classifier.run(None, {"images": images.numpy()})
+    _, maps = attention.run(None, {"images": images.numpy()})
+    with torch.inference_mode():
+        expected_logits, expected_maps = model.forward_with_attention(images)
+    np.testing.assert_allclose(logits, expected_logits.numpy(), atol=1e-4)
+    c = model.config
+    assert maps.shape == (13, c.depth, c.heads, c.num_tokens, c.num_tokens)
+    np.testing.assert_allclose(maps, expected_maps.numpy(), atol=1e-4)
+    np.testing.assert_allclose(maps.sum(-1), 1.0, atol=1e-5)
+
+
+def test_metadata_describes_the_model(exported, tiny_run):
+    repo, result = exported
+    document = metadata_of(repo / "tiny/3/model.onnx")
+    assert document["graph"] == "classifier"
+    assert metadata_of(repo / "tiny/3/attention.onnx")["graph"] == "attention"
+    assert document["name"] == "tiny" and document["version"] == 3
+    assert document["labels"][0] == "T-shirt/top" and len(document["labels"]) == 10
+    assert document["input"] == {
+        "name": "images",
+        "layout": "NCHW",
+        "dtype": "float32",
+        "channels": 1,
+        "height": 28,
+        "width": 28,
+    }
+    pre = document["preprocessing"]
+    assert pre["mean"] == [0.2860] and pre["std"] == [0.3530]
+    assert pre["polarity"] == "light-on-dark" and pre["color"] == "grayscale"
+    assert document["patch"] == {"size": 7, "grid": [4, 4]}
+    assert document["pooling"] == "token" and document["tokens"] == 17
+    assert document["dataset"] == "fashion-mnist"
+    assert document["test_images"] == 10000
+    assert document["test_accuracy"] == result["test_accuracy"]
+    assert 0.5 < document["test_accuracy"] <= 1.0
+    assert len(document["checkpoint_sha256"]) == 64
+    assert document["tools"]["torch"] == torch.__version__
+    assert document["model_config"]["dim"] == 32
+
+
+def test_no_build_machine_paths_or_stack_traces(exported):
+    repo, _ = exported
+    for name in ("model.onnx", "attention.onnx"):
+        model = onnx.load(str(repo / "tiny/3" / name))
+        assert all(
+            len(node.metadata_props) == 0 and not node.doc_string for node in model.graph.node
+        )
+        raw = (repo / "tiny/3" / name).read_bytes()
+        assert str(Path(__file__).resolve().parents[2]).encode() not in raw
+        assert b"stack_trace" not in raw and b"site-packages" not in raw
+
+
+def test_existing_version_is_not_overwritten_without_the_flag(exported, tiny_run, run_module):
+    repo, _ = exported
+    before = (repo / "tiny/3/model.onnx").stat().st_mtime_ns
+    completed = run_module(
+        "export.onnx",
+        str(tiny_run),
+        "--name",
+        "tiny",
+        "--version",
+        "3",
+        "--repo",
+        str(repo),
+        "--skip-accuracy",
+        timeout=300,
+    )
+    assert completed.returncode == 1
+    assert "already exists" in completed.stderr and "--overwrite" in completed.stderr
+    assert (repo / "tiny/3/model.onnx").stat().st_mtime_ns == before
+
+
+def test_a_broken_export_is_refused_and_writes_nothing(tiny_run, tmp_path, monkeypatch, capsys):
+    real_build = onnx_export.build_graphs
+
+    def build_from_tampered_weights(model):
+        tampered, _ = load_checkpoint(tiny_run)
+        with torch.no_grad():
+            tampered.head.bias.add_(0.5)
+        return real_build(tampered)
+
+    monkeypatch.setattr(onnx_export, "build_graphs", build_from_tampered_weights)
+    code = onnx_export.main(
+        [
+            str(tiny_run),
+            "--name",
+            "broken",
+            "--version",
+            "1",
+            "--repo",
+            str(tmp_path),
+            "--skip-accuracy",
+        ]
+    )
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "nothing written" in err and "logits differ by" in err and "figures" in err
+    assert not (tmp_path / "broken" / "1").exists()
+
+
+def test_refuses_a_checkpoint_that_is_not_safetensors(tmp_path, capsys):
+    pickled = tmp_path / "model.pt"
+    torch.save({"weights": torch.zeros(2)}, pickled)
+    code = onnx_export.main(
+        [str(pickled), "--name", "x", "--version", "1", "--repo", str(tmp_path / "repo")]
+    )
+    assert code == 1
+    assert "not a safetensors file" in capsys.readouterr().err
+    assert not (tmp_path / "repo").exists()
+
+
+def test_rejects_bad_version_and_name(tiny_run, tmp_path):
+    with pytest.raises(SystemExit):
+        onnx_export.main([str(tiny_run), "--name", "x", "--version", "0", "--repo", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        onnx_export.main(
+            [str(tiny_run), "--name", "../x", "--version", "1", "--repo", str(tmp_path)]
+        )

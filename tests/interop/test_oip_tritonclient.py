@@ -1,0 +1,422 @@
+"""The Open Inference Protocol (KServe v2) against a real uvicorn process, spoken by Triton's own client.
+
+``tritonclient.http`` is NVIDIA's client for Triton Inference Server; nobody here wrote it. What it
+accepts here, it accepts from Triton and KServe, and the answers must be those of ``/predict``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnx
+import pytest
+import tritonclient.http as triton
+from conftest import MODEL_NAME, REPO, Reference, predict_probabilities, running_server
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
+
+ONNX_TYPES = {onnx.TensorProto.FLOAT: "FP32"}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with triton.InferenceServerClient(server.url.removeprefix("http://"), concurrency=8) as c:
+        yield c
+
+
+def fp32_input(images: np.ndarray, binary: bool = False) -> triton.InferInput:
+    """uint8 [N, 28, 28] -> the normalised FP32 tensor [N, 1, 28, 28] the graph takes."""
+    tensor = Reference.normalise(images)
+    infer_input = triton.InferInput("images", list(tensor.shape), "FP32")
+    infer_input.set_data_from_numpy(tensor, binary_data=binary)
+    return infer_input
+
+
+def outputs(binary: bool = False) -> list[triton.InferRequestedOutput]:
+    return [
+        triton.InferRequestedOutput("logits", binary_data=binary),
+        triton.InferRequestedOutput("probabilities", binary_data=binary),
+    ]
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def assert_oip_error(
+    error: pytest.ExceptionInfo[InferenceServerException], status: int, *fragments: str
+) -> None:
+    assert error.value.status() == str(status), error.value
+    message = error.value.message()
+    assert isinstance(message, str), f"the error body is not {{'error': '<string>'}}: {message!r}"
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def sample(metrics_text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+# --- health and metadata ----------------------------------------------------------------------------
+
+
+def test_health_and_server_metadata(client, http):
+    assert client.is_server_live()
+    assert client.is_server_ready()
+    assert client.is_model_ready(MODEL_NAME)
+    assert client.is_model_ready(MODEL_NAME, "1")
+    assert not client.is_model_ready(MODEL_NAME, "2")
+    assert not client.is_model_ready("no-such-model")
+    metadata = client.get_server_metadata()
+    assert metadata["name"] == "vitserve"
+    assert metadata["version"] == http.get("/openapi.json").json()["info"]["version"]
+    assert {"binary_tensor_data", "classification"} <= set(metadata["extensions"])
+    for path in ("/v2/health/live", "/v2/health/ready"):
+        response = http.get(path)
+        assert (response.status_code, response.content) == (200, b"")
+
+
+def test_model_metadata_is_the_onnx_graph(client, model_repository: Path):
+    graph = onnx.load(str(model_repository / MODEL_NAME / "1" / "model.onnx")).graph
+
+    def tensors(values) -> list[dict]:
+        return [
+            {
+                "name": value.name,
+                "datatype": ONNX_TYPES[value.type.tensor_type.elem_type],
+                "shape": [
+                    d.dim_value if d.HasField("dim_value") else -1
+                    for d in value.type.tensor_type.shape.dim
+                ],
+            }
+            for value in values
+        ]
+
+    metadata = client.get_model_metadata(MODEL_NAME)
+    assert metadata["name"] == MODEL_NAME
+    assert metadata["versions"] == ["1"]
+    assert metadata["platform"] == "onnxruntime_onnx"
+    assert (
+        metadata["inputs"]
+        == tensors(graph.input)
+        == [{"name": "images", "datatype": "FP32", "shape": [-1, 1, 28, 28]}]
+    )
+    # The graph's outputs, then the one vitserve adds.
+    classes = metadata["outputs"][0]["shape"][1]
+    assert metadata["outputs"] == [
+        *tensors(graph.output),
+        {"name": "probabilities", "datatype": "FP32", "shape": [-1, classes]},
+    ]
+    assert client.get_model_metadata(MODEL_NAME, "1") == metadata
+
+
+def test_unknown_model_and_version_are_404(client):
+    with pytest.raises(InferenceServerException) as error:
+        client.get_model_metadata("resnet50")
+    assert_oip_error(error, 404, "unknown model 'resnet50'", MODEL_NAME)
+    with pytest.raises(InferenceServerException) as error:
+        client.get_model_metadata(MODEL_NAME, "3")
+    assert_oip_error(error, 404, "unknown version '3'", "version 1")
+    images = np.zeros((1, 28, 28), dtype=np.uint8)
+    with pytest.raises(InferenceServerException) as error:
+        client.infer("resnet50", [fp32_input(images)])
+    assert_oip_error(error, 404, "unknown model 'resnet50'")
+    with pytest.raises(InferenceServerException) as error:
+        client.infer(MODEL_NAME, [fp32_input(images)], model_version="2")
+    assert_oip_error(error, 404, "unknown version '2'")
+
+
+# --- inference ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_fp32_infer_matches_predict(client, http, fashion_images, binary):
+    images = fashion_images[:8]
+    result = client.infer(
+        MODEL_NAME,
+        [fp32_input(images, binary)],
+        outputs=outputs(binary),
+        request_id="fp32-batch",
+    )
+    response = result.get_response()
+    assert (response["model_name"], response["model_version"], response["id"]) == (
+        MODEL_NAME,
+        "1",
+        "fp32-batch",
+    )
+    logits = result.as_numpy("logits")
+    probabilities = result.as_numpy("probabilities")
+    assert logits.dtype == probabilities.dtype == np.float32
+    assert logits.shape == probabilities.shape == (8, 10)
+    expected = predict_probabilities(http, images)
+    assert np.argmax(logits, axis=1).tolist() == np.argmax(expected, axis=1).tolist()
+    np.testing.assert_allclose(probabilities, expected, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(softmax(logits.astype(np.float64)), expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHW"])
+def test_uint8_pixels_are_normalised_like_predict(client, http, fashion_images, layout):
+    images = fashion_images[8:14]
+    tensor = images[:, None] if layout == "NCHW" else images
+    infer_input = triton.InferInput("images", list(tensor.shape), "UINT8")
+    infer_input.set_data_from_numpy(np.ascontiguousarray(tensor), binary_data=False)
+    result = client.infer(MODEL_NAME, [infer_input], outputs=outputs())
+    expected = predict_probabilities(http, images)
+    assert np.argmax(result.as_numpy("logits"), axis=1).tolist() == np.argmax(expected, 1).tolist()
+    np.testing.assert_allclose(result.as_numpy("probabilities"), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_no_requested_outputs_returns_every_output_in_binary(client, http, fashion_images):
+    """tritonclient asks for binary_data_output when no output is named: Triton's default path."""
+    images = fashion_images[14:17]
+    result = client.infer(MODEL_NAME, [fp32_input(images, binary=True)])
+    names = [output["name"] for output in result.get_response()["outputs"]]
+    assert names == ["logits", "probabilities"]
+    assert all("binary_data_size" in o["parameters"] for o in result.get_response()["outputs"])
+    np.testing.assert_allclose(
+        result.as_numpy("probabilities"), predict_probabilities(http, images), rtol=1e-4, atol=1e-6
+    )
+
+
+def test_classification_extension_names_the_labels(client, model_repository, fashion_images):
+    images = fashion_images[:4]
+    labels = (model_repository / MODEL_NAME / "labels.txt").read_text().splitlines()
+    plain = client.infer(MODEL_NAME, [fp32_input(images)], outputs=outputs()[:1])
+    logits = plain.as_numpy("logits")
+    result = client.infer(
+        MODEL_NAME,
+        [fp32_input(images)],
+        outputs=[triton.InferRequestedOutput("logits", class_count=3)],
+    )
+    classes = result.as_numpy("logits")
+    assert classes.shape == (4, 3)
+    for row, entries in zip(logits, classes, strict=True):
+        parsed = [entry.decode("utf-8").split(":", 2) for entry in entries]
+        assert [int(index) for _, index, _ in parsed] == np.argsort(-row, kind="stable")[
+            :3
+        ].tolist()
+        for value, index, label in parsed:
+            assert label == labels[int(index)]
+            assert float(value) == pytest.approx(float(row[int(index)]), abs=1e-5)
+
+
+def test_v2_requests_share_the_predict_batcher(server, fashion_images, http):
+    """Concurrent OIP requests are batched together by the same batcher as /predict."""
+    before = http.get("/metrics").text
+    images = fashion_images[:16]
+    expected = np.argmax(predict_probabilities(http, images), axis=1)
+    after_predict = http.get("/metrics").text
+    with triton.InferenceServerClient(server.url.removeprefix("http://"), concurrency=16) as c:
+        pending = [
+            c.async_infer(MODEL_NAME, [fp32_input(images[i : i + 1])], outputs=outputs()[:1])
+            for i in range(16)
+        ]
+        indices = [int(np.argmax(p.get_result().as_numpy("logits"))) for p in pending]
+    assert indices == expected.tolist()  # every caller got its own row back
+    after = http.get("/metrics").text
+
+    def delta(name: str, start: str, end: str) -> float:
+        return sample(end, name, graph="classifier") - sample(start, name, graph="classifier")
+
+    assert delta("vitserve_batch_size_sum", before, after_predict) == 16  # /predict's 16 images
+    assert delta("vitserve_batch_size_sum", after_predict, after) == 16  # the 16 OIP requests
+    executions = delta("vitserve_batch_size_count", after_predict, after)
+    assert executions < 16, "16 concurrent OIP requests ran one by one: nothing was batched"
+
+
+def test_nested_and_flat_data_agree(http, fashion_images):
+    images = fashion_images[:2]
+    path = f"/v2/models/{MODEL_NAME}/infer"
+
+    def run(data) -> list[float]:
+        body = {
+            "inputs": [
+                {"name": "images", "shape": [2, 1, 28, 28], "datatype": "UINT8", "data": data}
+            ],
+            "outputs": [{"name": "logits"}],
+        }
+        response = http.post(path, json=body)
+        assert response.status_code == 200, response.text
+        (output,) = response.json()["outputs"]
+        assert (output["datatype"], output["shape"]) == ("FP32", [2, 10])
+        return output["data"]
+
+    assert run(images.reshape(-1).tolist()) == run(images[:, None].tolist()) == run(images.tolist())
+
+
+# --- errors --------------------------------------------------------------------------------------------
+
+
+def test_wrong_input_name_datatype_and_shape_are_400(client, fashion_images):
+    images = fashion_images[:2]
+    tensor = Reference.normalise(images)
+    wrong_name = triton.InferInput("pixels", list(tensor.shape), "FP32")
+    wrong_name.set_data_from_numpy(tensor)
+    with pytest.raises(InferenceServerException) as error:
+        client.infer(MODEL_NAME, [wrong_name])
+    assert_oip_error(error, 400, "unexpected inference input 'pixels'", "'images'")
+
+    wrong_type = triton.InferInput("images", list(tensor.shape), "INT32")
+    wrong_type.set_data_from_numpy(tensor.astype(np.int32))
+    with pytest.raises(InferenceServerException) as error:
+        client.infer(MODEL_NAME, [wrong_type])
+    assert_oip_error(error, 400, "datatype INT32 is not accepted", "FP32", "UINT8")
+
+    wrong_shape = triton.InferInput("images", [2, 1, 27, 28], "FP32")
+    wrong_shape.set_data_from_numpy(np.zeros((2, 1, 27, 28), np.float32), binary_data=False)
+    with pytest.raises(InferenceServerException) as error:
+        client.infer(MODEL_NAME, [wrong_shape])
+    assert_oip_error(error, 400, "shape [2, 1, 27, 28]", "[N, 1, 28, 28]")
+
+    three_d_fp32 = triton.InferInput("images", [2, 28, 28], "FP32")
+    three_d_fp32.set_data_from_numpy(tensor[:, 0])
+    with pytest.raises(InferenceServerException) as error:
+        client.infer(MODEL_NAME, [three_d_fp32])
+    assert_oip_error(error, 400, "shape [2, 28, 28]", "FP32")
+
+    with pytest.raises(InferenceServerException) as error:
+        client.infer(
+            MODEL_NAME,
+            [fp32_input(images)],
+            outputs=[triton.InferRequestedOutput("attention", binary_data=False)],
+        )
+    assert_oip_error(error, 400, "unexpected inference output 'attention'", "'logits'")
+    assert client.is_server_ready()  # and it keeps serving
+
+
+@pytest.mark.parametrize(
+    ("tensor", "fragments"),
+    [
+        (
+            {"shape": [2, 1, 28, 28], "datatype": "FP32", "data": [0.0] * 784},
+            ["holds 784 elements", "needs 1568"],
+        ),
+        (
+            {"shape": [1, 28, 28], "datatype": "UINT8", "data": [0] * 783 + [256]},
+            ["element 783 is 256", "0 to 255"],
+        ),
+        (
+            {"shape": [1, 28, 28], "datatype": "UINT8", "data": [0] * 783 + [0.5]},
+            ["element 783 is 0.5"],
+        ),
+        (
+            {"shape": [1, 1, 28, 28], "datatype": "FP32", "data": ["1.0"] * 784},
+            ['element 0 is "1.0", not a number'],
+        ),
+        (
+            {"shape": [9, 28, 28], "datatype": "UINT8", "data": [0] * (9 * 784)},
+            ["batch size 9", "max_images_per_request=8"],
+        ),
+        (
+            {"shape": [0, 28, 28], "datatype": "UINT8", "data": []},
+            ["batch size 0"],
+        ),
+        (
+            {"shape": [1, 28, 28], "datatype": "UINT8"},
+            ["no 'data'"],
+        ),
+    ],
+    ids=["count", "uint8-range", "uint8-fraction", "string", "too-many", "empty", "no-data"],
+)
+def test_bad_tensor_data_is_400_naming_the_problem(http, tensor, fragments):
+    body = {"inputs": [{"name": "images", **tensor}]}
+    response = http.post(f"/v2/models/{MODEL_NAME}/infer", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()
+    assert list(error) == ["error"] and isinstance(error["error"], str)
+    for fragment in fragments:
+        assert fragment in error["error"], (fragment, error["error"])
+
+
+def test_bad_binary_framing_is_400(http):
+    header = (
+        b'{"parameters":{"binary_data_output":true},"inputs":[{"name":"images","shape":[1,28,28],'
+        b'"datatype":"UINT8","parameters":{"binary_data_size":784}}]}'
+    )
+    path = f"/v2/models/{MODEL_NAME}/infer"
+    short = http.post(
+        path,
+        content=header + bytes(700),
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
+    assert short.status_code == 400
+    assert "700 bytes of binary tensor data" in short.json()["error"]
+    good = http.post(
+        path,
+        content=header + bytes(784),
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
+    assert good.status_code == 200, good.text
+    assert good.headers["content-type"] == "application/octet-stream"
+    json_length = int(good.headers["inference-header-content-length"])
+    outputs = httpx.Response(200, content=good.content[:json_length]).json()["outputs"]
+    sizes = [o["parameters"]["binary_data_size"] for o in outputs]
+    assert sizes == [40, 40] and len(good.content) == json_length + 80
+    not_json = http.post(path, content=b"{not json")
+    assert not_json.status_code == 400
+    assert "invalid inference request" in not_json.json()["error"]
+
+
+# --- API key -------------------------------------------------------------------------------------------
+
+
+def test_api_key_guards_models_but_not_health(model_repository, tmp_path, fashion_images):
+    with (
+        running_server(
+            ["-m", "service"], model_repository, tmp_path / "service.log", api_key="interop-key"
+        ) as keyed,
+        triton.InferenceServerClient(keyed.url.removeprefix("http://")) as client,
+    ):
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.get_server_metadata()["name"] == "vitserve"
+        assert not client.is_model_ready(MODEL_NAME)
+        with pytest.raises(InferenceServerException) as error:
+            client.get_model_metadata(MODEL_NAME)
+        assert_oip_error(error, 401, "API key")
+        with pytest.raises(InferenceServerException) as error:
+            client.infer(MODEL_NAME, [fp32_input(fashion_images[:1])])
+        assert_oip_error(error, 401, "Authorization: Bearer")
+        wrong = {"Authorization": "Bearer nope"}
+        with pytest.raises(InferenceServerException) as error:
+            client.infer(MODEL_NAME, [fp32_input(fashion_images[:1])], headers=wrong)
+        assert_oip_error(error, 401, "not valid")
+        good = {"Authorization": "Bearer interop-key"}
+        assert client.is_model_ready(MODEL_NAME, headers=good)
+        assert client.get_model_metadata(MODEL_NAME, headers=good)["name"] == MODEL_NAME
+        result = client.infer(MODEL_NAME, [fp32_input(fashion_images[:1])], headers=good)
+        assert result.as_numpy("logits").shape == (1, 10)
+
+
+# --- the documented client ---------------------------------------------------------------------------
+
+
+def documented_client_code() -> str:
+    """The Python block of the "Scaling out" section (README.md once merged, else its draft)."""
+    for document in (REPO / "README.md", REPO / "docs" / "scaling-out.md"):
+        text = document.read_text(encoding="utf-8")
+        section = text.partition("## Scaling out")[2]
+        blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+        if blocks:
+            return blocks[0]
+    raise AssertionError("no Python block in a 'Scaling out' section of README.md or docs/")
+
+
+def test_the_documented_client_code_works_against_vitserve(server, http, fashion_images):
+    namespace: dict = {}
+    exec(compile(documented_client_code(), "scaling-out", "exec"), namespace)
+    images = fashion_images[:4]
+    rows = namespace["classify"](server.url.removeprefix("http://"), MODEL_NAME, images)
+    expected = predict_probabilities(http, images)
+    labels = http.get("/models").json()["models"][0]["labels"]
+    assert len(rows) == 4 and all(len(row) == 3 for row in rows)
+    for row, probabilities in zip(rows, expected, strict=True):
+        best = int(np.argmax(probabilities))
+        assert row[0].split(":", 2)[1:] == [str(best), labels[best]]

@@ -1,0 +1,194 @@
+"""The dynamic batcher on its own: batching, ordering, splitting, queue policy, failures, draining."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from service.batcher import DynamicBatcher
+from service.errors import InferenceFailed, ServiceUnavailable
+from service.metrics import Metrics
+
+
+class Model:
+    """Returns each row's sum and the size of the batch it ran in; can be held or made to fail."""
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        self.batches: list[int] = []
+        self.seconds = seconds
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        self.gate.wait(10)
+        time.sleep(self.seconds)
+        if (images == -1).any():
+            raise ValueError("poisoned row")
+        self.batches.append(len(images))
+        return images.reshape(len(images), -1).sum(axis=1), np.full(len(images), len(images))
+
+
+def batcher(model: Model, **options) -> DynamicBatcher:
+    values = {
+        "max_batch_size": 8,
+        "max_queue_delay_s": 0.05,
+        "max_queue_size": 64,
+        "timeout_s": 10.0,
+        "retry_after_s": 2,
+        "metrics": Metrics(8),
+    }
+    values.update(options)
+    return DynamicBatcher("test", model, **values)
+
+
+def rows(*values: float) -> np.ndarray:
+    return np.array(values, dtype=np.float32).reshape(-1, 1, 1, 1)
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_concurrent_requests_are_batched_and_get_their_own_rows():
+    async def scenario():
+        model = Model()
+        b = batcher(model)
+        b.start()
+        answers = await asyncio.gather(*(b.submit(rows(i)) for i in range(20)))
+        await b.stop(5)
+        return model, answers
+
+    model, answers = run(scenario())
+    assert [float(answer[0][0]) for answer in answers] == list(range(20))
+    assert sum(model.batches) == 20
+    assert max(model.batches) == 8 and len(model.batches) <= 4  # 20 requests, at most 8 per batch
+
+
+def test_a_request_is_split_across_batches_in_order():
+    async def scenario():
+        model = Model()
+        b = batcher(model, max_batch_size=3)
+        b.start()
+        answer = await b.submit(rows(*range(7)))
+        await b.stop(5)
+        return model, answer
+
+    model, answer = run(scenario())
+    assert [float(row[0]) for row in answer] == list(range(7))
+    assert model.batches == [3, 3, 1]
+
+
+def test_max_queue_delay_counts_from_the_oldest_item():
+    async def scenario():
+        model = Model()
+        b = batcher(model, max_batch_size=100, max_queue_delay_s=0.4)
+        b.start()
+        started = time.perf_counter()
+        first = asyncio.create_task(b.submit(rows(1)))
+        await asyncio.sleep(0.25)
+        second = asyncio.create_task(b.submit(rows(2)))
+        await asyncio.gather(first, second)
+        elapsed = time.perf_counter() - started
+        await b.stop(5)
+        return model, elapsed
+
+    model, elapsed = run(scenario())
+    assert model.batches == [2]  # the late arrival joined the oldest item's batch
+    # it ran when the first item's 0.4 s were up (0.4 s), not 0.4 s after the second came (0.65 s)
+    assert 0.39 <= elapsed < 0.6
+
+
+def test_full_queue_rejects_at_once_with_retry_after():
+    async def scenario():
+        model = Model()
+        model.gate.clear()  # the model holds its first batch
+        b = batcher(model, max_batch_size=2, max_queue_delay_s=0.0, max_queue_size=4)
+        b.start()
+        running = asyncio.create_task(b.submit(rows(1, 2)))
+        await asyncio.sleep(0.05)
+        queued = asyncio.create_task(b.submit(rows(3, 4, 5, 6)))
+        await asyncio.sleep(0.01)
+        started = time.perf_counter()
+        with pytest.raises(ServiceUnavailable) as rejected:
+            await b.submit(rows(7))
+        waited = time.perf_counter() - started
+        model.gate.set()
+        answers = await asyncio.gather(running, queued)
+        await b.stop(5)
+        return rejected.value, waited, answers, b
+
+    error, waited, answers, b = run(scenario())
+    assert error.code == "queue_full" and error.status_code == 503
+    assert error.headers["Retry-After"] == "2"
+    assert "max_queue_size=4" in error.message
+    assert waited < 0.5  # the model holds its batch for up to 10 s
+    assert [len(answer) for answer in answers] == [2, 4]  # the admitted requests were still served
+    text = b._metrics.registry.get_sample_value(
+        "vitserve_rejected_requests_total", {"graph": "test", "reason": "queue_full"}
+    )
+    assert text == 1.0
+
+
+def test_timeout_is_503_and_the_batcher_recovers():
+    async def scenario():
+        model = Model()
+        model.gate.clear()
+        b = batcher(model, timeout_s=0.1, max_queue_delay_s=0.0)
+        b.start()
+        with pytest.raises(ServiceUnavailable) as timed_out:
+            await b.submit(rows(1))
+        model.gate.set()
+        answer = await b.submit(rows(5))
+        await b.stop(5)
+        return timed_out.value, answer
+
+    error, answer = run(scenario())
+    assert error.code == "timeout" and "request_timeout_s=0.1" in error.message
+    assert error.headers["Retry-After"] == "2"
+    assert float(answer[0][0]) == 5.0
+
+
+def test_a_failing_batch_fails_only_its_own_requests():
+    async def scenario():
+        model = Model()
+        b = batcher(model, max_batch_size=1, max_queue_delay_s=0.0)
+        b.start()
+        results = await asyncio.gather(
+            b.submit(rows(1)), b.submit(rows(-1)), b.submit(rows(3)), return_exceptions=True
+        )
+        await b.stop(5)
+        return results, b
+
+    (good, bad, other), b = run(scenario())
+    assert float(good[0][0]) == 1.0 and float(other[0][0]) == 3.0
+    assert (
+        isinstance(bad, InferenceFailed) and bad.status_code == 500 and "ValueError" in bad.message
+    )
+    failures = b._metrics.registry.get_sample_value(
+        "vitserve_inference_failures_total", {"graph": "test"}
+    )
+    assert failures == 1.0
+
+
+def test_stop_drains_the_queue_then_refuses_work():
+    async def scenario():
+        model = Model(seconds=0.02)
+        b = batcher(model, max_batch_size=2, max_queue_delay_s=2.0)
+        b.start()
+        pending = [asyncio.create_task(b.submit(rows(i))) for i in range(5)]
+        await asyncio.sleep(0.01)
+        await b.stop(5)  # the 2 s delay is not waited for: closing runs what is queued now
+        answers = [task.result() for task in pending]
+        with pytest.raises(ServiceUnavailable) as refused:
+            await b.submit(rows(9))
+        return answers, refused.value
+
+    started = time.perf_counter()
+    answers, refused = run(scenario())
+    assert [float(answer[0][0]) for answer in answers] == list(range(5))
+    assert time.perf_counter() - started < 1.5
+    assert refused.code == "shutting_down"

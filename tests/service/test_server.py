@@ -1,0 +1,196 @@
+"""A real uvicorn process over HTTP: agreement, batching, limits, queue policy, graceful shutdown."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+from conftest import assert_error, b64, encode, running_server
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def wait_for_queue(url: str, depth: int) -> None:
+    """Until the classifier queue holds ``depth`` images (the requests really are waiting in it)."""
+    deadline = time.monotonic() + 20
+    while (
+        sample(httpx.get(f"{url}/metrics").text, "vitserve_queue_depth", graph="classifier") < depth
+    ):
+        assert time.monotonic() < deadline, f"the queue never reached {depth} images"
+        time.sleep(0.05)
+
+
+def sample(metrics_text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def server(model_repository, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "service.log"
+    with running_server(
+        ["-m", "service"], model_repository, log, max_queue_delay_ms=50, max_batch_size=8
+    ) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        yield client
+
+
+def test_predictions_over_http_match_onnxruntime(http, fashion_images, reference):
+    images = fashion_images[:8]
+    response = http.post(
+        "/predict", json={"images": [{"b64": b64(encode(i))} for i in images], "top_k": 10}
+    )
+    assert response.status_code == 200, response.text
+    expected = reference.probabilities(images)
+    for prediction, probabilities in zip(response.json()["predictions"], expected, strict=True):
+        assert prediction["index"] == int(np.argmax(probabilities))
+        scores = {entry["index"]: entry["score"] for entry in prediction["top_k"]}
+        assert [scores[i] for i in range(10)] == pytest.approx(
+            probabilities.tolist(), rel=1e-4, abs=1e-6
+        )
+    files = [("files", (f"{n}.png", encode(i), "image/png")) for n, i in enumerate(images)]
+    multipart = http.post("/predict", files=files, data={"top_k": "10"})
+    assert multipart.json() == response.json()
+
+
+def test_concurrent_requests_are_batched(http, fashion_images, reference):
+    before = http.get("/metrics").text
+    images = fashion_images[:16]
+    expected = np.argmax(reference.probabilities(images), axis=1)
+
+    def one(index: int) -> int:
+        body = {"images": [{"pixels": images[index].tolist()}]}
+        answer = http.post("/predict", json=body)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["predictions"][0]["index"]
+
+    with ThreadPoolExecutor(16) as pool:
+        indices = list(pool.map(one, range(16)))
+    assert indices == expected.tolist()  # every caller got its own row back
+    after = http.get("/metrics").text
+    images_run = sample(after, "vitserve_batch_size_sum", graph="classifier") - sample(
+        before, "vitserve_batch_size_sum", graph="classifier"
+    )
+    executions = sample(after, "vitserve_batch_size_count", graph="classifier") - sample(
+        before, "vitserve_batch_size_count", graph="classifier"
+    )
+    assert images_run == 16
+    assert executions < 16, "16 concurrent requests ran one by one: nothing was batched"
+    assert sample(after, "vitserve_queue_wait_seconds_count", graph="classifier") >= 16
+
+
+def test_errors_over_http_and_serving_goes_on(http, fashion_images):
+    big = b"x" * (256 * 1024 + 1)
+    assert_error(
+        http.post("/predict", content=big, headers={"Content-Type": "application/json"}),
+        413,
+        "max_body_bytes=262144",
+    )
+
+    def stream():
+        for _ in range(300):
+            yield b" " * 1024
+
+    chunked = http.post("/predict", content=stream(), headers={"Content-Type": "application/json"})
+    assert_error(chunked, 413, "max_body_bytes=262144")
+    assert_error(
+        http.post("/predict", content=b"x", headers={"Content-Type": "text/csv"}), 415, "text/csv"
+    )
+    assert_error(http.post("/predict", json={"images": [{"b64": "!!"}]}), 422, "images[0].b64")
+    assert_error(
+        http.post("/attention", json={"image": {"pixels": [[0]]}, "layer": 9}), 422, "layer"
+    )
+    good = http.post("/predict", json={"images": [{"pixels": fashion_images[0].tolist()}]})
+    assert good.status_code == 200
+    metrics = http.get("/metrics").text
+    assert sample(metrics, "vitserve_http_requests_total", route="/predict", status="413") >= 2
+    assert sample(metrics, "vitserve_http_requests_total", route="/predict", status="415") >= 1
+
+
+def test_attention_png_over_http(http, fashion_images):
+    response = http.post(
+        "/attention",
+        files={"file": ("a.png", encode(fashion_images[5]), "image/png")},
+        data={"format": "png"},
+    )
+    assert response.status_code == 200
+    assert response.content.startswith(b"\x89PNG\r\n\x1a\n")
+    assert http.get("/docs").status_code == 200
+
+
+def test_full_queue_and_timeout_over_http(model_repository, tmp_path, fashion_images):
+    """uvicorn's own CLI on the module-level app: a batch that never fills, a queue of 8 images."""
+    command = ["-m", "uvicorn", "service.main:app", "--host", "127.0.0.1", "--port", "{port}"]
+    settings = {
+        "max_queue_size": 8,
+        "max_batch_size": 16,
+        "max_queue_delay_ms": 5000,
+        "request_timeout_s": 1.5,
+        "retry_after_s": 3,
+    }
+    with running_server(command, model_repository, tmp_path / "b.log", **settings) as server:
+        eight = {"images": [{"pixels": image.tolist()} for image in fashion_images[:8]]}
+        answers: dict[str, httpx.Response] = {}
+        waiting = threading.Thread(
+            target=lambda: answers.update(
+                first=httpx.post(f"{server.url}/predict", json=eight, timeout=30)
+            )
+        )
+        waiting.start()
+        wait_for_queue(server.url, 8)
+        started = time.perf_counter()
+        full = httpx.post(f"{server.url}/predict", json={"images": eight["images"][:1]}, timeout=30)
+        assert time.perf_counter() - started < 1.2  # at once, not after the 1.5 s timeout
+        error = assert_error(full, 503, "queue is full", "max_queue_size=8")
+        assert error["code"] == "queue_full" and full.headers["retry-after"] == "3"
+        waiting.join()
+        timed_out = answers["first"]
+        error = assert_error(timed_out, 503, "request_timeout_s=1.5")
+        assert error["code"] == "timeout" and timed_out.headers["retry-after"] == "3"
+        assert httpx.get(f"{server.url}/health/ready").status_code == 200
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert sample(metrics, "vitserve_rejected_requests_total", reason="queue_full") == 1
+        assert sample(metrics, "vitserve_rejected_requests_total", reason="timeout") == 1
+        assert (
+            sample(metrics, "vitserve_queue_depth", graph="classifier") == 0
+        )  # the timed-out images left
+
+
+def test_sigterm_finishes_queued_requests_then_exits(model_repository, tmp_path, fashion_images):
+    log = tmp_path / "c.log"
+    with running_server(
+        ["-m", "service"], model_repository, log, max_queue_delay_ms=1500
+    ) as server:
+        results: list[httpx.Response] = []
+
+        def one(index: int) -> None:
+            body = {"images": [{"pixels": fashion_images[index].tolist()}]}
+            results.append(httpx.post(f"{server.url}/predict", json=body, timeout=30))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        wait_for_queue(server.url, 4)  # all four wait in the queue for their 3 s delay
+        server.process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join()
+        # uvicorn re-raises the signal once it has shut down cleanly, so the status may be -SIGTERM
+        assert server.process.wait(timeout=20) in (0, -signal.SIGTERM)
+        assert [response.status_code for response in results] == [200] * 4
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{server.url}/health/live", timeout=2)
+    output = log.read_text()
+    assert "stopped: every queued request was answered" in output
+    assert "Finished server process" in output

@@ -1,0 +1,195 @@
+"""Start-up and shutdown: a missing or corrupt model stops start-up with a clear message; readiness;
+settings from the environment; the service never imports torch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+import uvicorn
+from conftest import MODEL_NAME, REPO, assert_error, make_settings, server_env, start_server
+from fastapi.testclient import TestClient
+
+from service.__main__ import _Server
+from service.main import create_app
+from service.model_repository import ModelLoadError
+from service.settings import Settings
+
+
+def copy_entry(repository: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "models"
+    shutil.copytree(repository, copy)
+    return copy
+
+
+def start(settings: Settings) -> None:
+    with TestClient(create_app(settings)):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (
+            {"model_name": "nope"},
+            r"model 'nope' not found in .*; available: tiny-vit \(set VITSERVE_MODEL_NAME\)",
+        ),
+        ({"model_version": 7}, r"version 7 of model 'tiny-vit' not found .*; available: 1"),
+    ],
+)
+def test_missing_model_stops_startup(model_repository, overrides, pattern):
+    with pytest.raises(ModelLoadError, match=pattern):
+        start(make_settings(model_repository, **overrides))
+
+
+def test_missing_repository_stops_startup(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"model repository .*absent is not a directory"):
+        start(make_settings(tmp_path / "absent"))
+
+
+def test_corrupt_or_incomplete_model_stops_startup(model_repository, tmp_path):
+    repository = copy_entry(model_repository, tmp_path)
+    version = repository / MODEL_NAME / "1"
+    (version / "model.onnx").write_bytes(b"this is not an onnx file")
+    with pytest.raises(ModelLoadError, match=r"model\.onnx: onnxruntime cannot load this model"):
+        start(make_settings(repository))
+    (version / "model.onnx").unlink()
+    with pytest.raises(ModelLoadError, match=r"model\.onnx is missing"):
+        start(make_settings(repository))
+
+
+def rewrite_metadata(path: Path, change) -> None:
+    model = onnx.load(str(path))
+    props = {p.key: p.value for p in model.metadata_props}
+    del model.metadata_props[:]
+    document = change(json.loads(props["vitserve"]))
+    if document is not None:
+        onnx.helper.set_model_props(model, {"vitserve": json.dumps(document)})
+    onnx.save(model, str(path))
+
+
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [
+        (lambda d: None, r"has no 'vitserve' entry in its ONNX metadata_props"),
+        (
+            lambda d: {**d, "labels": d["labels"][:9]},
+            r"logits have 10 classes but the metadata lists 9 labels",
+        ),
+        (lambda d: {**d, "tokens": 17}, r"invalid 'vitserve' metadata: .*tokens 17 should be 16"),
+        (
+            lambda d: {**d, "preprocessing": {**d["preprocessing"], "std": [0.0]}},
+            r"std values must be positive",
+        ),
+        (lambda d: {**d, "format": 2}, r"format: Input should be 1"),
+    ],
+)
+def test_bad_metadata_stops_startup(model_repository, tmp_path, change, pattern):
+    repository = copy_entry(model_repository, tmp_path)
+    rewrite_metadata(repository / MODEL_NAME / "1" / "model.onnx", change)
+    with pytest.raises(ModelLoadError, match=pattern):
+        start(make_settings(repository))
+
+
+def test_labels_file_must_match_the_metadata(model_repository, tmp_path):
+    repository = copy_entry(model_repository, tmp_path)
+    (repository / MODEL_NAME / "labels.txt").write_text("a\nb\n")
+    with pytest.raises(ModelLoadError, match=r"labels\.txt \(2 labels\) does not match"):
+        start(make_settings(repository))
+
+
+def test_missing_model_exits_the_process_with_the_message(model_repository, tmp_path):
+    env = server_env(model_repository, 18099, model_name="nope")
+    process = start_server(["-m", "service"], env, tmp_path / "fail.log")
+    assert process.wait(timeout=60) == 3
+    output = (tmp_path / "fail.log").read_text()
+    assert "cannot start: model 'nope' not found" in output
+    assert "available: tiny-vit" in output
+
+
+def test_readiness_follows_the_lifecycle(model_repository, fashion_images):
+    app = create_app(make_settings(model_repository))
+    unstarted = TestClient(app)  # no lifespan: nothing loaded
+    assert unstarted.get("/health/ready").status_code == 503
+    assert unstarted.get("/health/ready").json() == {"status": "starting", "ready": False}
+    assert unstarted.get("/health/live").status_code == 200
+    error = assert_error(
+        unstarted.post("/predict", json={"images": [{"pixels": [[0]]}]}), 503, "not loaded"
+    )
+    assert error["code"] == "not_ready"
+    with TestClient(app) as client:
+        assert client.get("/health/ready").status_code == 200
+        app.state.service.begin_shutdown()  # what SIGTERM does first
+        assert client.get("/health/ready").json() == {"status": "shutting_down", "ready": False}
+        # requests already on their way are still served while draining
+        assert (
+            client.post(
+                "/predict", json={"images": [{"pixels": fashion_images[0].tolist()}]}
+            ).status_code
+            == 200
+        )
+    assert app.state.service.phase == "stopped"
+
+
+def test_sigterm_turns_readiness_off_before_the_drain(model_repository):
+    app = create_app(make_settings(model_repository))
+    server = _Server(uvicorn.Config(app), app.state.service)
+    app.state.service.phase = "ready"
+    server.handle_exit(signal.SIGTERM, None)
+    assert app.state.service.phase == "shutting_down"
+    assert server.should_exit
+
+
+def test_settings_from_the_environment(monkeypatch):
+    monkeypatch.setenv("VITSERVE_MAX_BATCH_SIZE", "4")
+    monkeypatch.setenv("VITSERVE_API_KEY", "hunter2-secret")
+    monkeypatch.setenv("PORT", "18123")
+    settings = Settings()
+    assert settings.max_batch_size == 4 and settings.port == 18123
+    assert settings.api_key is not None and settings.api_key.get_secret_value() == "hunter2-secret"
+    assert "hunter2" not in repr(settings)
+    monkeypatch.setenv("VITSERVE_PORT", "18124")
+    assert Settings().port == 18124
+    with pytest.raises(
+        ValueError, match=r"max_queue_size \(4\) must be at least max_images_per_request \(8\)"
+    ):
+        Settings(max_queue_size=4, max_images_per_request=8)
+    with pytest.raises(ValueError, match="provider"):
+        Settings(provider="tpu")
+    for name, field in Settings.model_fields.items():
+        assert field.description, (
+            f"setting {name} has no description (the README table is built from them)"
+        )
+
+
+def test_the_service_never_imports_torch(model_repository):
+    script = f"""
+import sys
+from fastapi.testclient import TestClient
+import service.__main__
+from service.main import create_app
+from service.settings import Settings
+app = create_app(Settings(model_repository={str(model_repository)!r}, model_name={MODEL_NAME!r},
+                          max_batch_size=2, attention_max_batch_size=1))
+with TestClient(app) as client:
+    assert client.post("/predict", json={{"images": [{{"pixels": [[0] * 28] * 28}}]}}).status_code == 200
+    assert client.post("/attention", json={{"image": {{"pixels": [[0] * 28] * 28}}, "format": "png"}}).status_code == 200
+banned = sorted(m for m in sys.modules if m.split(".")[0] in {{"torch", "export", "matplotlib", "torchvision"}})
+print("BANNED", banned)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**server_env(model_repository, 18098)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "BANNED []" in result.stdout
