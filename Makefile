@@ -34,7 +34,7 @@ TEST_STAMP := $(VENV)/.installed-test-$(call req_hash,$(TEST_REQS))
 DATASET_DIR := /usr/share/datasets/fashion-mnist
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help serve test lint format hadolint compose-check pytest dataset train export bench \
+.PHONY: help serve test lint format hadolint compose-check pytest dataset chromium train export bench \
 	docker-build clean
 
 help: ## List the targets.
@@ -75,7 +75,7 @@ compose-check: $(TEST_STAMP) ## Validate docker-compose.yml (no Docker engine ne
 	$(BIN)/docker-compose -f docker-compose.yml --profile cpu --profile export config --quiet
 
 # pytest exits 5 when it collected no test: that fails here like any other non-zero status.
-pytest: $(TEST_STAMP) dataset ## Run the test suite.
+pytest: $(TEST_STAMP) dataset chromium ## Run the test suite.
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 dataset: ## Install Debian's dataset-fashion-mnist when its files are missing.
@@ -89,6 +89,15 @@ dataset: ## Install Debian's dataset-fashion-mnist when its files are missing.
 		export DEBIAN_FRONTEND=noninteractive; \
 		$(SUDO) apt-get install -y --no-install-recommends dataset-fashion-mnist \
 		|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends dataset-fashion-mnist; }; \
+	fi
+
+chromium: ## Install Debian's chromium (for the demo page's browser test) when it is missing.
+	@if [ -x /usr/bin/chromium ]; then \
+		echo "Chromium: /usr/bin/chromium"; \
+	else \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$(SUDO) apt-get install -y --no-install-recommends chromium \
+		|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium; }; \
 	fi
 
 train: $(TEST_STAMP) dataset ## Train a ViT: PRESET=fashion-small RUN=runs/fashion-small.

@@ -33,6 +33,7 @@ import numpy as np
 import onnx
 import torch
 
+from bench.machine import busy_check
 from bench.stats import rate, summarize
 from bench.weights import read_metadata, torch_from_onnx
 from export.config import ViTConfig
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         "models": {},
     }
     print(f"engine: {threads} thread(s), {repeats} repeats, >= {min_time} s per point", flush=True)
+    results["busy_checks"] = [busy_check().to_dict()]
     shipped, _ = torch_from_onnx(SHIPPED / "model.onnx")
     results["models"]["fashion-mnist-vit (shipped)"] = compare_engines(
         "shipped", shipped, SHIPPED / "model.onnx", threads, batches, repeats, min_time
@@ -239,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             entry = compare_engines(LARGE_NAME, large, path, threads, batches, repeats, min_time)
             entry["export_seconds"] = export_s
             results["models"][f"{LARGE_NAME} (larger)"] = entry
+    results["busy_checks"].append(busy_check().to_dict())
+    results["busy"] = any(check["busy"] for check in results["busy_checks"])
     results["seconds"] = time.perf_counter() - started
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1))

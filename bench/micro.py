@@ -4,7 +4,8 @@
 
 1. onnxruntime session options on the shipped classifier at batch 1, 8 and 32: intra-op threads,
    thread spinning, graph optimisation level, and an offline-optimised model file; images/s and
-   session creation time.
+   session creation time. Also whether a batch size run for the first time costs more than a warm
+   one (what the service's warm-up of every batch size buys on the CPU).
 2. A two-thread pipeline shaped like the service: one thread decodes and preprocesses PNG files (the
    service's Preprocessor) while another runs onnxruntime on batches of 32 — the same work the
    service overlaps, so thread spinning shows its cost here, not only in an idle benchmark.
@@ -32,6 +33,7 @@ import numpy as np
 import onnxruntime as ort
 from PIL import Image
 
+from bench.machine import busy_check
 from bench.payloads import b64_pngs, load_images, photo_jpeg, predict_body
 from bench.stats import per_call_us, rate, summarize
 from service.model_repository import parse_metadata
@@ -190,6 +192,35 @@ def pipeline_bench(threads: int, repeats: int, seconds: float) -> dict:
     return result
 
 
+def first_run_bench(max_batch: int = 32) -> dict:
+    """Does a batch size onnxruntime has not seen yet cost more the first time? (What warm-up buys.)
+
+    A fresh session with the service's options runs every batch size 1..max_batch twice; the first
+    runs' total is the service's warm-up, the second runs' total what the same work costs warm.
+    """
+    session = new_session(SHIPPED / "model.onnx", options())
+    x = np.random.default_rng(0).standard_normal((max_batch, 1, 28, 28), dtype=np.float32)
+    first, second = [], []
+    for size in range(1, max_batch + 1):
+        for times in (first, second):
+            started = time.perf_counter()
+            session.run(None, {"images": x[:size]})
+            times.append(time.perf_counter() - started)
+    result = {
+        "sizes": max_batch,
+        "first_runs_s": sum(first),
+        "second_runs_s": sum(second),
+        "first_over_second": sum(first) / sum(second),
+        "batch1_first_ms": first[0] * 1000,
+        "batch1_second_ms": second[0] * 1000,
+    }
+    print(
+        f"  warm-up: batch sizes 1-{max_batch} first runs {result['first_runs_s']:.3f} s, "
+        f"again {result['second_runs_s']:.3f} s"
+    )
+    return result
+
+
 def _metadata():
     session = new_session(SHIPPED / "model.onnx", options(intra=1))
     return parse_metadata(
@@ -339,13 +370,17 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     print(f"micro: {repeats} repeats, >= {min_time} s per point", flush=True)
     results: dict = {"threads": args.threads, "repeats": repeats, "min_time_s": min_time}
+    results["busy_checks"] = [busy_check().to_dict()]
     with tempfile.TemporaryDirectory(prefix="vitserve-bench-") as tmp:
         results["session_options"] = session_options_bench(
             args.threads, batches, repeats, min_time, Path(tmp)
         )
+    results["first_run"] = first_run_bench()
     results["pipeline"] = pipeline_bench(args.threads, repeats, 0.5 if args.quick else 2.0)
     results["preprocessing_us"] = preprocessing_bench(repeats, min_time)
     results["request_us"] = serialization_bench(repeats, min_time)
+    results["busy_checks"].append(busy_check().to_dict())
+    results["busy"] = any(check["busy"] for check in results["busy_checks"])
     results["seconds"] = time.perf_counter() - started
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1))

@@ -103,9 +103,10 @@ def targets(engine: dict | None, service: dict | None) -> list[dict]:
     startup = (service or {}).get("startup_s", {}).get("service")
     start_median = startup.get("median") if startup else None
     row(
-        "start-up to ready (spawn to /health/ready 200) < 5 s, shipped model, CPU",
+        "start-up to ready (spawn to /health/ready 200) < 5 s, shipped model, CPU (slowest start)",
         f"{fmt_spread(startup, 2)} s" if start_median is not None else "-",
         None if start_median is None else startup["max"] < 5.0,
+        bool((service or {}).get("startup_busy", {}).get("busy")),
     )
     memory = (service or {}).get("memory_kib", {}).get("service") or {}
     peak, now = memory.get("VmHWM"), memory.get("VmRSS")
@@ -113,6 +114,7 @@ def targets(engine: dict | None, service: dict | None) -> list[dict]:
         "resident memory of the service < 300 MB (peak VmHWM after the whole sweep)",
         f"peak {peak / 1024:.0f} MiB, now {now / 1024:.0f} MiB" if peak and now else "-",
         None if not peak else peak / 1024 < 300,
+        bool((service or {}).get("startup_busy", {}).get("busy")),
     )
     pair = (engine or {}).get("classifier_vs_attention", {}).get("32")
     x = pair["classifier_over_attention"]["median"] if pair else None
@@ -123,8 +125,104 @@ def targets(engine: dict | None, service: dict | None) -> list[dict]:
         if x
         else "-",
         None if x is None else x >= ATTENTION_TOLERANCE,
+        bool((engine or {}).get("busy")),
     )
     return rows
+
+
+def findings(engine: dict | None, micro: dict | None, service: dict | None) -> list[list[str]]:
+    """Each tuning option next to what the service does now: [option, variant, default, ratio, source]."""
+    rows: list[list[str]] = []
+    summary = (service or {}).get("summary", {})
+    defaults = summary.get("batching", {}).get("levels", {})
+    for key, entry in summary.items():
+        if not key.startswith("service-"):
+            continue
+        for level, values in entry["levels"].items():
+            base = defaults.get(level)
+            variant_rps, base_rps = _median(values, "ok_rps"), _median(base, "ok_rps")
+            x = ratio(variant_rps, base_rps)
+            rows.append(
+                [
+                    entry["label"],
+                    f"{fmt(variant_rps)} req/s, p99 {fmt(_median(values, 'p99_ms'), 1)} ms",
+                    f"{fmt(base_rps)} req/s, p99 {fmt(_median(base, 'p99_ms'), 1)} ms",
+                    f"{x:.2f}x" if x else "-",
+                    f"HTTP, c={level}",
+                ]
+            )
+    pipeline = (micro or {}).get("pipeline", {})
+    names = list(pipeline)
+    if names:
+        base = _median_of(pipeline[names[0]])
+        for name in names[1:]:
+            value = _median_of(pipeline[name])
+            x = ratio(value, base)
+            rows.append(
+                [
+                    f"onnxruntime {name} (service's default: spinning on, intra auto)",
+                    f"{fmt(value)} img/s",
+                    f"{fmt(base)} img/s",
+                    f"{x:.2f}x" if x else "-",
+                    "pipeline: preprocess thread + onnxruntime, batch 32",
+                ]
+            )
+    sessions = (micro or {}).get("session_options", {})
+    names = [n for n in sessions if not n.startswith("_")]
+    if names:
+        default = sessions[names[0]]
+        largest = list(default["batches"])[-1]
+        for name in names[1:]:
+            entry = sessions[name]
+            value = _median_of(entry["batches"][largest])
+            base = _median_of(default["batches"][largest])
+            x = ratio(value, base)
+            rows.append(
+                [
+                    f"onnxruntime session: {name}",
+                    f"{fmt(value)} img/s at batch {largest}, created in "
+                    f"{fmt(_median_of(entry['create_ms']))} ms",
+                    f"{fmt(base)} img/s, {fmt(_median_of(default['create_ms']))} ms",
+                    f"{x:.2f}x" if x else "-",
+                    "in-process, engine only",
+                ]
+            )
+    first = (micro or {}).get("first_run")
+    if first:
+        rows.append(
+            [
+                f"warm-up of every batch size 1-{first['sizes']} (service now) vs none",
+                f"first runs {first['first_runs_s']:.3f} s",
+                f"warm runs {first['second_runs_s']:.3f} s",
+                f"{first['first_over_second']:.2f} (first / warm)",
+                "in-process: is there a first-run cost to hide?",
+            ]
+        )
+    request = (micro or {}).get("request_us", {})
+    for count in (1, 32):
+        prefix = f"{count} image(s): "
+        service_path = next(
+            (v for k, v in request.items() if k.startswith(prefix + "response, service")), None
+        )
+        proposal = next(
+            (v for k, v in request.items() if k.startswith(prefix + "response, proposal")), None
+        )
+        if service_path and proposal:
+            x = ratio(_median_of(service_path), _median_of(proposal))
+            rows.append(
+                [
+                    f"/predict response for {count} image(s): one numpy pass + orjson",
+                    f"{fmt(_median_of(proposal), 1)} us",
+                    f"{fmt(_median_of(service_path), 1)} us",
+                    f"{x:.1f}x faster" if x else "-",
+                    "in-process, per request",
+                ]
+            )
+    return rows
+
+
+def _median_of(summary: dict | None) -> float | None:
+    return summary.get("median") if summary else None
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
@@ -163,7 +261,7 @@ def service_section(service: dict) -> list[str]:
             "",
             f"`{case.get('path', '')}`, body `{case.get('body', '')}` "
             f"({service.get('body_bytes', {}).get(case.get('body'), '?')} bytes); server: "
-            f"`{env} python {server.get('argv', '')}`; load: `{_shorten(commands[-1]) if commands else '-'}`",
+            f"`{env} python {_shorten(server.get('argv', ''))}`; load: `{_shorten(commands[-1]) if commands else '-'}`",
             "",
         ]
         rows = []
@@ -300,6 +398,19 @@ def micro_section(micro: dict) -> list[str]:
             ),
             "",
         ]
+    first = micro.get("first_run")
+    if first:
+        out += [
+            "### Warm-up: a new batch size vs a warm one (fresh session, service options)",
+            "",
+            f"Every batch size 1-{first['sizes']} run once (what the service's warm-up does): "
+            f"{first['first_runs_s']:.3f} s; the same runs again: {first['second_runs_s']:.3f} s "
+            f"(ratio {first['first_over_second']:.2f}). Batch 1, first run "
+            f"{first['batch1_first_ms']:.1f} ms vs {first['batch1_second_ms']:.1f} ms again. A "
+            "ratio near 1 means the CPU provider has no per-shape first-run cost for the warm-up "
+            "to hide.",
+            "",
+        ]
     pipeline = micro.get("pipeline")
     if pipeline:
         out += [
@@ -433,15 +544,24 @@ def render(results: dict) -> str:
             f"{meta.get('busy_at_start', {}).get('describe', 'not checked')}. Numbers from a busy "
             "machine are not results: rerun on a quiet machine."
         )
+    if (service or {}).get("skipped_runs"):
+        banners.append(
+            f"**{service['skipped_runs']} load runs were skipped** (the service benchmark ran past "
+            f"its time budget of {service.get('budget_s', 0):.0f} s); the points they belonged to "
+            "have fewer repeats (see the spreads)."
+        )
     for name, error in meta.get("failures", {}).items():
         banners.append(f"**{name} FAILED:** `{error}`")
     for banner in banners:
         out += [f"> {banner}", ""]
     machine = meta.get("machine", {})
     versions = meta.get("versions", {})
+    how_long = (
+        "a smoke run, about 2 minutes" if meta.get("quick") else "about 14 minutes on 2 cores"
+    )
     out += [
-        "Regenerate this file (about 14 minutes on 2 cores; stop anything else first, the run "
-        "checks and reports when the machine is busy):",
+        f"Regenerate this file ({how_long}; `python -m bench` for the full run; stop anything else "
+        "first, the run checks and reports when the machine is busy):",
         "",
         "```sh",
         meta.get("command", "python -m bench"),
@@ -483,6 +603,17 @@ def render(results: dict) -> str:
         ),
         "",
     ]
+    rows = findings(engine, micro, service)
+    if rows:
+        out += [
+            "## Tuning: each option against what the service does now",
+            "",
+            "Measured in this run, side by side (details in the sections below). A ratio above 1 "
+            "means the option is faster than the service's current setting.",
+            "",
+            table(["option", "with the option", "service now", "ratio", "measured how"], rows),
+            "",
+        ]
     if service:
         startup = service.get("startup_s", {})
         memory = service.get("memory_kib", {})
@@ -491,15 +622,24 @@ def render(results: dict) -> str:
             "## Start-up and memory",
             "",
             "Start-up: from spawning the process to the first 200 from `/health/ready` (the service "
-            "loads both graphs and warms every batch size first). Memory: VmRSS / VmHWM from "
+            "loads both graphs and warms every batch size first; the rest is Python start-up and "
+            "imports). Memory: VmRSS / VmHWM from "
             "/proc/PID/status, when ready and after the whole sweep.",
             "",
             table(
-                ["server", "start-up s", "RSS ready MiB", "RSS after load MiB", "peak (VmHWM) MiB"],
+                [
+                    "server",
+                    "start-up s",
+                    "of which load + warm-up s",
+                    "RSS ready MiB",
+                    "RSS after load MiB",
+                    "peak (VmHWM) MiB",
+                ],
                 [
                     [
                         key,
                         fmt_spread(startup.get(key), 2),
+                        _breakdown(service.get("startup_breakdown", {}).get(key)),
                         _mib(idle.get(key, {}).get("VmRSS")),
                         _mib(memory.get(key, {}).get("VmRSS")),
                         _mib(memory.get(key, {}).get("VmHWM")),
@@ -537,9 +677,21 @@ def render(results: dict) -> str:
 
 
 def _shorten(command: str) -> str:
-    """hey's command line with the temporary body path reduced to its file name."""
+    """A command line with the run's temporary paths reduced to their file names."""
     parts = command.split()
-    return " ".join(Path(p).name if p.startswith("/") and p.endswith(".json") else p for p in parts)
+    return " ".join(
+        Path(p).name if p.startswith("/") and ("vitserve-bench-" in p or p.endswith(".json")) else p
+        for p in parts
+    )
+
+
+def _breakdown(samples: list[dict] | None) -> str:
+    """Median load and warm-up seconds from the service's own start-up log line."""
+    if not samples:
+        return "-"
+    load = sorted(sample["load_s"] for sample in samples)[len(samples) // 2]
+    warm = sorted(sample["warmup_s"] for sample in samples)[len(samples) // 2]
+    return f"{load:.2f} + {warm:.2f}"
 
 
 def _mib(kib: int | None) -> str:

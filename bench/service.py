@@ -46,6 +46,15 @@ REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 FIRST_PORT = 18110
 READY_TIMEOUT_S = 120.0
+# Every other VITSERVE_* variable of this process is dropped so that each server runs exactly the
+# settings its case names; these pass through, so that `VITSERVE_PROVIDER=cuda python -m bench`
+# measures the service on a GPU.
+PASS_THROUGH = (
+    "VITSERVE_PROVIDER",
+    "VITSERVE_CUDA_DEVICE_ID",
+    "VITSERVE_CUDNN_CONV_ALGO_SEARCH",
+    "VITSERVE_CUDA_MEM_LIMIT_BYTES",
+)
 
 
 @dataclass
@@ -135,6 +144,18 @@ class Server:
             time.sleep(0.01)
         raise RuntimeError(f"{self.spec.key} not ready after {READY_TIMEOUT_S:.0f} s")
 
+    def startup_breakdown(self) -> dict[str, float] | None:
+        """The service's own log line: seconds to load the model and to warm it up (last start)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+        found = _STARTED.findall(text)
+        if not found:
+            return None
+        load, _, warm = found[-1]
+        return {"load_s": float(load), "warmup_s": float(warm)}
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -165,6 +186,7 @@ class Server:
             process.wait(timeout=10)
 
 
+_STARTED = re.compile(r"loaded in ([0-9.]+) s, warmed up at batch sizes 1-([0-9]+) in ([0-9.]+) s")
 _METRIC = re.compile(r'^(vitserve_\w+)\{graph="(\w+)"\}\s+([0-9.eE+-]+)$', re.MULTILINE)
 
 
@@ -207,7 +229,8 @@ def service_argv() -> list[str]:
 
 
 def service_env(port: int, **settings: str) -> dict[str, str]:
-    env = {"VITSERVE_HOST": HOST, "VITSERVE_PORT": str(port)}
+    env = {k: os.environ[k] for k in PASS_THROUGH if k in os.environ}
+    env.update({"VITSERVE_HOST": HOST, "VITSERVE_PORT": str(port)})
     env.update({f"VITSERVE_{k.upper()}": v for k, v in settings.items()})
     return env
 
@@ -240,8 +263,14 @@ def plan(quick: bool, checkpoint: Path) -> tuple[list[ServerSpec], list[Case]]:
     variants = [("service-intra1", "service, intra-op threads 1", {"intra_op_threads": "1"})]
     if not quick:
         variants += [
+            ("service-spin", "service, onnxruntime thread spinning on", {"allow_spinning": "true"}),
             ("service-delay0", "service, max queue delay 0 ms", {"max_queue_delay_ms": "0"}),
             ("service-delay5", "service, max queue delay 5 ms", {"max_queue_delay_ms": "5"}),
+            (
+                "service-quietlog",
+                "service, log level warning (no uvicorn access log)",
+                {"log_level": "warning"},
+            ),
         ]
     specs += [ServerSpec(key, label, service_argv(), env) for key, label, env in variants]
     for index, spec in enumerate(specs):
@@ -321,7 +350,7 @@ class Ceiling:
         from service.runtime import Runtime
         from service.settings import Settings
 
-        settings = Settings(model_repository=REPO / "models", provider="cpu")
+        settings = Settings(model_repository=REPO / "models")  # provider: as the servers'
         self.runtime = Runtime.load(settings)
         self.preprocessor = Preprocessor(self.runtime.metadata, settings.max_pixels_per_image)
         self.encoded = [image["b64"] for image in json.loads(body.read_bytes())["images"]]
@@ -436,7 +465,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: one level, one repeat")
     parser.add_argument("--duration", type=float, default=None, help="seconds per hey run")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds after which the remaining load runs are skipped (and reported as skipped)",
+    )
     args = parser.parse_args(argv)
+    budget = args.budget or (240.0 if args.quick else 780.0)
     duration = args.duration or (2.0 if args.quick else 5.0)
     repeats = args.repeats or (1 if args.quick else 3)
     startup_repeats = 1 if args.quick else 3
@@ -448,7 +484,12 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     servers: dict[str, Server] = {}
-    results: dict = {"duration_s": duration, "repeats": repeats, "points": []}
+    results: dict = {
+        "duration_s": duration,
+        "repeats": repeats,
+        "budget_s": budget,
+        "points": [],
+    }
     with tempfile.TemporaryDirectory(prefix="vitserve-bench-") as tmp_name:
         tmp = Path(tmp_name)
         bodies, source = write_bodies(tmp)
@@ -481,17 +522,22 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             # Start-up time of the service, on an otherwise idle machine: spawn to /health/ready.
+            results["startup_busy"] = busy_check().to_dict()
             startup: dict[str, list[float]] = {s.key: [] for s in specs}
             for spec in specs:
-                server = Server(spec, tmp)
+                server = servers[spec.key] = Server(spec, tmp)  # registered first: always stopped
                 times = startup_repeats if spec.key in ("service", "baseline") else 1
                 for attempt in range(times):
                     seconds = server.start()
                     startup[spec.key].append(seconds)
+                    breakdown = server.startup_breakdown()
+                    if breakdown:
+                        results.setdefault("startup_breakdown", {}).setdefault(spec.key, []).append(
+                            breakdown
+                        )
                     print(f"  {spec.key}: ready in {seconds:.2f} s", flush=True)
                     if attempt < times - 1:
                         server.stop()
-                servers[spec.key] = server
             results["startup_s"] = {k: summarize(v) for k, v in startup.items()}
             results["startup_samples_s"] = startup
             results["idle_memory_kib"] = {k: s.memory() for k, s in servers.items()}
@@ -515,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
                 order = cases if repeat % 2 == 0 else list(reversed(cases))
                 for case in order:
                     for level in case.concurrency:
+                        if time.perf_counter() - started > budget:
+                            results["skipped_runs"] = results.get("skipped_runs", 0) + 1
+                            continue
                         results["points"].append(
                             run_point(
                                 servers[case.server],
@@ -541,6 +590,12 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=1))
     print(f"service: done in {results['seconds']:.0f} s -> {args.json}", flush=True)
+    if results.get("skipped_runs"):
+        print(
+            f"!!! WARNING: {results['skipped_runs']} load runs skipped: past the time budget of "
+            f"{budget:.0f} s",
+            flush=True,
+        )
     if results["busy_runs"]:
         print(
             f"!!! WARNING: {results['busy_runs']} of {len(results['points'])} runs started on a busy "

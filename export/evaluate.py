@@ -256,6 +256,7 @@ def evaluate_onnx(
         "split": "test",
         "seconds": round(time.perf_counter() - started, 3),
         "metadata_test_accuracy": metadata.get("test_accuracy"),
+        "checkpoint_sha256": metadata.get("checkpoint_sha256"),
         **results,
     }
 

@@ -17,7 +17,7 @@ import platform
 import shutil
 from pathlib import Path
 
-from export.checkpoint import read_metadata, resolve_checkpoint
+from export.checkpoint import file_sha256, read_metadata, resolve_checkpoint
 from export.evaluate import evaluate_onnx
 from export.report import write_report
 from export.train import TrainSettings
@@ -194,6 +194,13 @@ def write_model_card(
     if any(not (run_dir / plot).is_file() for plot in CARD_PLOTS):
         results = write_report(run_dir, data_dir)
     onnx_results = evaluate_onnx(version_dir / "model.onnx", data_dir=data_dir)
+    checkpoint = resolve_checkpoint(run_dir)
+    exported_from = onnx_results["checkpoint_sha256"]
+    if exported_from != file_sha256(checkpoint):
+        raise ValueError(
+            f"{version_dir / 'model.onnx'} was exported from another checkpoint than {checkpoint} "
+            f"(sha256 {exported_from}); export that checkpoint first"
+        )
     with (run_dir / "metrics.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     settings = json.loads((run_dir / "settings.json").read_text())
@@ -204,7 +211,7 @@ def write_model_card(
     for plot in CARD_PLOTS:
         shutil.copyfile(run_dir / plot, card_dir / plot)
     card = entry / "MODEL_CARD.md"
-    model_config = json.loads(read_metadata(resolve_checkpoint(run_dir))["config"])
+    model_config = json.loads(read_metadata(checkpoint)["config"])
     card.write_text(
         render(entry, version_dir, onnx_results, results, rows, settings, state, model_config)
     )

@@ -72,10 +72,12 @@ class DynamicBatcher:
             self._loop(), name=f"batcher-{self.graph}"
         )
 
-    async def submit(
-        self, rows: np.ndarray, request_id: str | None = None
-    ) -> list[tuple[np.ndarray, ...]]:
-        """Queue ``rows`` (one image each) and return each image's outputs, in order."""
+    def admit(self, count: int) -> None:
+        """Raise the 503 that ``submit`` would raise for ``count`` images now.
+
+        Routes call it before decoding, so that an overloaded service refuses at once instead of
+        decoding images it cannot queue; ``submit`` checks again, as the queue moves meanwhile.
+        """
         if self._task is None:
             raise ServiceUnavailable(
                 f"the {self.graph} batcher has not started; retry shortly",
@@ -89,7 +91,6 @@ class DynamicBatcher:
                 code="shutting_down",
                 retry_after_s=self.retry_after_s,
             )
-        count = len(rows)
         if len(self._pending) + count > self.max_queue_size:
             self._reject("queue_full")
             raise ServiceUnavailable(
@@ -99,6 +100,13 @@ class DynamicBatcher:
                 code="queue_full",
                 retry_after_s=self.retry_after_s,
             )
+
+    async def submit(
+        self, rows: np.ndarray, request_id: str | None = None
+    ) -> list[tuple[np.ndarray, ...]]:
+        """Queue ``rows`` (one image each) and return each image's outputs, in order."""
+        count = len(rows)
+        self.admit(count)
         loop = asyncio.get_running_loop()
         now = loop.time()
         items = [_Item(rows[i], loop.create_future(), now, request_id) for i in range(count)]

@@ -63,7 +63,9 @@ def invalid_from(error: ValidationError) -> InvalidInput:
 
 def parse_json(body: bytes, model: type[Options]) -> Options:
     try:
-        return model.model_validate_json(body)
+        # strict: JSON types as the OpenAPI document declares them ("top_k": "3" or "layer": false
+        # is refused, not coerced); multipart fields are text and are validated in lax mode instead
+        return model.model_validate_json(body, strict=True)
     except ValidationError as error:
         raise invalid_from(error) from None
 

@@ -107,6 +107,11 @@ class Settings(BaseSettings):
         ge=0,
         description="onnxruntime inter-op threads per session (0 lets onnxruntime choose).",
     )
+    allow_spinning: bool = Field(
+        default=False,
+        description="Let onnxruntime's idle intra-op threads spin for work; off by default, as spinning "
+        "threads take CPU from request decoding on small machines (BENCHMARKS.md).",
+    )
 
     # Limits on what a request may carry.
     max_body_bytes: int = Field(

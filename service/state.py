@@ -44,6 +44,8 @@ class ServiceState:
     async def start(self) -> None:
         """Load, check and warm the model, then start the batchers; only then ready."""
         settings = self.settings
+        if self.phase == "stopped":  # the same app started again (a second TestClient)
+            self.phase = "starting"
         try:
             runtime = await asyncio.to_thread(Runtime.load, settings)
         except ModelLoadError as error:
@@ -75,13 +77,13 @@ class ServiceState:
             self.phase = "ready"
             self.metrics.ready.set(1)
         logger.info(
-            "serving %s version %s from %s on %s (loaded in %.2f s, warmed up at batch sizes 1-%d in %.2f s)",
+            "serving %s version %s from %s on %s (loaded in %.2f s, warmed up at batch sizes %s in %.2f s)",
             entry.name,
             entry.version,
             entry.directory,
             runtime.provider,
             runtime.load_seconds,
-            settings.max_batch_size,
+            runtime.classifier_batch_sizes,
             runtime.warmup_seconds,
         )
 

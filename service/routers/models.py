@@ -7,7 +7,14 @@ from fastapi import APIRouter, Depends, Request
 from service.errors import NotFound
 from service.preprocessing import ACCEPTED_FORMATS
 from service.routers._openapi import ERROR_RESPONSES
-from service.schemas import BatchingInfo, InputInfo, LimitsInfo, ModelInfo, ModelsResponse
+from service.schemas import (
+    BatchingInfo,
+    ErrorResponse,
+    InputInfo,
+    LimitsInfo,
+    ModelInfo,
+    ModelsResponse,
+)
 from service.security import require_api_key
 from service.state import ServiceState
 
@@ -57,7 +64,10 @@ async def models(request: Request) -> ModelsResponse:
     "/models/{name}",
     response_model=ModelInfo,
     summary="One model served",
-    responses=ERROR_RESPONSES,
+    responses={
+        **ERROR_RESPONSES,
+        404: {"model": ErrorResponse, "description": "No model of that name is served."},
+    },
 )
 async def model(name: str, request: Request) -> ModelInfo:
     info = model_info(request.app.state.service)

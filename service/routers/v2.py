@@ -517,7 +517,7 @@ def _encode(
 # --- routes -----------------------------------------------------------------------------------------
 
 
-@router.get("", response_model=ServerMetadata, summary="Server metadata", responses=_RESPONSES)
+@router.get("", response_model=ServerMetadata, summary="Server metadata")
 async def server_metadata(request: Request) -> ServerMetadata:
     return ServerMetadata(name=SERVER_NAME, version=request.app.version, extensions=EXTENSIONS)
 
@@ -630,3 +630,31 @@ async def infer(name: str, request: Request) -> Response:
 )
 async def infer_version(name: str, version: str, request: Request) -> Response:
     return await _infer(request, name, version)
+
+
+@router.api_route(
+    "/{path:path}",
+    methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
+    include_in_schema=False,
+)
+async def not_in_protocol(path: str, request: Request) -> Response:
+    """Anything else under /v2 (Triton's repository, config, statistics, shared-memory routes) gets
+    the protocol's error shape too: 405 for a known route and another method, else 404."""
+    for route in router.routes:
+        if (
+            isinstance(route, APIRoute)
+            and route.path_regex.match(request.url.path)
+            and request.method not in (route.methods or set())
+            and route.path != "/v2/{path:path}"
+        ):
+            allowed = ", ".join(sorted(route.methods or ()))
+            raise OipError(
+                f"method {request.method} is not allowed on {request.url.path}; use {allowed}",
+                status_code=405,
+                headers={"Allow": allowed},
+            )
+    raise OipError(
+        f"/v2/{path} is not served: vitserve implements the Open Inference Protocol's health, "
+        "metadata, ready and infer routes (extensions: binary_tensor_data, classification)",
+        status_code=404,
+    )

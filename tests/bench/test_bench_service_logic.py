@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
+import pytest
+
 from bench.service import (
+    Server,
+    ServerSpec,
     batching_counters,
     batching_delta,
     plan,
@@ -115,3 +120,22 @@ def test_summarize_points_medians_and_busy_counts():
     assert summary["busy_runs"] == 1 and summary["runs"] == 3
     assert summary["status_codes"] == {"200": 25, "503": 2}
     assert summary["avg_batch_size"]["median"] == 10
+
+
+def test_startup_breakdown_reads_the_service_log_line(tmp_path):
+    server = Server(ServerSpec("service", "s", ["true"]), tmp_path)
+    assert server.startup_breakdown() is None  # no log yet
+    server.log_path.write_text(
+        "INFO      vitserve: serving fashion-mnist-vit version 1 from models/fashion-mnist-vit/1 on "
+        "CPUExecutionProvider (loaded in 0.31 s, warmed up at batch sizes 1-32 in 0.87 s)\n"
+    )
+    assert server.startup_breakdown() == {"load_s": 0.31, "warmup_s": 0.87}
+
+
+def test_a_server_that_dies_before_ready_is_reported_with_its_log(tmp_path):
+    argv = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
+    server = Server(ServerSpec("broken", "b", argv, port=18199), tmp_path)
+    with pytest.raises(RuntimeError, match="exited with 3 before ready") as error:
+        server.start()
+    assert "no model here" in str(error.value)
+    server.stop()  # nothing left to stop; must not raise

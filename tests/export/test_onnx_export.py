@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from export import onnx as onnx_export
-from export.checkpoint import load_checkpoint
+from export.checkpoint import load_checkpoint, save_checkpoint
 from export.data import get_dataset_spec, load_dataset, normalize
 
 
@@ -180,3 +181,32 @@ def test_rejects_bad_version_and_name(tiny_run, tmp_path):
         onnx_export.main(
             [str(tiny_run), "--name", "../x", "--version", "1", "--repo", str(tmp_path)]
         )
+
+
+def test_model_card_reports_the_onnx_accuracy(exported, tiny_run):
+    from export.model_card import write_model_card
+
+    repo, result = exported
+    card = write_model_card(tiny_run, repo / "tiny", version=3)
+    text = card.read_text()
+    assert f"{100 * result['test_accuracy']:.2f}%" in text
+    assert "python -m export.train --preset test-tiny --dataset fashion-mnist" in text
+    assert "python -m export.evaluate" in text and "| Trouser |" in text
+    for plot in ("curves.png", "confusion_matrix.png", "attention_gallery.png"):
+        assert (repo / "tiny" / "card" / plot).stat().st_size > 0
+
+
+def test_model_card_refuses_an_entry_from_another_checkpoint(exported, tiny_run, tmp_path):
+    from export.model_card import write_model_card
+
+    repo, _ = exported
+    other = tmp_path / "other"
+    shutil.copytree(tiny_run, other)
+    model, metadata = load_checkpoint(tiny_run)
+    with torch.no_grad():
+        model.head.bias.add_(1.0)
+    save_checkpoint(
+        model, other / "model.safetensors", "fashion-mnist", tuple(json.loads(metadata["labels"]))
+    )
+    with pytest.raises(ValueError, match="another checkpoint"):
+        write_model_card(other, repo / "tiny", version=3)

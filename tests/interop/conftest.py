@@ -1,41 +1,20 @@
-"""Fixtures for the interoperability tests: the service tests' fixtures, reused, on this area's ports.
-
-tests/service/conftest.py builds the tiny model with the export stage at session start and runs real
-servers; it is loaded here as a private module so that its port range can be set to this area's
-(18300-18399, docs/ARCHITECTURE.md) without touching the service tests' own copy.
-"""
+"""Fixtures for the interoperability tests: the service tests' fixtures, reused (interop_support.py
+says how), plus a real server on this area's ports."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+from interop_support import Server, running_server, service_fixtures
 
-_path = Path(__file__).resolve().parents[1] / "service" / "conftest.py"
-_spec = importlib.util.spec_from_file_location("_vitserve_service_fixtures", _path)
-assert _spec is not None and _spec.loader is not None
-service_fixtures = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = service_fixtures  # dataclasses look their module up there
-_spec.loader.exec_module(service_fixtures)
-service_fixtures.PORTS = range(18300, 18400)  # the interoperability tests' loopback range
-
-# The fixtures this directory uses, registered here by name.
+# The service tests' fixtures this directory uses (the tiny model is exported once per session).
 _clean_environment = service_fixtures._clean_environment
 model_repository = service_fixtures.model_repository
 fashion_images = service_fixtures.fashion_images
-reference = service_fixtures.reference
-
-REPO = service_fixtures.REPO
-MODEL_NAME = service_fixtures.MODEL_NAME
-Reference = service_fixtures.Reference
-encode = service_fixtures.encode
-running_server = service_fixtures.running_server
-Server = service_fixtures.Server
 
 
 @pytest.fixture(scope="session")
@@ -61,22 +40,3 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def http(server: Server) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=30) as client:
         yield client
-
-
-def predict_probabilities(http: httpx.Client, images: np.ndarray) -> np.ndarray:
-    """``/predict`` on uint8 [N, H, W] images (as pixels, never inverted): probabilities [N, classes].
-
-    Sent 8 at a time, the servers' max_images_per_request."""
-    rows = []
-    for start in range(0, len(images), 8):
-        body = {
-            "images": [{"pixels": image.tolist()} for image in images[start : start + 8]],
-            "top_k": 10,
-            "invert": "never",
-        }
-        response = http.post("/predict", json=body)
-        assert response.status_code == 200, response.text
-        for prediction in response.json()["predictions"]:
-            scores = {entry["index"]: entry["score"] for entry in prediction["top_k"]}
-            rows.append([scores[i] for i in range(len(scores))])
-    return np.asarray(rows)

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import pytest
 import tritonclient.http as triton
-from conftest import MODEL_NAME, REPO, Reference, predict_probabilities, running_server
+from interop_support import MODEL_NAME, REPO, Reference, predict_probabilities, running_server
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
@@ -132,6 +132,23 @@ def test_unknown_model_and_version_are_404(client):
     with pytest.raises(InferenceServerException) as error:
         client.infer(MODEL_NAME, [fp32_input(images)], model_version="2")
     assert_oip_error(error, 404, "unknown version '2'")
+
+
+def test_routes_outside_the_protocol_answer_in_its_error_shape(client, http):
+    """Triton-only routes (model config, repository index) and wrong methods: 404 and 405, as
+    {"error": "..."} that tritonclient reads as a message."""
+    with pytest.raises(InferenceServerException) as error:
+        client.get_model_config(MODEL_NAME)
+    assert_oip_error(error, 404, f"/v2/models/{MODEL_NAME}/config is not served")
+    with pytest.raises(InferenceServerException) as error:
+        client.get_model_repository_index()
+    assert_oip_error(error, 404, "is not served")
+    wrong_method = http.get(f"/v2/models/{MODEL_NAME}/infer")
+    assert wrong_method.status_code == 405
+    assert wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json() == {
+        "error": f"method GET is not allowed on /v2/models/{MODEL_NAME}/infer; use POST"
+    }
 
 
 # --- inference ---------------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ from types import ModuleType
 import onnx
 import pytest
 import tritonclient
-from conftest import MODEL_NAME, REPO
 from google.protobuf import text_format
+from interop_support import MODEL_NAME, REPO
 
 # ONNX element type -> Triton data type (the ones a ViT classifier uses).
 TRITON_TYPES = {

@@ -13,9 +13,11 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -130,12 +132,31 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A valid PNG header (right CRCs) that claims ``width x height`` grey pixels, with one tiny IDAT:
+    what a decompression bomb looks like before anything is inflated."""
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    idat = zlib.compress(b"\x00" * 64)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _chunk(b"IHDR", header)
+        + _chunk(b"IDAT", idat)
+        + _chunk(b"IEND", b"")
+    )
+
+
 # What a stack trace or an internal path looks like in a response body.
 _LEAKS = re.compile(r"Traceback|File \"|/site-packages/|/work/|\.py\b|line \d+, in ")
 
 
 def assert_no_leak(response: httpx.Response) -> None:
-    text = response.text if not response.headers.get("content-type", "").startswith("image/") else ""
+    text = (
+        response.text if not response.headers.get("content-type", "").startswith("image/") else ""
+    )
     assert not _LEAKS.search(text), f"the response leaks internals: {text[:500]}"
 
 

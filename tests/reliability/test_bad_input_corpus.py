@@ -9,7 +9,6 @@ afterwards.
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ from conftest import (
     encode,
     make_settings,
     metric,
+    png_claiming,
 )
 from fastapi.testclient import TestClient
 from PIL import Image
@@ -39,20 +39,6 @@ STRICT_PIXELS = 10_000  # a second app with a small pixel limit, to reach it und
 
 
 # --- generated files ------------------------------------------------------------------------------
-
-
-def _chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
-def png_claiming(width: int, height: int) -> bytes:
-    """A valid PNG header (right CRCs) that claims ``width x height`` grey pixels, with one tiny IDAT:
-    what a decompression bomb looks like before anything is inflated."""
-    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    idat = zlib.compress(b"\x00" * 64)
-    return (
-        b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
-    )
 
 
 def gif_claiming(width: int, height: int) -> bytes:
@@ -75,9 +61,13 @@ def many_fields_form(count: int, boundary: str = "vitserve-corpus") -> tuple[byt
                 f'--{boundary}\r\nContent-Disposition: form-data; name="f{i}"\r\n\r\nx\r\n'
             ).encode()
         yield (
-            f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"a.png\"\r\n"
-            "Content-Type: image/png\r\n\r\n"
-        ).encode() + encode(np.zeros((4, 4), np.uint8)) + b"\r\n"
+            (
+                f'--{boundary}\r\nContent-Disposition: form-data; name="files"; filename="a.png"\r\n'
+                "Content-Type: image/png\r\n\r\n"
+            ).encode()
+            + encode(np.zeros((4, 4), np.uint8))
+            + b"\r\n"
+        )
 
     return multipart_body(parts(), boundary), f"multipart/form-data; boundary={boundary}"
 
@@ -183,6 +173,20 @@ CORPUS: list[Bad] = [
     Bad(
         "top_k a word",
         as_json({"images": [{"pixels": [[0]]}], "top_k": "three"}),
+        422,
+        ("top_k", "integer"),
+        "top_k",
+    ),
+    Bad(
+        "top_k a number in a string",
+        as_json({"images": [{"pixels": [[0]]}], "top_k": "3"}),
+        422,
+        ("top_k", "integer"),
+        "top_k",
+    ),
+    Bad(
+        "top_k a fraction",
+        as_json({"images": [{"pixels": [[0]]}], "top_k": 2.5}),
         422,
         ("top_k", "integer"),
         "top_k",
@@ -598,6 +602,14 @@ CORPUS: list[Bad] = [
         route="/attention",
     ),
     Bad(
+        "attention layer false",
+        lambda images: {"json": {"image": {"pixels": good_pixels(images)}, "layer": False}},
+        422,
+        ("layer", "integer"),
+        "layer",
+        route="/attention",
+    ),
+    Bad(
         "attention unknown method",
         lambda images: {"json": {"image": {"pixels": good_pixels(images)}, "method": "gradcam"}},
         422,
@@ -806,10 +818,11 @@ def test_error_answers_carry_no_internals_even_for_odd_requests(client):
         client.delete("/models"),
         client.get("/no/such/route"),
         client.get("/models/..%2F..%2Fetc%2Fpasswd"),
-        client.post("/predict", json={"images": [{"pixels": [[0]]}]}, headers={"X-Request-ID": "x\ty"}),
+        client.post(
+            "/predict", json={"images": [{"pixels": [[0]]}]}, headers={"X-Request-ID": "x\ty"}
+        ),
     ]
     for response in odd[:4]:
         assert response.status_code in (404, 405), response.text
         assert_error(response, response.status_code)
     assert odd[4].status_code == 200 and odd[4].headers["x-request-id"] != "x\ty"
-

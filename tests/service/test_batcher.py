@@ -192,3 +192,34 @@ def test_stop_drains_the_queue_then_refuses_work():
     assert [float(answer[0][0]) for answer in answers] == list(range(5))
     assert time.perf_counter() - started < 1.5
     assert refused.code == "shutting_down"
+
+
+def test_a_full_queue_refuses_before_decoding(client, monkeypatch, fashion_images):
+    """An overloaded service must not spend CPU decoding images it cannot queue."""
+    from tests.service.conftest import assert_error, encode
+
+    state = client.app.state.service
+    decoded = []
+    real_from_bytes = state.preprocessor.from_bytes
+    monkeypatch.setattr(
+        state.preprocessor,
+        "from_bytes",
+        lambda *args, **kwargs: decoded.append(1) or real_from_bytes(*args, **kwargs),
+    )
+    files = [("files", (f"{i}.png", encode(fashion_images[i]), "image/png")) for i in range(2)]
+    for batcher, route, payload in (
+        (state.classifier, "/predict", {"files": files}),
+        (state.attention, "/attention", {"files": {"file": files[0][1]}}),
+    ):
+        monkeypatch.setattr(batcher, "max_queue_size", 0)
+        response = client.post(route, **payload)
+        assert_error(response, 503, "queue is full", "max_queue_size=0")
+        assert decoded == []
+        monkeypatch.undo()
+        monkeypatch.setattr(
+            state.preprocessor,
+            "from_bytes",
+            lambda *args, **kwargs: decoded.append(1) or real_from_bytes(*args, **kwargs),
+        )
+    assert client.post("/predict", files=files).status_code == 200
+    assert len(decoded) == 2

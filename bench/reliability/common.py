@@ -1,0 +1,165 @@
+"""What the reliability benches share: a service process they start and always stop, its memory, the
+requests they send (good ones with known answers, and bad ones with their expected status).
+
+Loopback only, ports 18200-18299 (docs/ARCHITECTURE.md). Every loop the benches run is bounded both in
+time and in count.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from bench.payloads import load_images, png_bytes
+
+REPO = Path(__file__).resolve().parents[2]
+PORTS = range(18240, 18300)  # the upper part of the reliability range; the tests start lower
+
+
+def free_port() -> int:
+    for port in PORTS:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
+
+
+@dataclass
+class Service:
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+    def status(self, key: str) -> int:
+        """A memory figure of the process from /proc, in bytes (VmRSS now, VmHWM the peak)."""
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no {key} for process {self.process.pid}")
+
+
+@contextmanager
+def service(log: Path, **settings: object) -> Iterator[Service]:
+    """``nice -n 10 python -m service`` (one onnxruntime thread) on a free loopback port, ready;
+    always stopped with SIGTERM (SIGKILL after 30 s) when the block ends, whatever happens in it."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_") and k != "PORT"}
+    env.update(
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS="1",
+        VITSERVE_HOST="127.0.0.1",
+        VITSERVE_PORT=str(port),
+        VITSERVE_PROVIDER="cpu",
+        VITSERVE_INTRA_OP_THREADS="1",
+        VITSERVE_INTER_OP_THREADS="1",
+        VITSERVE_LOG_LEVEL="warning",
+    )
+    env.update({f"VITSERVE_{k.upper()}": str(v) for k, v in settings.items() if v is not None})
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as handle:
+        process = subprocess.Popen(
+            ["nice", "-n", "10", sys.executable, "-m", "service"],
+            cwd=REPO,
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
+    running = Service(process, f"http://127.0.0.1:{port}", log)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the service exited with {process.returncode}; see {log}")
+            try:
+                if httpx.get(f"{running.url}/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the service was not ready within 120 s; see {log}")
+            time.sleep(0.2)
+        yield running
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+@dataclass
+class Payloads:
+    """Garment images as PNG and pixels, and the answers a quiet service gave for them."""
+
+    images: np.ndarray
+    pngs: list[bytes]
+    source: str
+    expected: dict[int, int] = field(default_factory=dict)  # image index -> class index
+
+    @classmethod
+    def load(cls, count: int = 32) -> Payloads:
+        images, source = load_images(count)
+        return cls(images, [png_bytes(image) for image in images], source)
+
+    def json_body(self, index: int) -> dict:
+        return {"images": [{"b64": b64(self.pngs[index])}]}
+
+    def learn_answers(self, url: str, headers: dict[str, str] | None = None) -> None:
+        """Ask the quiet service once per image: the answers every later one must agree with."""
+        with httpx.Client(base_url=url, timeout=60, headers=headers) as http:
+            for index in range(len(self.pngs)):
+                response = http.post("/predict", json=self.json_body(index))
+                response.raise_for_status()
+                self.expected[index] = response.json()["predictions"][0]["index"]
+
+
+def bad_requests() -> list[tuple[str, dict, int]]:
+    """(name, httpx request arguments, expected status): bad input the soak mixes in."""
+    tiff = b"II*\x00" + b"\x00" * 64
+    png = png_bytes(np.zeros((8, 8), np.uint8))
+    return [
+        ("invalid JSON", {"content": b"{", "headers": {"Content-Type": "application/json"}}, 422),
+        ("bad base64", {"json": {"images": [{"b64": "!!"}]}}, 422),
+        ("random bytes", {"json": {"images": [{"b64": b64(os.urandom(512))}]}}, 422),
+        ("truncated PNG", {"json": {"images": [{"b64": b64(png[:30])}]}}, 422),
+        ("TIFF", {"json": {"images": [{"b64": b64(tiff)}]}}, 415),
+        ("ragged pixels", {"json": {"images": [{"pixels": [[1, 2], [3]]}]}}, 422),
+        ("pixel 300", {"json": {"images": [{"pixels": [[300]]}]}}, 422),
+        ("top_k 0", {"json": {"images": [{"pixels": [[1]]}], "top_k": 0}}, 422),
+        ("text/plain", {"content": b"x", "headers": {"Content-Type": "text/plain"}}, 415),
+        ("unknown field", {"json": {"images": [{"pixels": [[1]]}], "x": 1}}, 422),
+    ]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def dump(result: dict, out: Path | None) -> None:
+    text = json.dumps(result, indent=2, sort_keys=True)
+    print(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
