@@ -81,7 +81,9 @@ class RequestContextMiddleware:
         try:
             length = headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > limit:
-                await self._reject_too_large(send_with_id, request_id, int(length))
+                await self._reject_too_large(
+                    send_with_id, request_id, int(length), scope.get("path", "")
+                )
                 return
             await self.app(scope, receive_limited, send_with_id)
         finally:
@@ -90,9 +92,15 @@ class RequestContextMiddleware:
             self.metrics.requests.labels(template, method, str(status)).inc()
             self.metrics.latency.labels(template, method).observe(time.perf_counter() - started)
 
-    async def _reject_too_large(self, send: Send, request_id: str, length: int) -> None:
+    async def _reject_too_large(self, send: Send, request_id: str, length: int, path: str) -> None:
         message = f"{_too_large(self.max_body_bytes)} (Content-Length: {length})"
-        body = json.dumps(error_body("payload_too_large", message, request_id, "body")).encode()
+        # The Open Inference Protocol's error body is {"error": "<message>"}.
+        error = (
+            {"error": message}
+            if path == "/v2" or path.startswith("/v2/")
+            else error_body("payload_too_large", message, request_id, "body")
+        )
+        body = json.dumps(error).encode()
         await send(
             {
                 "type": "http.response.start",

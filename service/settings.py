@@ -134,6 +134,15 @@ class Settings(BaseSettings):
         ),
     )
 
+    max_concurrent_decodes: int = Field(
+        default=2,
+        ge=1,
+        description=(
+            "Most requests decoding and preprocessing images at once; bounds the memory that large "
+            "images take while decoding (decoding is CPU-bound, so more than the core count gains nothing)."
+        ),
+    )
+
     # Access, logging, network.
     api_key: SecretStr | None = Field(
         default=None,
@@ -166,6 +175,15 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"max_queue_size ({self.max_queue_size}) must be at least max_images_per_request "
                 f"({self.max_images_per_request}), or a full-sized request could never be queued"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _api_key_is_not_empty(self) -> Settings:
+        if self.api_key is not None and not self.api_key.get_secret_value().strip():
+            raise ValueError(
+                "api_key is set but empty: unset VITSERVE_API_KEY to serve without a key, "
+                "or give it a value"
             )
         return self
 

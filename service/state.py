@@ -35,6 +35,7 @@ class ServiceState:
         self.preprocessor: Preprocessor | None = None
         self.classifier: DynamicBatcher | None = None
         self.attention: DynamicBatcher | None = None
+        self.decode_slots = asyncio.Semaphore(settings.max_concurrent_decodes)
         self.metrics.ready.set(0)
 
     @property

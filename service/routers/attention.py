@@ -111,7 +111,8 @@ async def attention(request: Request) -> Response | AttentionResponse:
         return preprocessor.from_pixels(image.pixels, image.field, options.invert)
 
     batcher.admit(1)
-    prepared = await run_in_threadpool(prepare)
+    async with state.decode_slots:
+        prepared = await run_in_threadpool(prepare)
     ((logits, maps),) = await batcher.submit(prepared.tensor[np.newaxis], request_id_of(request))
     best = prediction(logits, meta.labels, options.top_k)
     grid = meta.grid

@@ -106,7 +106,8 @@ async def predict(request: Request) -> PredictResponse:
     labels = runtime.metadata.labels
     check_top_k(options.top_k, labels)
     classifier.admit(len(images))
-    batch = await run_in_threadpool(prepare_batch, preprocessor, images, options.invert)
+    async with state.decode_slots:
+        batch = await run_in_threadpool(prepare_batch, preprocessor, images, options.invert)
     rows = await classifier.submit(batch, request_id_of(request))
     entry = runtime.entry
     return PredictResponse(

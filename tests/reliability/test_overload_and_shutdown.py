@@ -153,8 +153,7 @@ def test_sigterm_under_load_drains_then_exits_zero(
 ):
     log = tmp_path / "shutdown.log"
     expected = reference.probabilities(fashion_images[:6])
-    with running_server(model_repository, log, max_queue_delay_ms=1500, max_batch_size=8) as server:
-        probes = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(3)]
+    with running_server(model_repository, log, max_queue_delay_ms=3000, max_batch_size=8) as server:
         answers: dict[int, httpx.Response] = {}
 
         def one(index: int) -> None:
@@ -168,7 +167,9 @@ def test_sigterm_under_load_drains_then_exits_zero(
         while metric(httpx.get(f"{server.url}/metrics").text, "vitserve_queue_depth") < 6:
             assert time.monotonic() < deadline, "the six requests never reached the queue"
             time.sleep(0.02)
-        # all six are accepted and wait for their 1.5 s queue delay: now stop the server
+        # all six are accepted and wait for their 3 s queue delay: now stop the server, with three
+        # connections open (idle) on which to ask for readiness right after the signal
+        probes = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(3)]
         signalled = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
         readiness = [_probe(sock) for sock in probes]

@@ -25,8 +25,8 @@ from service.main import create_app
 
 API_KEY = "fuzz-key"
 # Examples per operation: bounded so that CI stays fast; raise it for a deeper run, e.g.
-# VITSERVE_FUZZ_EXAMPLES=500 pytest tests/reliability/test_schemathesis.py
-EXAMPLES = int(os.environ.get("VITSERVE_FUZZ_EXAMPLES", "25"))
+# RELIABILITY_FUZZ_EXAMPLES=500 pytest tests/reliability/test_schemathesis.py
+EXAMPLES = int(os.environ.get("RELIABILITY_FUZZ_EXAMPLES", "25"))
 
 
 # schemathesis 4.32's lazy loader (`schemathesis.pytest.from_fixture`) does not run under pytest 9, so

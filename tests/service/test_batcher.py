@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import assert_error, encode
 
 from service.batcher import DynamicBatcher
 from service.errors import InferenceFailed, ServiceUnavailable
@@ -196,8 +197,6 @@ def test_stop_drains_the_queue_then_refuses_work():
 
 def test_a_full_queue_refuses_before_decoding(client, monkeypatch, fashion_images):
     """An overloaded service must not spend CPU decoding images it cannot queue."""
-    from tests.service.conftest import assert_error, encode
-
     state = client.app.state.service
     decoded = []
     real_from_bytes = state.preprocessor.from_bytes
@@ -223,3 +222,45 @@ def test_a_full_queue_refuses_before_decoding(client, monkeypatch, fashion_image
         )
     assert client.post("/predict", files=files).status_code == 200
     assert len(decoded) == 2
+
+
+def test_decoding_runs_at_most_max_concurrent_decodes_at_once(client, monkeypatch, fashion_images):
+    """Large images cost memory while they decode: the service bounds how many decode at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    state = client.app.state.service
+    limit = state.settings.max_concurrent_decodes
+    running, peak = 0, 0
+    lock = threading.Lock()
+    real_from_bytes = state.preprocessor.from_bytes
+
+    def slow_from_bytes(*args, **kwargs):
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        time.sleep(0.05)
+        with lock:
+            running -= 1
+        return real_from_bytes(*args, **kwargs)
+
+    monkeypatch.setattr(state.preprocessor, "from_bytes", slow_from_bytes)
+    png = encode(fashion_images[0])
+    with ThreadPoolExecutor(max_workers=3 * limit) as pool:
+        responses = list(
+            pool.map(
+                lambda _: client.post("/predict", files={"files": ("a.png", png, "image/png")}),
+                range(3 * limit),
+            )
+        )
+    assert [r.status_code for r in responses] == [200] * (3 * limit)
+    assert peak == limit
+
+
+def test_an_empty_api_key_is_refused_at_start():
+    from pydantic import ValidationError
+
+    from service.settings import Settings
+
+    with pytest.raises(ValidationError, match="api_key is set but empty"):
+        Settings(api_key="  ")
