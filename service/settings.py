@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -178,14 +178,15 @@ class Settings(BaseSettings):
             )
         return self
 
-    @model_validator(mode="after")
-    def _api_key_is_not_empty(self) -> Settings:
-        if self.api_key is not None and not self.api_key.get_secret_value().strip():
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _api_key_is_not_empty(cls, value: object) -> object:
+        if isinstance(value, str) and not value.strip():
             raise ValueError(
                 "api_key is set but empty: unset VITSERVE_API_KEY to serve without a key, "
                 "or give it a value"
             )
-        return self
+        return value
 
     @property
     def max_queue_delay_s(self) -> float:

@@ -1,5 +1,5 @@
-"""Fixtures for the interoperability tests: the service tests' fixtures, reused (interop_support.py
-says how), plus a real server on this area's ports."""
+"""Fixtures for the interoperability tests, over tests/conftest.py's shared ones: a real server on
+this area's ports."""
 
 from __future__ import annotations
 
@@ -9,12 +9,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from interop_support import Server, running_server, service_fixtures
 
-# The service tests' fixtures this directory uses (the tiny model is exported once per session).
-_clean_environment = service_fixtures._clean_environment
-model_repository = service_fixtures.model_repository
-fashion_images = service_fixtures.fashion_images
+from tests.support import INTEROP, Server, running_server
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +27,7 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     """A real ``python -m service`` process serving the tiny model, batching over 50 ms."""
     log = tmp_path_factory.mktemp("interop-server") / "service.log"
     with running_server(
-        ["-m", "service"], model_repository, log, max_queue_delay_ms=50, max_batch_size=8
+        model_repository, log, suite=INTEROP, max_queue_delay_ms=50, max_batch_size=8
     ) as running:
         yield running
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from interop_support import MODEL_NAME, REPO, encode, running_server
+
+from tests.support import INTEROP, MODEL_NAME, REPO, encode, running_server
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -183,7 +184,7 @@ def test_an_api_error_is_shown_in_words(page, server, tmp_path):
 def test_the_page_asks_for_the_api_key(browser, model_repository, tmp_path, correct_image):
     image, label = correct_image
     with running_server(
-        ["-m", "service"], model_repository, tmp_path / "service.log", api_key="demo-key"
+        model_repository, tmp_path / "service.log", suite=INTEROP, api_key="demo-key"
     ) as keyed:
         context = browser.new_context()
         page = context.new_page()

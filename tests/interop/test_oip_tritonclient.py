@@ -14,9 +14,11 @@ import numpy as np
 import onnx
 import pytest
 import tritonclient.http as triton
-from interop_support import MODEL_NAME, REPO, Reference, predict_probabilities, running_server
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
+
+from tests.interop.interop_support import predict_probabilities
+from tests.support import BASE_SETTINGS, INTEROP, MODEL_NAME, REPO, Reference, running_server
 
 ONNX_TYPES = {onnx.TensorProto.FLOAT: "FP32"}
 
@@ -155,12 +157,13 @@ def test_a_body_over_the_limit_is_413_in_the_protocols_error_shape(http):
     """The body limit answers before routing; on /v2 it must still speak {"error": "..."}."""
     response = http.post(
         f"/v2/models/{MODEL_NAME}/infer",
-        content=b"0" * (16 * 1024 * 1024 + 1),
+        content=b"0" * (BASE_SETTINGS["max_body_bytes"] + 1),
         headers={"content-type": "application/json"},
     )
     assert response.status_code == 413
     body = response.json()
-    assert list(body) == ["error"] and "max_body_bytes=16777216" in body["error"]
+    limit = BASE_SETTINGS["max_body_bytes"]
+    assert list(body) == ["error"] and f"max_body_bytes={limit}" in body["error"]
 
 
 # --- inference ---------------------------------------------------------------------------------------
@@ -400,7 +403,7 @@ def test_bad_binary_framing_is_400(http):
 def test_api_key_guards_models_but_not_health(model_repository, tmp_path, fashion_images):
     with (
         running_server(
-            ["-m", "service"], model_repository, tmp_path / "service.log", api_key="interop-key"
+            model_repository, tmp_path / "service.log", suite=INTEROP, api_key="interop-key"
         ) as keyed,
         triton.InferenceServerClient(keyed.url.removeprefix("http://")) as client,
     ):

@@ -18,7 +18,8 @@ import onnx
 import pytest
 import tritonclient
 from google.protobuf import text_format
-from interop_support import MODEL_NAME, REPO
+
+from tests.support import MODEL_NAME, REPO
 
 # ONNX element type -> Triton data type (the ones a ViT classifier uses).
 TRITON_TYPES = {

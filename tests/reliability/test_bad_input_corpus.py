@@ -16,11 +16,16 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from conftest import (
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from service.main import create_app
+from tests.support import (
     MAX_BODY_BYTES,
     MAX_IMAGES,
     MAX_PIXELS,
     NUM_CLASSES,
+    RELIABILITY,
     assert_error,
     assert_matches,
     assert_no_leak,
@@ -30,10 +35,6 @@ from conftest import (
     metric,
     png_claiming,
 )
-from fastapi.testclient import TestClient
-from PIL import Image
-
-from service.main import create_app
 
 STRICT_PIXELS = 10_000  # a second app with a small pixel limit, to reach it under the body limit
 
@@ -644,7 +645,7 @@ def _form_request(fields: int) -> tuple[bytes, dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def strict_client(model_repository) -> Iterator[TestClient]:
-    settings = make_settings(model_repository, max_pixels_per_image=STRICT_PIXELS)
+    settings = make_settings(model_repository, RELIABILITY, max_pixels_per_image=STRICT_PIXELS)
     with TestClient(create_app(settings), raise_server_exceptions=False) as client:
         yield client
 

@@ -19,10 +19,15 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import (
+from fastapi.testclient import TestClient
+from PIL import Image, ImageFile
+
+from service.main import create_app
+from service.preprocessing import ACCEPTED_FORMATS
+from tests.support import (
     MODEL_NAME,
     NUM_CLASSES,
-    PORTS,
+    RELIABILITY,
     REPO,
     assert_error,
     assert_matches,
@@ -36,11 +41,6 @@ from conftest import (
     start_process,
     stop_process,
 )
-from fastapi.testclient import TestClient
-from PIL import Image, ImageFile
-
-from service.main import create_app
-from service.preprocessing import ACCEPTED_FORMATS
 
 # An all-white image is, after normalisation, over 2.0 everywhere: no garment photo is. The patched
 # runtime fails any batch that holds one.
@@ -91,7 +91,8 @@ class FailingSession:
 def faulty_client(model_repository: Path, monkeypatch: pytest.MonkeyPatch, **settings: object):
     """A started app whose two onnxruntime sessions fail on poisoned batches."""
     client = TestClient(
-        create_app(make_settings(model_repository, **settings)), raise_server_exceptions=False
+        create_app(make_settings(model_repository, RELIABILITY, **settings)),
+        raise_server_exceptions=False,
     )
     client.__enter__()
     runtime = client.app.state.service.runtime
@@ -250,14 +251,14 @@ def test_startup_with_a_bad_model_exits_non_zero_naming_file_and_problem(
     model_repository, tmp_path
 ):
     processes = {}
-    ports = iter(PORTS[50:])
+    ports = iter(RELIABILITY.ports[50:])
     try:
         for number, (name, (damage, named, problem)) in enumerate(BAD_MODELS.items()):
             repository = tmp_path / f"repo{number}"
             shutil.copytree(model_repository, repository)
             damage(repository / MODEL_NAME / "1")
             log = tmp_path / f"start{number}.log"
-            env = server_env(repository, next(ports), log_level="info")
+            env = server_env(repository, next(ports), RELIABILITY, log_level="info")
             processes[name] = (start_process(["-m", "service"], env, log), log, named, problem)
         for name, (process, log, named, problem) in processes.items():
             code = process.wait(timeout=120)
@@ -281,7 +282,7 @@ OPEN = {"/health/live", "/health/ready", "/metrics", "/v2/health/live", "/v2/hea
 
 @pytest.fixture(scope="module")
 def keyed(model_repository) -> Iterator[TestClient]:
-    settings = make_settings(model_repository, api_key=API_KEY)
+    settings = make_settings(model_repository, RELIABILITY, api_key=API_KEY)
     with TestClient(create_app(settings), raise_server_exceptions=False) as client:
         yield client
 
@@ -488,7 +489,7 @@ def test_nothing_from_a_request_becomes_a_path(client, fashion_images, tmp_path)
 @pytest.fixture(scope="module")
 def small_body_server(model_repository, tmp_path_factory):
     log = tmp_path_factory.mktemp("limits") / "service.log"
-    with running_server(model_repository, log, max_body_bytes=65536) as server:
+    with running_server(model_repository, log, suite=RELIABILITY, max_body_bytes=65536) as server:
         yield server
 
 

@@ -13,8 +13,11 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from conftest import (
+from PIL import Image
+
+from tests.support import (
     NUM_CLASSES,
+    RELIABILITY,
     assert_error,
     assert_matches,
     b64,
@@ -22,7 +25,6 @@ from conftest import (
     metric,
     running_server,
 )
-from PIL import Image
 
 pytestmark = pytest.mark.slow  # about 30 s together; still run in CI
 
@@ -53,7 +55,7 @@ class Outcome:
 @pytest.fixture(scope="module")
 def overloaded(model_repository, tmp_path_factory):
     log = tmp_path_factory.mktemp("overload") / "service.log"
-    with running_server(model_repository, log, **OVERLOAD) as server:
+    with running_server(model_repository, log, suite=RELIABILITY, **OVERLOAD) as server:
         yield server
 
 
@@ -153,7 +155,9 @@ def test_sigterm_under_load_drains_then_exits_zero(
 ):
     log = tmp_path / "shutdown.log"
     expected = reference.probabilities(fashion_images[:6])
-    with running_server(model_repository, log, max_queue_delay_ms=3000, max_batch_size=8) as server:
+    with running_server(
+        model_repository, log, suite=RELIABILITY, max_queue_delay_ms=3000, max_batch_size=8
+    ) as server:
         answers: dict[int, httpx.Response] = {}
 
         def one(index: int) -> None:

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import schemathesis
-from conftest import make_settings
 from fastapi import FastAPI
 from hypothesis import HealthCheck, settings
 from schemathesis.python import asgi
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from service.main import create_app
+from tests.support import RELIABILITY, make_settings
 
 API_KEY = "fuzz-key"
 # Examples per operation: bounded so that CI stays fast; raise it for a deeper run, e.g.
@@ -34,7 +34,9 @@ EXAMPLES = int(os.environ.get("RELIABILITY_FUZZ_EXAMPLES", "25"))
 # nothing: only its model repository is unknown until the session fixture has exported the tiny model,
 # and the fixture below fills it in before the first request starts the app's lifespan.
 APP = create_app(
-    make_settings(Path("set-by-the-app-fixture"), api_key=API_KEY, max_body_bytes=256 * 1024)
+    make_settings(
+        Path("set-by-the-app-fixture"), RELIABILITY, api_key=API_KEY, max_body_bytes=256 * 1024
+    )
 )
 schema = schemathesis.openapi.from_dict(APP.openapi())
 schema.app = APP

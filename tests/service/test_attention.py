@@ -6,11 +6,11 @@ import io
 
 import numpy as np
 import pytest
-from conftest import Reference, assert_error, b64, encode
 from PIL import Image
 
 from export.rollout import attention_rollout, last_layer_heads, normalise_maps, to_grid
 from service.attention_maps import attention_map, colorize, overlay_png
+from tests.support import Reference, assert_error, b64, encode
 
 GRID = (4, 4)
 

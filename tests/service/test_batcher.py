@@ -8,11 +8,11 @@ import time
 
 import numpy as np
 import pytest
-from conftest import assert_error, encode
 
 from service.batcher import DynamicBatcher
 from service.errors import InferenceFailed, ServiceUnavailable
 from service.metrics import Metrics
+from tests.support import assert_error, encode
 
 
 class Model:

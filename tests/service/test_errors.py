@@ -7,10 +7,10 @@ import zlib
 
 import numpy as np
 import pytest
-from conftest import assert_error, b64, encode, make_settings
 from fastapi.testclient import TestClient
 
 from service.main import create_app
+from tests.support import assert_error, b64, encode, make_settings
 
 
 def png_header_only(width: int, height: int) -> bytes:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import MODEL_NAME, Reference, b64, encode
+
+from tests.support import MODEL_NAME, Reference, b64, encode
 
 LABELS = [
     "T-shirt/top",

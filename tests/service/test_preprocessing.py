@@ -6,12 +6,12 @@ import io
 
 import numpy as np
 import pytest
-from conftest import encode
 from PIL import Image
 
 from service.errors import InvalidInput, UnsupportedMediaType
 from service.model_repository import ModelMetadata
 from service.preprocessing import Preprocessor, should_invert
+from tests.support import encode
 
 MEAN, STD = 0.286, 0.353
 

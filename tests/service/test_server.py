@@ -10,8 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from conftest import assert_error, b64, encode, running_server
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support import SERVICE, assert_error, b64, encode, running_server
 
 
 def wait_for_queue(url: str, depth: int) -> None:
@@ -36,7 +37,7 @@ def sample(metrics_text: str, name: str, **labels: str) -> float:
 def server(model_repository, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "service.log"
     with running_server(
-        ["-m", "service"], model_repository, log, max_queue_delay_ms=50, max_batch_size=8
+        model_repository, log, suite=SERVICE, max_queue_delay_ms=50, max_batch_size=8
     ) as running:
         yield running
 
@@ -140,7 +141,9 @@ def test_full_queue_and_timeout_over_http(model_repository, tmp_path, fashion_im
         "request_timeout_s": 1.5,
         "retry_after_s": 3,
     }
-    with running_server(command, model_repository, tmp_path / "b.log", **settings) as server:
+    with running_server(
+        model_repository, tmp_path / "b.log", suite=SERVICE, command=command, **settings
+    ) as server:
         eight = {"images": [{"pixels": image.tolist()} for image in fashion_images[:8]]}
         answers: dict[str, httpx.Response] = {}
         waiting = threading.Thread(
@@ -170,9 +173,7 @@ def test_full_queue_and_timeout_over_http(model_repository, tmp_path, fashion_im
 
 def test_sigterm_finishes_queued_requests_then_exits(model_repository, tmp_path, fashion_images):
     log = tmp_path / "c.log"
-    with running_server(
-        ["-m", "service"], model_repository, log, max_queue_delay_ms=1500
-    ) as server:
+    with running_server(model_repository, log, suite=SERVICE, max_queue_delay_ms=1500) as server:
         results: list[httpx.Response] = []
 
         def one(index: int) -> None:

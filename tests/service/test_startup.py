@@ -13,13 +13,13 @@ from pathlib import Path
 import onnx
 import pytest
 import uvicorn
-from conftest import MODEL_NAME, REPO, assert_error, make_settings, server_env, start_server
 from fastapi.testclient import TestClient
 
 from service.__main__ import _Server
 from service.main import create_app
 from service.model_repository import ModelLoadError
 from service.settings import Settings
+from tests.support import MODEL_NAME, REPO, assert_error, make_settings, server_env, start_process
 
 
 def copy_entry(repository: Path, tmp_path: Path) -> Path:
@@ -106,7 +106,7 @@ def test_labels_file_must_match_the_metadata(model_repository, tmp_path):
 
 def test_missing_model_exits_the_process_with_the_message(model_repository, tmp_path):
     env = server_env(model_repository, 18099, model_name="nope")
-    process = start_server(["-m", "service"], env, tmp_path / "fail.log")
+    process = start_process(["-m", "service"], env, tmp_path / "fail.log")
     assert process.wait(timeout=60) == 3
     output = (tmp_path / "fail.log").read_text()
     assert "cannot start: model 'nope' not found" in output

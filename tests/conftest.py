@@ -1,0 +1,81 @@
+"""Fixtures shared by the service-level suites (tests/service, tests/reliability, tests/interop).
+
+The tiny model is built once per session with ``export.onnx.export_model`` (the same code that writes
+the shipped model), so these tests never depend on the shipped model's file. The tests may import
+torch; the service never does (tests/service/test_startup.py checks it). The helpers that test modules
+import are in tests/support.py; each directory's conftest.py adds or narrows what is its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from service.main import create_app
+from service.settings import Settings
+from tests.support import MODEL_NAME, TINY, Reference, make_settings
+
+torch.set_num_threads(1)  # a training run may hold the other cores
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _clean_environment() -> Iterator[None]:
+    """No VITSERVE_* from the developer's shell leaks into the settings under test."""
+    saved = {key: os.environ.pop(key) for key in list(os.environ) if key.startswith("VITSERVE_")}
+    saved_port = os.environ.pop("PORT", None)
+    yield
+    os.environ.update(saved)
+    if saved_port is not None:
+        os.environ["PORT"] = saved_port
+
+
+@pytest.fixture(scope="session")
+def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model repository holding ``tiny-vit`` version 1, written by the export stage."""
+    from export.checkpoint import save_checkpoint
+    from export.data import FASHION_MNIST_LABELS
+    from export.model import VisionTransformer
+    from export.onnx import export_model
+
+    work = tmp_path_factory.mktemp("export")
+    torch.manual_seed(0)
+    model = VisionTransformer(TINY).eval()
+    with torch.no_grad():  # the head starts at zero: give it weights so that classes differ
+        torch.nn.init.normal_(model.head.weight, std=1.0)
+        torch.nn.init.normal_(model.position_embedding, std=0.5)
+    checkpoint = work / "tiny.safetensors"
+    save_checkpoint(model, checkpoint, "fashion-mnist", FASHION_MNIST_LABELS)
+    repository = work / "models"
+    export_model(checkpoint, MODEL_NAME, 1, repository, measure=False)
+    return repository
+
+
+@pytest.fixture(scope="session")
+def fashion_images() -> np.ndarray:
+    """24 real Fashion-MNIST test images, uint8 [N, 28, 28]: light objects on a dark background."""
+    from export.data import load_dataset
+
+    _, test = load_dataset("fashion-mnist")
+    return test.images[:24, 0].numpy().copy()
+
+
+@pytest.fixture(scope="session")
+def settings(model_repository: Path) -> Settings:
+    return make_settings(model_repository)
+
+
+@pytest.fixture(scope="session")
+def client(settings: Settings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as test_client:
+        yield test_client
+
+
+@pytest.fixture(scope="session")
+def reference(model_repository: Path) -> Reference:
+    return Reference.load(model_repository)

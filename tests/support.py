@@ -1,0 +1,323 @@
+"""What the service-level suites (tests/service, tests/reliability, tests/interop) share, fixtures aside.
+
+Test modules import from here (``from tests.support import ...``), never from ``conftest``: with several
+test directories in one run, ``conftest`` may name another directory's. The shared fixtures (the tiny
+model, exported once per session, the apps, the reference) live in tests/conftest.py.
+
+What differs between the suites is a ``Suite``: its loopback ports (docs/ARCHITECTURE.md), the limits its
+apps and servers run with, and how long a server may take to become ready.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnxruntime as ort
+import pytest
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from export.config import ViTConfig
+from export.data import FASHION_MNIST_LABELS, get_dataset_spec
+from service.settings import Settings
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_NAME = "tiny-vit"
+# Patches of 7 px on 28 x 28: a 4 x 4 grid, so export and inference cost next to nothing. Mean pooling,
+# like the shipped model.
+TINY = ViTConfig(patch_size=7, dim=32, depth=2, heads=2, mlp_dim=64, pooling="mean")
+SPEC = get_dataset_spec("fashion-mnist")
+NUM_CLASSES = len(FASHION_MNIST_LABELS)
+MAX_IMAGES = 8
+# The reliability suite's limits: big enough for its oversized and many-image corpus.
+MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_PIXELS = 4096 * 4096
+
+
+@dataclass(frozen=True)
+class Suite:
+    """What differs between the suites that build apps and run real servers."""
+
+    ports: range  # its loopback range (docs/ARCHITECTURE.md)
+    limits: Mapping[str, object] = field(default_factory=dict)  # over BASE_SETTINGS
+    ready_within_s: float = 60.0  # how long a real server may take to become ready
+
+
+SERVICE = Suite(range(18000, 18100))
+RELIABILITY = Suite(
+    range(18200, 18300),
+    {
+        "max_queue_delay_ms": 2.0,
+        "max_pixels_per_image": MAX_PIXELS,
+        "max_body_bytes": MAX_BODY_BYTES,
+    },
+    ready_within_s=90.0,
+)
+INTEROP = Suite(range(18300, 18400))
+
+BASE_SETTINGS: Mapping[str, object] = {
+    "model_name": MODEL_NAME,
+    "max_batch_size": 8,
+    "attention_max_batch_size": 2,
+    "max_queue_delay_ms": 5.0,
+    "max_queue_size": 64,
+    "max_images_per_request": MAX_IMAGES,
+    "max_pixels_per_image": 100_000,
+    "max_body_bytes": 256 * 1024,
+    "request_timeout_s": 20.0,
+    "intra_op_threads": 1,
+    "inter_op_threads": 1,
+    "provider": "cpu",
+    "log_level": "warning",
+}
+
+
+def make_settings(repository: Path, suite: Suite = SERVICE, **overrides: object) -> Settings:
+    """Settings for an in-process app: BASE_SETTINGS, then the suite's limits, then ``overrides``."""
+    values = {**BASE_SETTINGS, **suite.limits, "model_repository": repository, **overrides}
+    return Settings(**values)
+
+
+# --- images and answers ---------------------------------------------------------------------------
+
+
+def encode(image: Image.Image | np.ndarray, image_format: str = "PNG", **options: object) -> bytes:
+    if isinstance(image, np.ndarray):
+        image = Image.fromarray(image)
+    buffer = io.BytesIO()
+    image.save(buffer, format=image_format, **options)
+    return buffer.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A valid PNG header (right CRCs) that claims ``width x height`` grey pixels, with one tiny IDAT:
+    what a decompression bomb looks like before anything is inflated."""
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    idat = zlib.compress(b"\x00" * 64)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _chunk(b"IHDR", header)
+        + _chunk(b"IDAT", idat)
+        + _chunk(b"IEND", b"")
+    )
+
+
+# What a stack trace or an internal path looks like in a response body.
+_LEAKS = re.compile(r"Traceback|File \"|/site-packages/|/work/|\.py\b|line \d+, in ")
+
+
+def assert_no_leak(response: httpx.Response) -> None:
+    text = (
+        response.text if not response.headers.get("content-type", "").startswith("image/") else ""
+    )
+    assert not _LEAKS.search(text), f"the response leaks internals: {text[:500]}"
+
+
+def assert_error(response: httpx.Response, status: int, *fragments: str) -> dict:
+    """The response is the service's JSON error with this status, naming every fragment."""
+    assert response.status_code == status, (status, response.status_code, response.text[:500])
+    assert response.headers["content-type"].startswith("application/json"), response.headers
+    error = response.json()["error"]
+    assert set(error) >= {"code", "message", "field", "request_id"}, error
+    assert error["request_id"] and error["request_id"] == response.headers["x-request-id"]
+    for fragment in fragments:
+        assert fragment in error["message"], (fragment, error["message"])
+    assert_no_leak(response)
+    return error
+
+
+def metric(metrics_text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+# --- what the service must agree with -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The exported graphs run in-process with onnxruntime: what the service must agree with."""
+
+    classifier: ort.InferenceSession
+    attention: ort.InferenceSession
+
+    @classmethod
+    def load(cls, repository: Path) -> Reference:
+        version = repository / MODEL_NAME / "1"
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        providers = ["CPUExecutionProvider"]
+        return cls(
+            ort.InferenceSession(str(version / "model.onnx"), options, providers=providers),
+            ort.InferenceSession(str(version / "attention.onnx"), options, providers=providers),
+        )
+
+    @staticmethod
+    def normalise(images: np.ndarray) -> np.ndarray:
+        """uint8 [N, 28, 28] -> the training normalisation, computed here independently."""
+        x = images.astype(np.float32)[:, None] / 255.0
+        return ((x - SPEC.mean[0]) / SPEC.std[0]).astype(np.float32)
+
+    def probabilities(self, images: np.ndarray) -> np.ndarray:
+        """uint8 [N, 28, 28] light-on-dark images -> softmax probabilities [N, classes]."""
+        (logits,) = self.classifier.run(["logits"], {"images": self.normalise(images)})
+        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return shifted / shifted.sum(axis=1, keepdims=True)
+
+    def attention_maps(self, images: np.ndarray) -> np.ndarray:
+        _, maps = self.attention.run(["logits", "attention"], {"images": self.normalise(images)})
+        return maps
+
+
+def assert_matches(prediction: dict, probabilities: np.ndarray, atol: float = 1e-4) -> None:
+    """One served prediction agrees with the reference probabilities of its image."""
+    assert prediction["index"] == int(np.argmax(probabilities)), (prediction, probabilities)
+    for entry in prediction["top_k"]:
+        assert entry["score"] == pytest.approx(float(probabilities[entry["index"]]), abs=atol)
+
+
+# --- real servers ---------------------------------------------------------------------------------
+
+
+def free_port(ports: range) -> int:
+    start = (os.getpid() * 7 + int(time.monotonic() * 1000)) % len(ports)
+    for offset in range(len(ports)):
+        port = ports[(start + offset) % len(ports)]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1}")
+
+
+def server_env(
+    repository: Path, port: int, suite: Suite = SERVICE, **settings: object
+) -> dict[str, str]:
+    """The environment of a ``python -m service`` (or uvicorn) process: the suite's body limit, then
+    ``settings`` as VITSERVE_* variables; nothing from the caller's VITSERVE_* or PORT."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_") and k != "PORT"}
+    max_body_bytes = suite.limits.get("max_body_bytes", BASE_SETTINGS["max_body_bytes"])
+    env.update(
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS="1",
+        VITSERVE_MODEL_REPOSITORY=str(repository),
+        VITSERVE_MODEL_NAME=MODEL_NAME,
+        VITSERVE_PROVIDER="cpu",
+        VITSERVE_INTRA_OP_THREADS="1",
+        VITSERVE_INTER_OP_THREADS="1",
+        VITSERVE_MAX_BATCH_SIZE="8",
+        VITSERVE_ATTENTION_MAX_BATCH_SIZE="2",
+        VITSERVE_MAX_IMAGES_PER_REQUEST=str(MAX_IMAGES),
+        VITSERVE_MAX_BODY_BYTES=str(max_body_bytes),
+        VITSERVE_LOG_LEVEL="info",
+        VITSERVE_HOST="127.0.0.1",
+        PORT=str(port),
+    )
+    env.update({f"VITSERVE_{key.upper()}": str(value) for key, value in settings.items()})
+    return env
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    url: str
+    port: int
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def rss_bytes(self, field: str = "VmRSS") -> int:
+        """Resident memory of the server process from /proc (VmHWM is the peak)."""
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError(f"no {field} for process {self.process.pid}")
+
+
+def start_process(command: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """``python COMMAND`` from the repository root under ``nice -n 10``, output to ``log``."""
+    with log.open("wb") as handle:
+        return subprocess.Popen(
+            ["nice", "-n", "10", sys.executable, *command],
+            cwd=REPO,
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def stop_process(process: subprocess.Popen, timeout: float = 30) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextmanager
+def running_server(
+    repository: Path,
+    log: Path,
+    *,
+    suite: Suite,
+    command: Sequence[str] = ("-m", "service"),
+    **settings: object,
+) -> Iterator[Server]:
+    """A real service process on a free port of the suite's range ('{port}' in ``command`` is
+    replaced); waits until ready; always stopped (SIGTERM) after."""
+    port = free_port(suite.ports)
+    command = [part.format(port=port) for part in command]
+    process = start_process(command, server_env(repository, port, suite, **settings), log)
+    server = Server(process, f"http://127.0.0.1:{port}", port, log)
+    try:
+        deadline = time.monotonic() + suite.ready_within_s
+        while True:
+            if process.poll() is not None:
+                raise AssertionError(f"server exited with {process.returncode}:\n{server.output()}")
+            try:
+                if httpx.get(f"{server.url}/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"server not ready within {suite.ready_within_s:g} s:\n{server.output()}"
+                )
+            time.sleep(0.1)
+        yield server
+    finally:
+        stop_process(process)
