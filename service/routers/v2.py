@@ -531,6 +531,7 @@ async def live() -> Response:
     "/health/ready",
     summary="Ready: 200 once the model is loaded and warmed up, 400 while starting or shutting down",
     response_class=Response,
+    responses={400: {"description": "Not ready: starting or shutting down (empty body)"}},
 )
 async def ready(request: Request) -> Response:
     return Response(status_code=200 if request.app.state.service.ready else 400)
