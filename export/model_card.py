@@ -185,14 +185,8 @@ def write_model_card(
 ) -> Path:
     run_dir, entry = Path(run_dir), Path(entry)
     version_dir = entry / str(version) if version is not None else newest_version(entry)
-    results_path = run_dir / "results.json"
-    results = (
-        json.loads(results_path.read_text())
-        if results_path.is_file()
-        else write_report(run_dir, data_dir)
-    )
-    if any(not (run_dir / plot).is_file() for plot in CARD_PLOTS):
-        results = write_report(run_dir, data_dir)
+    # Always evaluate afresh: a results.json or plots left from an earlier checkpoint would lie.
+    results = write_report(run_dir, data_dir)
     onnx_results = evaluate_onnx(version_dir / "model.onnx", data_dir=data_dir)
     checkpoint = resolve_checkpoint(run_dir)
     exported_from = onnx_results["checkpoint_sha256"]
