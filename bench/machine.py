@@ -15,6 +15,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from export.hardware import cpu_model
+
 # More than this many cores busy while nothing of ours runs means the machine was not quiet.
 BUSY_CORES_THRESHOLD = 0.25
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -129,16 +131,6 @@ def busy_check(
     )
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _memory_gib() -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -151,7 +143,7 @@ def _memory_gib() -> float | None:
 
 def machine_info() -> dict:
     return {
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "logical_cpus": os.cpu_count(),
         "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "memory_gib": _memory_gib(),

@@ -13,19 +13,20 @@ import argparse
 import csv
 import json
 import os
-import platform
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from export.checkpoint import file_sha256, read_metadata, resolve_checkpoint
 from export.evaluate import evaluate_onnx
-from export.report import write_report
+from export.hardware import cpu_model
+from export.report import plot_curves, read_metrics, write_report
 from export.train import TrainSettings
 
 CARD_PLOTS = ("curves.png", "confusion_matrix.png", "attention_gallery.png")
 
 
-def train_command(settings: dict) -> str:
+def train_command(settings: dict, out: str = "runs/NAME") -> str:
     """The ``python -m export.train`` command that reproduces a run's settings."""
     defaults = TrainSettings()
     flags = {
@@ -45,6 +46,7 @@ def train_command(settings: dict) -> str:
         "train_limit": "--train-limit",
         "seed": "--seed",
         "threads": "--threads",
+        "init_from": "--init-from",
     }
     parts = ["python -m export.train"]
     for key, flag in flags.items():
@@ -55,18 +57,72 @@ def train_command(settings: dict) -> str:
         parts.append("--compile")
     if settings.get("augment") is False:
         parts.append("--no-augment")
-    parts.append("--out runs/NAME")
+    parts.append(f"--out {out}")
     return " ".join(parts)
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+@dataclass(frozen=True)
+class Stage:
+    """One training run; a run started ``--init-from`` another has that run as its earlier stage."""
+
+    run_dir: Path
+    settings: dict
+    rows: list[dict]
+    state: dict | None
+
+    @property
+    def seconds(self) -> float:
+        return sum(float(row["seconds"]) for row in self.rows)
+
+    @property
+    def finished(self) -> bool:
+        state = self.state or {}
+        return state.get("epoch", 0) >= self.settings.get("epochs", 0) or state.get(
+            "epochs_without_improvement", 0
+        ) >= self.settings.get("patience", 10**9)
+
+
+def read_stage(run_dir: Path) -> Stage:
+    with (run_dir / "metrics.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    state_path = run_dir / "last" / "state.json"
+    return Stage(
+        run_dir=run_dir,
+        settings=json.loads((run_dir / "settings.json").read_text()),
+        rows=rows,
+        state=json.loads(state_path.read_text()) if state_path.is_file() else None,
+    )
+
+
+def training_stages(run_dir: Path) -> list[Stage]:
+    """The run and, first, every run it started from, each checked to hold the weights it gave."""
+    stages = [read_stage(run_dir)]
+    while (init_from := stages[0].settings.get("init_from")) is not None:
+        checkpoint = resolve_checkpoint(init_from)
+        recorded = stages[0].settings.get("init_from_sha256")
+        if file_sha256(checkpoint) != recorded:
+            raise ValueError(
+                f"{stages[0].run_dir} started from {checkpoint} with sha256 {recorded}, and that "
+                "file has changed since: the card could not say how the model was trained"
+            )
+        if len(stages) > 32:
+            raise ValueError(f"{run_dir}: --init-from runs form a cycle")
+        stages.insert(0, read_stage(checkpoint.parent))
+    return stages
+
+
+def plot_all_stages(stages: list[Stage], path: Path) -> None:
+    """One set of learning curves over every run, epochs counted from the first run's start."""
+    rows, restarts, offset = [], [], 0
+    for stage in stages:
+        stage_rows = read_metrics(stage.run_dir / "metrics.csv")
+        rows += [{**row, "epoch": row["epoch"] + offset} for row in stage_rows]
+        offset += len(stage_rows)
+        restarts.append(offset)
+    # The marked epoch must be the shipped checkpoint's, which is the last run's best.
+    last_run = rows[restarts[-2] :]
+    best = min(last_run, key=lambda row: row["val_loss"])
+    plot_curves(rows, path, stages[-1].settings, restarts=tuple(restarts[:-1]), best=best)
 
 
 def newest_version(entry: Path) -> Path:
@@ -87,20 +143,13 @@ def render(
     version_dir: Path,
     onnx_results: dict,
     results: dict,
-    rows: list[dict],
-    settings: dict,
-    state: dict | None,
+    stages: list[Stage],
     model_config: dict,
 ) -> str:
     labels = onnx_results["labels"]
-    seconds = sum(float(r["seconds"]) for r in rows)
-    epochs_done = len(rows)
-    planned = settings.get("epochs")
-    finished = state is not None and (
-        state.get("epoch", 0) >= planned
-        or state.get("epochs_without_improvement", 0) >= settings.get("patience", 10**9)
-    )
-    best = min(rows, key=lambda r: float(r["val_loss"])) if rows else None
+    final = stages[-1]
+    seconds = sum(stage.seconds for stage in stages)
+    best = min(final.rows, key=lambda r: float(r["val_loss"])) if final.rows else None
     lines = [
         f"# Model card: {entry.name}, version {version_dir.name}",
         "",
@@ -120,32 +169,42 @@ def render(
         "",
         "## Model",
         "",
-        f"- Preset `{settings.get('preset')}`, {results['parameters']:,} parameters: "
+        f"- Preset `{final.settings.get('preset')}`, {results['parameters']:,} parameters: "
         f"`{json.dumps(model_config, sort_keys=True)}`.",
         f"- Checkpoint from epoch {results.get('epoch')}, the lowest validation loss "
         f"({results.get('val_loss')}; validation accuracy {results.get('val_accuracy')}).",
         "",
         "## Training",
         "",
+        (
+            "Run from the repository root, in this order (each later run starts from the best "
+            "weights of the one before, with a new learning-rate schedule):"
+            if len(stages) > 1
+            else "Run from the repository root:"
+        ),
+        "",
         "```",
-        train_command(settings),
+        *(train_command(stage.settings, out=str(stage.run_dir)) for stage in stages),
         "```",
         "",
-        f"- Epochs run: {epochs_done} of {planned} planned"
-        + (
-            ""
-            if finished
-            else " (the run is not finished: it resumes with "
-            "`python -m export.train --resume RUN_DIR`)"
-        )
-        + ".",
-        f"- Training time on this machine: {seconds / 60:.1f} minutes of wall-clock time "
-        f"({cpu_name()}, {os.cpu_count()} cores, PyTorch threads {settings.get('threads')}), "
-        "shared with other work, so it is an upper bound.",
+        *(
+            f"- `{stage.run_dir}`: {len(stage.rows)} of {stage.settings.get('epochs')} epochs run"
+            + (
+                ""
+                if stage.finished
+                else " (not finished: it resumes with "
+                f"`python -m export.train --resume {stage.run_dir}`)"
+            )
+            + f", {stage.seconds / 60:.1f} minutes."
+            for stage in stages
+        ),
+        f"- Training time on this machine: {seconds / 60:.1f} minutes of wall-clock time in all "
+        f"({cpu_model()}, {os.cpu_count()} cores, PyTorch threads "
+        f"{final.settings.get('threads')}), shared with other work, so it is an upper bound.",
     ]
     if best is not None:
         lines.append(
-            f"- Best epoch by validation loss: {best['epoch']} (val loss {best['val_loss']}, "
+            f"- Best epoch of the last run by validation loss: {best['epoch']} (val loss {best['val_loss']}, "
             f"val accuracy {percent(float(best['val_accuracy']))})."
         )
     lines += [
@@ -195,20 +254,16 @@ def write_model_card(
             f"{version_dir / 'model.onnx'} was exported from another checkpoint than {checkpoint} "
             f"(sha256 {exported_from}); export that checkpoint first"
         )
-    with (run_dir / "metrics.csv").open() as handle:
-        rows = list(csv.DictReader(handle))
-    settings = json.loads((run_dir / "settings.json").read_text())
-    state_path = run_dir / "last" / "state.json"
-    state = json.loads(state_path.read_text()) if state_path.is_file() else None
+    stages = training_stages(run_dir)
     card_dir = entry / "card"
     card_dir.mkdir(parents=True, exist_ok=True)
     for plot in CARD_PLOTS:
         shutil.copyfile(run_dir / plot, card_dir / plot)
+    if len(stages) > 1:
+        plot_all_stages(stages, card_dir / "curves.png")
     card = entry / "MODEL_CARD.md"
     model_config = json.loads(read_metadata(checkpoint)["config"])
-    card.write_text(
-        render(entry, version_dir, onnx_results, results, rows, settings, state, model_config)
-    )
+    card.write_text(render(entry, version_dir, onnx_results, results, stages, model_config))
     return card
 
 

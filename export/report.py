@@ -42,8 +42,18 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     return [by_epoch[epoch] for epoch in sorted(by_epoch)]
 
 
-def plot_curves(rows: list[dict[str, float]], path: Path, settings: dict | None = None) -> None:
-    """Loss and accuracy per epoch; ``settings`` (the run's settings.json) explains the numbers."""
+def plot_curves(
+    rows: list[dict[str, float]],
+    path: Path,
+    settings: dict | None = None,
+    restarts: tuple[float, ...] = (),
+    best: dict[str, float] | None = None,
+) -> None:
+    """Loss and accuracy per epoch; ``settings`` (the run's settings.json) explains the numbers.
+
+    ``restarts`` are the epochs after which a later run (``--init-from``) took over with a new
+    learning-rate schedule. ``best`` is the row of the kept checkpoint (default: lowest val loss).
+    """
     epochs = [row["epoch"] for row in rows]
     figure, (loss_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(11, 4))
     for axis, metric, title in (
@@ -56,18 +66,23 @@ def plot_curves(rows: list[dict[str, float]], path: Path, settings: dict | None 
         axis.set_title(title)
         axis.grid(alpha=0.3)
         axis.legend()
-    best = min(rows, key=lambda row: row["val_loss"])
+    for restart in restarts:
+        for axis in (loss_axis, accuracy_axis):
+            axis.axvline(restart + 0.5, color="tab:red", linestyle=":", linewidth=1.0)
+    best = best or min(rows, key=lambda row: row["val_loss"])
     loss_axis.axvline(best["epoch"], color="grey", linestyle="--", linewidth=0.8)
     accuracy_axis.axvline(best["epoch"], color="grey", linestyle="--", linewidth=0.8)
     notes = []
+    if restarts:
+        notes.append("dotted: learning-rate restarts")
     settings = settings or {}
     if settings.get("label_smoothing"):
         notes.append(f"losses with label smoothing {settings['label_smoothing']:g}")
     if settings.get("augment"):
         notes.append("train metrics on augmented images")
     figure.suptitle(
-        f"best validation loss {best['val_loss']:.4f} at epoch {int(best['epoch'])} "
-        f"(accuracy {100 * best['val_accuracy']:.2f}%)" + ("; " + ", ".join(notes) if notes else "")
+        f"kept checkpoint: epoch {int(best['epoch'])}, validation loss {best['val_loss']:.4f} "
+        f"(accuracy {100 * best['val_accuracy']:.2f}%)" + ("\n" + "; ".join(notes) if notes else "")
     )
     figure.tight_layout()
     figure.savefig(path, dpi=110)

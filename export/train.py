@@ -2,6 +2,9 @@
 
 AdamW (weight decay on matrices only), linear warmup then cosine decay, label smoothing, gradient
 clipping, early stopping on validation loss, a resumable checkpoint every epoch, bf16 autocast on CUDA.
+
+``--init-from CHECKPOINT`` starts a new run (its own schedule, a fresh optimizer) from trained weights:
+a warm restart of the learning rate, the way to train a finished run for longer.
 """
 
 from __future__ import annotations
@@ -12,17 +15,26 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from export.checkpoint import load_optimizer, save_checkpoint, save_optimizer
+from export.checkpoint import (
+    CheckpointError,
+    file_sha256,
+    load_checkpoint,
+    load_optimizer,
+    resolve_checkpoint,
+    save_checkpoint,
+    save_optimizer,
+)
 from export.config import PRESETS, get_preset
 from export.data import (
     DATASETS,
+    DatasetError,
     DatasetSpec,
     Split,
     augmentation_for,
@@ -64,6 +76,9 @@ class TrainSettings:
     threads: int | None = None
     compile: bool = False
     augment: bool = True
+    init_from: str | None = None
+    # Recorded, not a flag: which weights ``init_from`` held when this run started.
+    init_from_sha256: str | None = None
 
 
 def pick_device() -> torch.device:
@@ -190,6 +205,21 @@ class Trainer:
         self.generator.set_state(torch.tensor(state["generator_state"], dtype=torch.uint8))
         torch.set_rng_state(torch.tensor(state["torch_rng_state"], dtype=torch.uint8))
 
+    def load_initial_weights(self, checkpoint: Path) -> None:
+        """Weights of a trained checkpoint whose architecture is this run's, for a warm restart."""
+        model, metadata = load_checkpoint(checkpoint)
+        if model.config != self.model.config:
+            raise ValueError(
+                f"{checkpoint} holds a different model ({model.config.to_json()}) than preset "
+                f"{self.settings.preset!r} on {self.spec.name} "
+                f"({self.model.config.to_json()}); pass the preset it was trained with"
+            )
+        if metadata.get("dataset") != self.spec.name:
+            raise ValueError(
+                f"{checkpoint} was trained on {metadata.get('dataset')!r}, not {self.spec.name!r}"
+            )
+        self.model.load_state_dict(model.state_dict())
+
     def append_metrics(self, row: dict) -> None:
         path = self.out_dir / "metrics.csv"
         new = not path.exists()
@@ -307,6 +337,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainSettings, Path, Path
     parser.add_argument("--no-augment", action="store_false", dest="augment")
     parser.add_argument("--resume", type=Path, default=None, help="run directory to continue")
     parser.add_argument(
+        "--init-from",
+        default=None,
+        help="start from the weights of this checkpoint (or run directory) with a new schedule",
+    )
+    parser.add_argument(
         "--no-report", action="store_true", help="skip the plots and test evaluation"
     )
     args = vars(parser.parse_args(argv))
@@ -314,8 +349,43 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainSettings, Path, Path
     return TrainSettings(**args), out, resume, no_report
 
 
+def check_same_validation_split(settings: TrainSettings, checkpoint: Path) -> None:
+    """Refuse a parent run whose training images include this run's validation images."""
+    parent_settings = checkpoint.parent / "settings.json"
+    if not parent_settings.is_file():
+        raise ValueError(
+            f"{checkpoint}: no settings.json beside it, so its validation split is unknown and "
+            "this run's validation images may have been trained on; start from a run directory"
+        )
+    parent = json.loads(parent_settings.read_text())
+    for key in ("dataset", "validation_size", "seed"):
+        if parent.get(key) != getattr(settings, key):
+            raise ValueError(
+                f"{checkpoint} was trained with {key}={parent.get(key)!r}, this run has "
+                f"{key}={getattr(settings, key)!r}: the validation split would differ and include "
+                "images the checkpoint was trained on"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     settings, out_dir, resume, no_report = parse_args(argv)
+    try:
+        trainer, train, validation = prepare(settings, out_dir, resume)
+    except (CheckpointError, DatasetError, ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    trainer.fit(train, validation)
+    if not no_report:
+        from export.report import write_report
+
+        write_report(trainer.out_dir, data_dir=trainer.settings.data_dir)
+    return 0
+
+
+def prepare(
+    settings: TrainSettings, out_dir: Path, resume: Path | None
+) -> tuple[Trainer, Split, Split]:
+    """The trainer (fresh, resumed, or started from other weights) and its data splits."""
     if resume is not None:
         saved = json.loads((resume / "last" / "state.json").read_text())["settings"]
         # The schedule and data depend on the saved settings; only threads/compile may change.
@@ -323,10 +393,13 @@ def main(argv: list[str] | None = None) -> int:
             **{**saved, "threads": settings.threads, "compile": settings.compile}
         )
         out_dir = resume
+    initial_weights = None
+    if resume is None and settings.init_from is not None:
+        initial_weights = resolve_checkpoint(settings.init_from)
+        check_same_validation_split(settings, initial_weights)
+        settings = replace(settings, init_from_sha256=file_sha256(initial_weights))
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "settings.json").write_text(json.dumps(asdict(settings), indent=2))
     train_full, _ = load_dataset(settings.dataset, settings.data_dir)
     train, validation = train_validation_split(train_full, settings.validation_size, settings.seed)
     if settings.train_limit:
@@ -335,17 +408,17 @@ def main(argv: list[str] | None = None) -> int:
     if resume is not None:
         trainer.load_state(resume / "last")
         print(f"resumed {resume} at epoch {trainer.epoch}", flush=True)
+    elif initial_weights is not None:
+        trainer.load_initial_weights(initial_weights)
+        print(f"starting from the weights of {initial_weights}", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "settings.json").write_text(json.dumps(asdict(settings), indent=2))
     print(
         f"{settings.preset}: {trainer.model.num_parameters():,} parameters, "
         f"{len(train)} train / {len(validation)} validation images, device {trainer.device}",
         flush=True,
     )
-    trainer.fit(train, validation)
-    if not no_report:
-        from export.report import write_report
-
-        write_report(out_dir, data_dir=settings.data_dir)
-    return 0
+    return trainer, train, validation
 
 
 if __name__ == "__main__":

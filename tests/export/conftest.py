@@ -12,6 +12,7 @@ import torch
 
 from export import train
 from export.config import PRESETS, ViTConfig
+from tests.export.runs import tiny_run_args
 
 REPO = Path(__file__).resolve().parents[2]
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -41,32 +42,7 @@ def tiny_preset():
 def tiny_run(tmp_path_factory, tiny_preset) -> Path:
     """A finished run: 2,000 real training images, 6 epochs, best weights in model.safetensors."""
     out = tmp_path_factory.mktemp("runs") / "tiny"
-    code = train.main(
-        [
-            "--preset",
-            tiny_preset,
-            "--dataset",
-            "fashion-mnist",
-            "--out",
-            str(out),
-            "--epochs",
-            "6",
-            "--batch-size",
-            "50",
-            "--lr",
-            "3e-3",
-            "--warmup-epochs",
-            "1",
-            "--train-limit",
-            "2000",
-            "--validation-size",
-            "1000",
-            "--seed",
-            "0",
-            "--no-augment",
-            "--no-report",
-        ]
-    )
+    code = train.main(tiny_run_args(tiny_preset, out))
     assert code == 0
     return out
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from export import onnx as onnx_export
-from export.checkpoint import load_checkpoint, save_checkpoint
+from export.checkpoint import load_checkpoint
 from export.data import get_dataset_spec, load_dataset, normalize
+from tests.export.runs import init_from_args, save_altered_copy
 
 
 @pytest.fixture(scope="module")
@@ -202,11 +203,31 @@ def test_model_card_refuses_an_entry_from_another_checkpoint(exported, tiny_run,
     repo, _ = exported
     other = tmp_path / "other"
     shutil.copytree(tiny_run, other)
-    model, metadata = load_checkpoint(tiny_run)
-    with torch.no_grad():
-        model.head.bias.add_(1.0)
-    save_checkpoint(
-        model, other / "model.safetensors", "fashion-mnist", tuple(json.loads(metadata["labels"]))
-    )
+    save_altered_copy(tiny_run, other / "model.safetensors")
     with pytest.raises(ValueError, match="another checkpoint"):
         write_model_card(other, repo / "tiny", version=3)
+
+
+@pytest.mark.slow
+def test_model_card_lists_every_run_a_model_was_trained_in(tiny_run, tiny_preset, tmp_path):
+    from export import train
+    from export.model_card import write_model_card
+
+    parent = tmp_path / "parent"
+    shutil.copytree(tiny_run, parent)
+    child = tmp_path / "child"
+    assert train.main(init_from_args(tiny_preset, parent, child)) == 0
+    onnx_export.export_model(child, "tiny", 1, tmp_path / "repo", measure=False)
+    text = write_model_card(child, tmp_path / "repo" / "tiny").read_text()
+    commands = [line for line in text.splitlines() if line.startswith("python -m export.train")]
+    assert len(commands) == 2, text
+    assert commands[0].endswith(f"--out {parent}") and "--init-from" not in commands[0]
+    assert f"--init-from {parent} " in commands[1] and commands[1].endswith(f"--out {child}")
+    assert f"- `{parent}`: 6 of 6 epochs run" in text
+    assert f"- `{child}`: 1 of 1 epochs run" in text
+    card_curves = (tmp_path / "repo" / "tiny" / "card" / "curves.png").read_bytes()
+    assert card_curves != (child / "curves.png").read_bytes(), "curves of the last run only"
+
+    save_altered_copy(parent, parent / "model.safetensors")
+    with pytest.raises(ValueError, match="has changed since"):
+        write_model_card(child, tmp_path / "repo" / "tiny")

@@ -6,6 +6,7 @@ import csv
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from export import train
+from export.checkpoint import file_sha256
 from export.model import VisionTransformer
 from export.train import TrainSettings, configure_optimizer, learning_rate_at
+from tests.export.runs import init_from_args
 
 
 def read_rows(run: Path) -> list[dict[str, str]]:
@@ -130,3 +133,67 @@ def test_resume_continues_exactly_where_an_uninterrupted_run_goes(
             assert torch.equal(a[key], b[key]), f"{name}: {key} differs after resuming"
     rows = [read_rows(run) for run in (straight, interrupted)]
     assert [r["val_loss"] for r in rows[0]] == [r["val_loss"] for r in rows[1]]
+
+
+def test_init_from_starts_with_the_checkpoint_weights_and_a_fresh_optimizer(
+    tiny_run, tiny_preset, tmp_path
+):
+    settings, out, resume, _ = train.parse_args(
+        init_from_args(tiny_preset, tiny_run, tmp_path / "child")
+    )
+    trainer, _, _ = train.prepare(settings, out, resume)
+    parent = load_file(str(tiny_run / "model.safetensors"))
+    child = trainer.model.state_dict()
+    assert parent.keys() == child.keys()
+    assert all(torch.equal(parent[key], child[key]) for key in parent)
+    assert trainer.epoch == trainer.step == 0 and not trainer.optimizer.state
+    recorded = json.loads((out / "settings.json").read_text())
+    assert recorded["init_from"] == str(tiny_run)
+    assert recorded["init_from_sha256"] == file_sha256(tiny_run / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_init_from_continues_from_the_trained_model(tiny_run, tiny_preset, tmp_path):
+    child = tmp_path / "child"
+    assert train.main(init_from_args(tiny_preset, tiny_run, child)) == 0
+    parent_best = min(float(row["val_loss"]) for row in read_rows(tiny_run))
+    [row] = read_rows(child)
+    # From scratch, one small epoch at 1e-4 stays near ln(10) = 2.30; from the parent it starts there.
+    assert float(row["val_loss"]) < parent_best + 0.05, (row, parent_best)
+    assert (child / "model.safetensors").is_file() and (child / "last/state.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--seed", "1"), "seed=0.*seed=1.*validation split would differ"),
+        (("--validation-size", "500"), "validation_size=1000.*validation_size=500"),
+        (("--dataset", "mnist"), "dataset='fashion-mnist'.*dataset='mnist'"),
+    ],
+)
+def test_init_from_refuses_a_parent_trained_on_this_runs_validation_images(
+    tiny_run, tiny_preset, tmp_path, capsys, extra, message
+):
+    out = tmp_path / "child"
+    assert train.main(init_from_args(tiny_preset, tiny_run, out, *extra)) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not out.exists()
+
+
+def test_init_from_refuses_a_checkpoint_of_another_architecture(tiny_run, tmp_path, capsys):
+    args = init_from_args("mnist-tiny", tiny_run, tmp_path / "child")
+    assert train.main(args) == 2
+    error = capsys.readouterr().err
+    assert "holds a different model" in error and "'mnist-tiny'" in error
+
+
+def test_init_from_names_a_missing_checkpoint(tiny_preset, tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    assert train.main(init_from_args(tiny_preset, missing, tmp_path / "child")) == 2
+    assert f"{missing}: no such checkpoint file" in capsys.readouterr().err
+
+
+def test_resume_names_a_missing_run(tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    assert train.main(["--out", str(tmp_path / "x"), "--resume", str(missing)]) == 2
+    assert str(missing) in capsys.readouterr().err
