@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
-import ctypes
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,10 +37,18 @@ import numpy as np
 from bench import hey
 from bench.machine import busy_check, process_memory_kib
 from bench.payloads import attention_body, b64_pngs, predict_body
+from bench.server_process import (
+    HOST,
+    REPO,
+    clean_env,
+    log_tail,
+    port_is_free,
+    spawn,
+    stop_process,
+    wait_ready,
+)
 from bench.stats import rate, summarize
 
-REPO = Path(__file__).resolve().parents[1]
-HOST = "127.0.0.1"
 FIRST_PORT = 18110
 READY_TIMEOUT_S = 120.0
 # Every other VITSERVE_* variable of this process is dropped so that each server runs exactly the
@@ -77,21 +82,6 @@ class Case:
     concurrency: list[int]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
 class Server:
     """One server process in its own process group, logging to a file."""
 
@@ -112,37 +102,17 @@ class Server:
         """Spawn, wait for /health/ready to answer 200; returns the seconds that took."""
         if not port_is_free(self.spec.port):
             raise RuntimeError(f"port {self.spec.port} is in use; is another benchmark running?")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
-        env.update(self.spec.env)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        log = self.log_path.open("ab")
         started = time.perf_counter()
-        self.process = subprocess.Popen(
-            self.spec.argv,
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
+        # Appended: the start-up repeats of one server share its log.
+        self.process = spawn(self.spec.argv, clean_env(self.spec.env), self.log_path, append=True)
+        wait_ready(
+            self.process,
+            self.base_url,
+            self.log_path,
+            timeout_s=READY_TIMEOUT_S,
+            name=self.spec.key,
         )
-        log.close()
-        deadline = started + READY_TIMEOUT_S
-        while time.perf_counter() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"{self.spec.key} exited with {self.process.returncode} before ready:\n"
-                    + self.log_tail()
-                )
-            try:
-                with urllib.request.urlopen(self.base_url + "/health/ready", timeout=1) as answer:
-                    if answer.status == 200:
-                        return time.perf_counter() - started
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            time.sleep(0.01)
-        raise RuntimeError(f"{self.spec.key} not ready after {READY_TIMEOUT_S:.0f} s")
+        return time.perf_counter() - started
 
     def startup_breakdown(self) -> dict[str, float] | None:
         """The service's own log line: seconds to load the model and to warm it up (last start)."""
@@ -157,10 +127,7 @@ class Server:
         return {"load_s": float(load), "warmup_s": float(warm)}
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
     def memory(self) -> dict[str, int | None]:
         return process_memory_kib(self.pid) if self.pid else {"VmRSS": None, "VmHWM": None}
@@ -174,16 +141,8 @@ class Server:
 
     def stop(self) -> None:
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+        if process is not None:
+            stop_process(process, timeout_s=20.0)
 
 
 _STARTED = re.compile(r"loaded in ([0-9.]+) s, warmed up at batch sizes 1-([0-9]+) in ([0-9.]+) s")

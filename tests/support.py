@@ -14,8 +14,6 @@ import base64
 import io
 import os
 import re
-import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -33,6 +31,8 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import server_process
+from bench.machine import process_memory_kib
 from export.config import ViTConfig
 from export.data import FASHION_MNIST_LABELS, get_dataset_spec
 from service.settings import Settings
@@ -209,16 +209,8 @@ def assert_matches(prediction: dict, probabilities: np.ndarray, atol: float = 1e
 
 
 def free_port(ports: range) -> int:
-    start = (os.getpid() * 7 + int(time.monotonic() * 1000)) % len(ports)
-    for offset in range(len(ports)):
-        port = ports[(start + offset) % len(ports)]
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1}")
+    """A free port of ``ports``, looking from a point that differs between runs and processes."""
+    return server_process.free_port(ports, start=os.getpid() * 7 + int(time.monotonic() * 1000))
 
 
 def server_env(
@@ -226,26 +218,26 @@ def server_env(
 ) -> dict[str, str]:
     """The environment of a ``python -m service`` (or uvicorn) process: the suite's body limit, then
     ``settings`` as VITSERVE_* variables; nothing from the caller's VITSERVE_* or PORT."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_") and k != "PORT"}
     max_body_bytes = suite.limits.get("max_body_bytes", BASE_SETTINGS["max_body_bytes"])
-    env.update(
-        PYTHONPATH=str(REPO),
-        OMP_NUM_THREADS="1",
-        VITSERVE_MODEL_REPOSITORY=str(repository),
-        VITSERVE_MODEL_NAME=MODEL_NAME,
-        VITSERVE_PROVIDER="cpu",
-        VITSERVE_INTRA_OP_THREADS="1",
-        VITSERVE_INTER_OP_THREADS="1",
-        VITSERVE_MAX_BATCH_SIZE="8",
-        VITSERVE_ATTENTION_MAX_BATCH_SIZE="2",
-        VITSERVE_MAX_IMAGES_PER_REQUEST=str(MAX_IMAGES),
-        VITSERVE_MAX_BODY_BYTES=str(max_body_bytes),
-        VITSERVE_LOG_LEVEL="info",
-        VITSERVE_HOST="127.0.0.1",
-        PORT=str(port),
+    return server_process.clean_env(
+        {
+            "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": "1",
+            "VITSERVE_MODEL_REPOSITORY": str(repository),
+            "VITSERVE_MODEL_NAME": MODEL_NAME,
+            "VITSERVE_PROVIDER": "cpu",
+            "VITSERVE_INTRA_OP_THREADS": "1",
+            "VITSERVE_INTER_OP_THREADS": "1",
+            "VITSERVE_MAX_BATCH_SIZE": "8",
+            "VITSERVE_ATTENTION_MAX_BATCH_SIZE": "2",
+            "VITSERVE_MAX_IMAGES_PER_REQUEST": str(MAX_IMAGES),
+            "VITSERVE_MAX_BODY_BYTES": str(max_body_bytes),
+            "VITSERVE_LOG_LEVEL": "info",
+            "VITSERVE_HOST": "127.0.0.1",
+            "PORT": str(port),
+            **{f"VITSERVE_{key.upper()}": str(value) for key, value in settings.items()},
+        }
     )
-    env.update({f"VITSERVE_{key.upper()}": str(value) for key, value in settings.items()})
-    return env
 
 
 @dataclass
@@ -260,32 +252,18 @@ class Server:
 
     def rss_bytes(self, field: str = "VmRSS") -> int:
         """Resident memory of the server process from /proc (VmHWM is the peak)."""
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError(f"no {field} for process {self.process.pid}")
+        kib = process_memory_kib(self.process.pid)[field]
+        assert kib is not None, f"no {field} for process {self.process.pid}"
+        return kib * 1024
 
 
 def start_process(command: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     """``python COMMAND`` from the repository root under ``nice -n 10``, output to ``log``."""
-    with log.open("wb") as handle:
-        return subprocess.Popen(
-            ["nice", "-n", "10", sys.executable, *command],
-            cwd=REPO,
-            env=env,
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-        )
+    return server_process.spawn(["nice", "-n", "10", sys.executable, *command], env, log)
 
 
 def stop_process(process: subprocess.Popen, timeout: float = 30) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    server_process.stop_process(process, timeout_s=timeout)
 
 
 @contextmanager
@@ -304,20 +282,9 @@ def running_server(
     process = start_process(command, server_env(repository, port, suite, **settings), log)
     server = Server(process, f"http://127.0.0.1:{port}", port, log)
     try:
-        deadline = time.monotonic() + suite.ready_within_s
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"server exited with {process.returncode}:\n{server.output()}")
-            try:
-                if httpx.get(f"{server.url}/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"server not ready within {suite.ready_within_s:g} s:\n{server.output()}"
-                )
-            time.sleep(0.1)
+        server_process.wait_ready(
+            process, server.url, log, timeout_s=suite.ready_within_s, poll_s=0.1, name="server"
+        )
         yield server
     finally:
         stop_process(process)

@@ -10,11 +10,8 @@ from __future__ import annotations
 import base64
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,21 +20,19 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.machine import process_memory_kib
 from bench.payloads import load_images, png_bytes
+from bench.server_process import (
+    HOST,
+    REPO,
+    clean_env,
+    free_port,
+    spawn,
+    stop_process,
+    wait_ready,
+)
 
-REPO = Path(__file__).resolve().parents[2]
 PORTS = range(18240, 18300)  # the upper part of the reliability range; the tests start lower
-
-
-def free_port() -> int:
-    for port in PORTS:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {PORTS.start}-{PORTS.stop - 1}")
 
 
 @dataclass
@@ -47,62 +42,38 @@ class Service:
     log: Path
 
     def status(self, key: str) -> int:
-        """A memory figure of the process from /proc, in bytes (VmRSS now, VmHWM the peak)."""
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith(f"{key}:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError(f"no {key} for process {self.process.pid}")
+        """A memory figure of the process, in bytes (VmRSS now, VmHWM the peak)."""
+        kib = process_memory_kib(self.process.pid)[key]
+        if kib is None:
+            raise RuntimeError(f"no {key} for process {self.process.pid}")
+        return kib * 1024
 
 
 @contextmanager
 def service(log: Path, **settings: object) -> Iterator[Service]:
     """``nice -n 10 python -m service`` (one onnxruntime thread) on a free loopback port, ready;
     always stopped with SIGTERM (SIGKILL after 30 s) when the block ends, whatever happens in it."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_") and k != "PORT"}
-    env.update(
-        PYTHONPATH=str(REPO),
-        OMP_NUM_THREADS="1",
-        VITSERVE_HOST="127.0.0.1",
-        VITSERVE_PORT=str(port),
-        VITSERVE_PROVIDER="cpu",
-        VITSERVE_INTRA_OP_THREADS="1",
-        VITSERVE_INTER_OP_THREADS="1",
-        VITSERVE_LOG_LEVEL="warning",
+    port = free_port(PORTS)
+    env = clean_env(
+        {
+            "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": "1",
+            "VITSERVE_HOST": HOST,
+            "VITSERVE_PORT": str(port),
+            "VITSERVE_PROVIDER": "cpu",
+            "VITSERVE_INTRA_OP_THREADS": "1",
+            "VITSERVE_INTER_OP_THREADS": "1",
+            "VITSERVE_LOG_LEVEL": "warning",
+            **{f"VITSERVE_{k.upper()}": str(v) for k, v in settings.items() if v is not None},
+        }
     )
-    env.update({f"VITSERVE_{k.upper()}": str(v) for k, v in settings.items() if v is not None})
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as handle:
-        process = subprocess.Popen(
-            ["nice", "-n", "10", sys.executable, "-m", "service"],
-            cwd=REPO,
-            env=env,
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-        )
-    running = Service(process, f"http://127.0.0.1:{port}", log)
+    process = spawn(["nice", "-n", "10", sys.executable, "-m", "service"], env, log)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the service exited with {process.returncode}; see {log}")
-            try:
-                if httpx.get(f"{running.url}/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the service was not ready within 120 s; see {log}")
-            time.sleep(0.2)
+        running = Service(process, f"http://{HOST}:{port}", log)
+        wait_ready(process, running.url, log, timeout_s=120, poll_s=0.2, name="the service")
         yield running
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process, timeout_s=30)
 
 
 def b64(data: bytes) -> str:

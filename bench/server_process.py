@@ -1,0 +1,131 @@
+"""A server process that a benchmark or a test starts, waits for, and always stops.
+
+Shared by the load driver (bench/service.py), the reliability benches (bench/reliability/) and the
+tests that run real servers (tests/support.py). Standard library only.
+
+Each process runs in its own session, so that stopping it signals its whole process group (uvicorn
+workers included), and with PR_SET_PDEATHSIG, so that it gets SIGTERM should the thread that started
+it die: a killed driver leaves no server behind. Its output goes to a log file, quoted in errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+
+
+class ServerStartError(RuntimeError):
+    """The process exited, or did not become ready in time; the message quotes its log."""
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(ports: range, start: int = 0) -> int:
+    """The first free port of ``ports``, looking from index ``start`` on (and wrapping round)."""
+    for offset in range(len(ports)):
+        port = ports[(start + offset) % len(ports)]
+        if port_is_free(port):
+            return port
+    raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1}")
+
+
+def clean_env(overrides: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment without VITSERVE_* and PORT (the service reads both), plus
+    ``overrides``: a server runs exactly the settings it is given."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_") and k != "PORT"}
+    env.update(overrides)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def spawn(
+    argv: Sequence[str], env: Mapping[str, str], log: Path, *, append: bool = False
+) -> subprocess.Popen:
+    """Start ``argv`` from the repository root with stdout and stderr going to ``log``."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab" if append else "wb") as handle:
+        return subprocess.Popen(
+            list(argv),
+            cwd=REPO,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+
+
+def log_tail(log: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_ready(
+    process: subprocess.Popen,
+    url: str,
+    log: Path,
+    *,
+    timeout_s: float = 120.0,
+    poll_s: float = 0.01,
+    name: str = "the server",
+) -> float:
+    """Poll ``url``/health/ready until it answers 200; the seconds that took. Raises
+    ServerStartError, with the end of the log, if the process exits first or time runs out."""
+    started = time.perf_counter()
+    while True:
+        if process.poll() is not None:
+            raise ServerStartError(
+                f"{name} exited with {process.returncode} before ready:\n{log_tail(log)}"
+            )
+        try:
+            with urllib.request.urlopen(url + "/health/ready", timeout=1) as answer:
+                if answer.status == 200:
+                    return time.perf_counter() - started
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.perf_counter() - started > timeout_s:
+            raise ServerStartError(f"{name} was not ready within {timeout_s:g} s:\n{log_tail(log)}")
+        time.sleep(poll_s)
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGTERM to the process group, then SIGKILL after ``timeout_s``; returns once it has exited,
+    so ``process.returncode`` is its exit status. A process that has exited already is left alone."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)

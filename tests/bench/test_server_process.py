@@ -1,0 +1,69 @@
+"""The server-process helper the benches and the tests share: environment, stopping, readiness."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from bench import server_process
+
+# A parent that starts a child which would outlive it, prints the child's pid, then waits.
+PARENT_WITH_CHILD = (
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+    "print(child.pid, flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purpose: it holds no port and no memory.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_clean_env_drops_the_callers_service_settings(monkeypatch):
+    monkeypatch.setenv("VITSERVE_MAX_BATCH_SIZE", "1")
+    monkeypatch.setenv("PORT", "9999")
+    monkeypatch.setenv("HOME_FOR_TEST", "kept")
+    env = server_process.clean_env({"VITSERVE_PORT": "18001"})
+    assert "VITSERVE_MAX_BATCH_SIZE" not in env and "PORT" not in env
+    assert env["VITSERVE_PORT"] == "18001" and env["HOME_FOR_TEST"] == "kept"
+
+
+def test_stop_ends_the_whole_process_group(tmp_path):
+    log = tmp_path / "parent.log"
+    process = server_process.spawn([sys.executable, "-c", PARENT_WITH_CHILD], os.environ, log)
+    try:
+        deadline = time.monotonic() + 30
+        while not log.read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(log.read_text().split()[0])
+        assert alive(child)
+    finally:
+        server_process.stop_process(process, timeout_s=10)
+    assert process.returncode == -15  # SIGTERM, not the SIGKILL fallback
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child), "the child outlived its stopped parent"
+
+
+def test_a_process_that_never_gets_ready_is_reported_with_its_log(tmp_path):
+    log = tmp_path / "silent.log"
+    argv = [sys.executable, "-c", "print('still loading', flush=True); import time; time.sleep(60)"]
+    process = server_process.spawn(argv, os.environ, log)
+    port = server_process.free_port(range(18190, 18199))
+    try:
+        with pytest.raises(server_process.ServerStartError, match="not ready within 1 s") as error:
+            server_process.wait_ready(process, f"http://127.0.0.1:{port}", log, timeout_s=1)
+        assert "still loading" in str(error.value)
+    finally:
+        server_process.stop_process(process)
