@@ -58,9 +58,18 @@ def clean_env(overrides: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+PR_SET_PDEATHSIG = 1
+# Looked up here, once: the child runs between fork and exec, where loading a library could
+# deadlock on a lock another thread of this process held at the fork.
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: no parent-death signal
+    _prctl = None
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def spawn(

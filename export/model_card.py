@@ -14,21 +14,27 @@ import csv
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from export.checkpoint import file_sha256, read_metadata, resolve_checkpoint
+from export.checkpoint import CheckpointError, file_sha256, read_metadata, resolve_checkpoint
+from export.data import DatasetError
 from export.evaluate import evaluate_onnx
 from export.hardware import cpu_model
 from export.report import plot_curves, read_metrics, write_report
 from export.train import TrainSettings
 
+REPO = Path(__file__).resolve().parents[1]
 CARD_PLOTS = ("curves.png", "confusion_matrix.png", "attention_gallery.png")
 
 
-def train_command(settings: dict, out: str = "runs/NAME") -> str:
-    """The ``python -m export.train`` command that reproduces a run's settings."""
+def train_command(settings: dict, out: str = "runs/NAME", init_from: str | None = None) -> str:
+    """The ``python -m export.train`` command that reproduces a run's settings (``init_from``, when
+    given, replaces the recorded parent: the reproduction starts from the reproduced parent)."""
     defaults = TrainSettings()
+    if init_from is not None:
+        settings = {**settings, "init_from": init_from}
     flags = {
         "preset": "--preset",
         "dataset": "--dataset",
@@ -75,6 +81,11 @@ class Stage:
         return sum(float(row["seconds"]) for row in self.rows)
 
     @property
+    def best(self) -> dict | None:
+        """The row of the epoch with the lowest validation loss: the run's kept checkpoint."""
+        return min(self.rows, key=lambda row: float(row["val_loss"])) if self.rows else None
+
+    @property
     def finished(self) -> bool:
         state = self.state or {}
         return state.get("epoch", 0) >= self.settings.get("epochs", 0) or state.get(
@@ -94,11 +105,23 @@ def read_stage(run_dir: Path) -> Stage:
     )
 
 
+def locate_parent(init_from: str) -> Path:
+    """The checkpoint a run started from. The path was recorded as given on the command line, which
+    is relative to where training ran: the current directory, or else the repository root."""
+    path = Path(init_from)
+    try:
+        return resolve_checkpoint(path)
+    except CheckpointError:
+        if path.is_absolute() or not (REPO / path).exists():
+            raise
+        return resolve_checkpoint(REPO / path)
+
+
 def training_stages(run_dir: Path) -> list[Stage]:
     """The run and, first, every run it started from, each checked to hold the weights it gave."""
     stages = [read_stage(run_dir)]
     while (init_from := stages[0].settings.get("init_from")) is not None:
-        checkpoint = resolve_checkpoint(init_from)
+        checkpoint = locate_parent(init_from)
         recorded = stages[0].settings.get("init_from_sha256")
         if file_sha256(checkpoint) != recorded:
             raise ValueError(
@@ -122,7 +145,18 @@ def plot_all_stages(stages: list[Stage], path: Path) -> None:
     # The marked epoch must be the shipped checkpoint's, which is the last run's best.
     last_run = rows[restarts[-2] :]
     best = min(last_run, key=lambda row: row["val_loss"])
-    plot_curves(rows, path, stages[-1].settings, restarts=tuple(restarts[:-1]), best=best)
+    label = (
+        f"epoch {int(best['epoch']) - restarts[-2]} of run {len(stages)} "
+        f"(epoch {int(best['epoch'])} counting every run)"
+    )
+    plot_curves(
+        rows,
+        path,
+        stages[-1].settings,
+        restarts=tuple(restarts[:-1]),
+        best=best,
+        best_label=label,
+    )
 
 
 def newest_version(entry: Path) -> Path:
@@ -138,6 +172,23 @@ def percent(value: float) -> str:
     return f"{100 * value:.2f}%"
 
 
+def stage_line(stage: Stage, last: bool) -> str:
+    """One run of the chain: epochs, time, its best epoch; how to continue it if it is the last."""
+    line = f"- `{stage.run_dir}`: {len(stage.rows)} of {stage.settings.get('epochs')} epochs run"
+    # Resuming an earlier run would rewrite the weights that a later run recorded starting from.
+    if last and not stage.finished:
+        line += (
+            f" (not finished: it resumes with `python -m export.train --resume {stage.run_dir}`)"
+        )
+    line += f", {stage.seconds / 60:.1f} minutes"
+    if (best := stage.best) is not None:
+        line += (
+            f"; lowest validation loss {float(best['val_loss']):.4f} at epoch {best['epoch']} "
+            f"(validation accuracy {percent(float(best['val_accuracy']))})"
+        )
+    return line + "."
+
+
 def render(
     entry: Path,
     version_dir: Path,
@@ -149,7 +200,20 @@ def render(
     labels = onnx_results["labels"]
     final = stages[-1]
     seconds = sum(stage.seconds for stage in stages)
-    best = min(final.rows, key=lambda r: float(r["val_loss"])) if final.rows else None
+    earlier_epochs = sum(len(stage.rows) for stage in stages[:-1])
+    kept = f"epoch {results.get('epoch')}"
+    if len(stages) > 1:
+        kept += (
+            f" of the last run (epoch {int(results.get('epoch') or 0) + earlier_epochs} "
+            "counting every run)"
+        )
+    # Reproductions go to new directories under runs/, each starting from the one before, so that
+    # pasting them never touches the runs this card was made from.
+    outs = [f"runs/{stage.run_dir.name}" for stage in stages]
+    commands = [
+        train_command(stage.settings, out=out, init_from=outs[i - 1] if i else None)
+        for i, (stage, out) in enumerate(zip(stages, outs, strict=True))
+    ]
     lines = [
         f"# Model card: {entry.name}, version {version_dir.name}",
         "",
@@ -171,42 +235,29 @@ def render(
         "",
         f"- Preset `{final.settings.get('preset')}`, {results['parameters']:,} parameters: "
         f"`{json.dumps(model_config, sort_keys=True)}`.",
-        f"- Checkpoint from epoch {results.get('epoch')}, the lowest validation loss "
+        f"- Checkpoint from {kept}, the lowest validation loss of that run "
         f"({results.get('val_loss')}; validation accuracy {results.get('val_accuracy')}).",
         "",
         "## Training",
         "",
         (
-            "Run from the repository root, in this order (each later run starts from the best "
-            "weights of the one before, with a new learning-rate schedule):"
+            "To train it again, run from the repository root, in this order (each later run starts "
+            "from the best weights of the one before, with a new learning-rate schedule):"
             if len(stages) > 1
-            else "Run from the repository root:"
+            else "To train it again, run from the repository root:"
         ),
         "",
         "```",
-        *(train_command(stage.settings, out=str(stage.run_dir)) for stage in stages),
+        *commands,
         "```",
         "",
-        *(
-            f"- `{stage.run_dir}`: {len(stage.rows)} of {stage.settings.get('epochs')} epochs run"
-            + (
-                ""
-                if stage.finished
-                else " (not finished: it resumes with "
-                f"`python -m export.train --resume {stage.run_dir}`)"
-            )
-            + f", {stage.seconds / 60:.1f} minutes."
-            for stage in stages
-        ),
+        "The runs this model came from:",
+        "",
+        *(stage_line(stage, last=stage is final) for stage in stages),
         f"- Training time on this machine: {seconds / 60:.1f} minutes of wall-clock time in all "
         f"({cpu_model()}, {os.cpu_count()} cores, PyTorch threads "
         f"{final.settings.get('threads')}), shared with other work, so it is an upper bound.",
     ]
-    if best is not None:
-        lines.append(
-            f"- Best epoch of the last run by validation loss: {best['epoch']} (val loss {best['val_loss']}, "
-            f"val accuracy {percent(float(best['val_accuracy']))})."
-        )
     lines += [
         "",
         "## Per-class test accuracy (ONNX)",
@@ -278,7 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", type=int, default=None, help="default: the newest")
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args(argv)
-    print(write_model_card(args.run_dir, args.entry, args.version, args.data_dir))
+    try:
+        print(write_model_card(args.run_dir, args.entry, args.version, args.data_dir))
+    except (CheckpointError, DatasetError, ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

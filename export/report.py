@@ -48,11 +48,13 @@ def plot_curves(
     settings: dict | None = None,
     restarts: tuple[float, ...] = (),
     best: dict[str, float] | None = None,
+    best_label: str | None = None,
 ) -> None:
     """Loss and accuracy per epoch; ``settings`` (the run's settings.json) explains the numbers.
 
     ``restarts`` are the epochs after which a later run (``--init-from``) took over with a new
-    learning-rate schedule. ``best`` is the row of the kept checkpoint (default: lowest val loss).
+    learning-rate schedule. ``best`` is the row of the kept checkpoint (default: lowest val loss),
+    named ``best_label`` in the title (default: "epoch N").
     """
     epochs = [row["epoch"] for row in rows]
     figure, (loss_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(11, 4))
@@ -80,8 +82,9 @@ def plot_curves(
         notes.append(f"losses with label smoothing {settings['label_smoothing']:g}")
     if settings.get("augment"):
         notes.append("train metrics on augmented images")
+    best_label = best_label or f"epoch {int(best['epoch'])}"
     figure.suptitle(
-        f"kept checkpoint: epoch {int(best['epoch'])}, validation loss {best['val_loss']:.4f} "
+        f"kept checkpoint: {best_label}, validation loss {best['val_loss']:.4f} "
         f"(accuracy {100 * best['val_accuracy']:.2f}%)" + ("\n" + "; ".join(notes) if notes else "")
     )
     figure.tight_layout()

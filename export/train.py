@@ -315,7 +315,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainSettings, Path, Path
     parser.add_argument("--preset", default=defaults.preset, choices=sorted(PRESETS))
     parser.add_argument("--dataset", default=defaults.dataset, choices=sorted(DATASETS))
     parser.add_argument("--data-dir", default=None, help="directory of the dataset's files")
-    parser.add_argument("--out", required=True, type=Path, help="run directory to write")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="run directory to write (a new run needs one)"
+    )
     parser.add_argument("--epochs", type=int, default=defaults.epochs)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--lr", type=float, default=defaults.learning_rate, dest="learning_rate")
@@ -345,6 +347,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainSettings, Path, Path
         "--no-report", action="store_true", help="skip the plots and test evaluation"
     )
     args = vars(parser.parse_args(argv))
+    if args["resume"] is not None and args["init_from"] is not None:
+        parser.error(
+            "--resume continues a run with the weights it has; --init-from starts a new one"
+        )
+    if args["resume"] is None and args["out"] is None:
+        parser.error("--out RUN_DIR is required for a new run (--resume RUN_DIR continues one)")
     out, resume, no_report = args.pop("out"), args.pop("resume"), args.pop("no_report")
     return TrainSettings(**args), out, resume, no_report
 
@@ -367,6 +375,19 @@ def check_same_validation_split(settings: TrainSettings, checkpoint: Path) -> No
             )
 
 
+def refuse_existing_run(out_dir: Path) -> None:
+    """A new run never writes into the directory of a run that has finished an epoch. One that
+    has not (a crash during its first epoch) holds nothing to lose, and is started over."""
+    taken = [
+        name for name in ("metrics.csv", "model.safetensors", "last") if (out_dir / name).exists()
+    ]
+    if taken:
+        raise ValueError(
+            f"{out_dir} already holds a run ({', '.join(taken)}); continue it with "
+            f"--resume {out_dir}, or give a new --out"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     settings, out_dir, resume, no_report = parse_args(argv)
     try:
@@ -383,16 +404,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def prepare(
-    settings: TrainSettings, out_dir: Path, resume: Path | None
+    settings: TrainSettings, out_dir: Path | None, resume: Path | None
 ) -> tuple[Trainer, Split, Split]:
     """The trainer (fresh, resumed, or started from other weights) and its data splits."""
     if resume is not None:
-        saved = json.loads((resume / "last" / "state.json").read_text())["settings"]
+        state_path = resume / "last" / "state.json"
+        if not state_path.is_file():
+            raise ValueError(f"{resume}: not a run to resume ({state_path} does not exist)")
+        saved = json.loads(state_path.read_text())["settings"]
         # The schedule and data depend on the saved settings; only threads/compile may change.
         settings = TrainSettings(
             **{**saved, "threads": settings.threads, "compile": settings.compile}
         )
         out_dir = resume
+    else:
+        refuse_existing_run(out_dir)
     initial_weights = None
     if resume is None and settings.init_from is not None:
         initial_weights = resolve_checkpoint(settings.init_from)
@@ -404,12 +430,18 @@ def prepare(
     train, validation = train_validation_split(train_full, settings.validation_size, settings.seed)
     if settings.train_limit:
         train = train.subset(torch.arange(min(settings.train_limit, len(train))))
+    if len(train) < settings.batch_size:
+        raise ValueError(
+            f"batch size {settings.batch_size} exceeds the {len(train)} training images"
+        )
     trainer = Trainer(settings, out_dir)
     if resume is not None:
         trainer.load_state(resume / "last")
         print(f"resumed {resume} at epoch {trainer.epoch}", flush=True)
     elif initial_weights is not None:
         trainer.load_initial_weights(initial_weights)
+        if file_sha256(initial_weights) != settings.init_from_sha256:
+            raise ValueError(f"{initial_weights} changed while it was read; is it still training?")
         print(f"starting from the weights of {initial_weights}", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "settings.json").write_text(json.dumps(asdict(settings), indent=2))

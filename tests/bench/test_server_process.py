@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 
 import pytest
 
 from bench import server_process
+from tests.support import SERVICE
 
 # A parent that starts a child which would outlive it, prints the child's pid, then waits.
 PARENT_WITH_CHILD = (
@@ -56,11 +58,42 @@ def test_stop_ends_the_whole_process_group(tmp_path):
     assert not alive(child), "the child outlived its stopped parent"
 
 
+def test_a_server_dies_with_the_driver_that_started_it(tmp_path):
+    # The driver starts a server and is then killed (SIGKILL: it can clean nothing up itself).
+    driver_code = (
+        "import os, sys, time\n"
+        "from pathlib import Path\n"
+        "from bench import server_process\n"
+        "argv = [sys.executable, '-c', 'import time; time.sleep(120)']\n"
+        "server = server_process.spawn(argv, os.environ, Path(sys.argv[1]))\n"
+        "print(server.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(server_process.REPO)}
+    driver = subprocess.Popen(
+        [sys.executable, "-c", driver_code, str(tmp_path / "server.log")],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        server = int(driver.stdout.readline())
+        assert alive(server)
+    finally:
+        driver.kill()
+        driver.wait()
+        driver.stdout.close()
+    deadline = time.monotonic() + 10
+    while alive(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(server), "the server outlived the driver that started it"
+
+
 def test_a_process_that_never_gets_ready_is_reported_with_its_log(tmp_path):
     log = tmp_path / "silent.log"
     argv = [sys.executable, "-c", "print('still loading', flush=True); import time; time.sleep(60)"]
     process = server_process.spawn(argv, os.environ, log)
-    port = server_process.free_port(range(18190, 18199))
+    port = server_process.free_port(SERVICE.ports)
     try:
         with pytest.raises(server_process.ServerStartError, match="not ready within 1 s") as error:
             server_process.wait_ready(process, f"http://127.0.0.1:{port}", log, timeout_s=1)

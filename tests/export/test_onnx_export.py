@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from export import onnx as onnx_export
-from export.checkpoint import load_checkpoint
+from export.checkpoint import CheckpointError, load_checkpoint
 from export.data import get_dataset_spec, load_dataset, normalize
+from export.report import plot_curves
 from tests.export.runs import init_from_args, save_altered_copy
 
 
@@ -209,25 +210,47 @@ def test_model_card_refuses_an_entry_from_another_checkpoint(exported, tiny_run,
 
 
 @pytest.mark.slow
-def test_model_card_lists_every_run_a_model_was_trained_in(tiny_run, tiny_preset, tmp_path):
-    from export import train
-    from export.model_card import write_model_card
+def test_model_card_lists_every_run_a_model_was_trained_in(
+    tiny_run, tiny_preset, tmp_path, monkeypatch
+):
+    from export import model_card, train
 
     parent = tmp_path / "parent"
     shutil.copytree(tiny_run, parent)
     child = tmp_path / "child"
     assert train.main(init_from_args(tiny_preset, parent, child)) == 0
     onnx_export.export_model(child, "tiny", 1, tmp_path / "repo", measure=False)
-    text = write_model_card(child, tmp_path / "repo" / "tiny").read_text()
+    plotted = []
+
+    def record(rows, path, *args, **kwargs):
+        plotted.append((path, rows, kwargs))
+        return plot_curves(rows, path, *args, **kwargs)
+
+    monkeypatch.setattr(model_card, "plot_curves", record)
+    text = model_card.write_model_card(child, tmp_path / "repo" / "tiny").read_text()
     commands = [line for line in text.splitlines() if line.startswith("python -m export.train")]
     assert len(commands) == 2, text
-    assert commands[0].endswith(f"--out {parent}") and "--init-from" not in commands[0]
-    assert f"--init-from {parent} " in commands[1] and commands[1].endswith(f"--out {child}")
+    # Reproductions go to new directories, the second starting from the first's.
+    assert commands[0].endswith("--out runs/parent") and "--init-from" not in commands[0]
+    assert "--init-from runs/parent " in commands[1] and commands[1].endswith("--out runs/child")
     assert f"- `{parent}`: 6 of 6 epochs run" in text
     assert f"- `{child}`: 1 of 1 epochs run" in text
-    card_curves = (tmp_path / "repo" / "tiny" / "card" / "curves.png").read_bytes()
-    assert card_curves != (child / "curves.png").read_bytes(), "curves of the last run only"
+    assert "of the last run (epoch 7 counting every run)" in text
+    [(_, rows, options)] = [call for call in plotted if call[0].parent.name == "card"]
+    assert [row["epoch"] for row in rows] == list(range(1, 8))
+    assert options["restarts"] == (6,) and options["best"]["epoch"] == 7
+    assert options["best_label"] == "epoch 1 of run 2 (epoch 7 counting every run)"
 
     save_altered_copy(parent, parent / "model.safetensors")
     with pytest.raises(ValueError, match="has changed since"):
-        write_model_card(child, tmp_path / "repo" / "tiny")
+        model_card.write_model_card(child, tmp_path / "repo" / "tiny")
+
+
+def test_model_card_finds_a_parent_recorded_relative_to_the_repository(tmp_path, monkeypatch):
+    from export.model_card import REPO, locate_parent
+
+    monkeypatch.chdir(tmp_path)  # training ran from the repository root; the card runs elsewhere
+    found = locate_parent("checkpoints/fashion-small")
+    assert found == REPO / "checkpoints" / "fashion-small" / "model.safetensors"
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        locate_parent("checkpoints/no-such-run")

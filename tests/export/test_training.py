@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from export import train
 from export.checkpoint import file_sha256
 from export.model import VisionTransformer
 from export.train import TrainSettings, configure_optimizer, learning_rate_at
-from tests.export.runs import init_from_args
+from tests.export.runs import init_from_args, tiny_run_args
 
 
 def read_rows(run: Path) -> list[dict[str, str]]:
@@ -135,11 +136,13 @@ def test_resume_continues_exactly_where_an_uninterrupted_run_goes(
     assert [r["val_loss"] for r in rows[0]] == [r["val_loss"] for r in rows[1]]
 
 
+@pytest.mark.parametrize("given", ["run directory", "checkpoint file"])
 def test_init_from_starts_with_the_checkpoint_weights_and_a_fresh_optimizer(
-    tiny_run, tiny_preset, tmp_path
+    tiny_run, tiny_preset, tmp_path, given
 ):
+    init_from = tiny_run if given == "run directory" else tiny_run / "model.safetensors"
     settings, out, resume, _ = train.parse_args(
-        init_from_args(tiny_preset, tiny_run, tmp_path / "child")
+        init_from_args(tiny_preset, init_from, tmp_path / "child")
     )
     trainer, _, _ = train.prepare(settings, out, resume)
     parent = load_file(str(tiny_run / "model.safetensors"))
@@ -148,7 +151,7 @@ def test_init_from_starts_with_the_checkpoint_weights_and_a_fresh_optimizer(
     assert all(torch.equal(parent[key], child[key]) for key in parent)
     assert trainer.epoch == trainer.step == 0 and not trainer.optimizer.state
     recorded = json.loads((out / "settings.json").read_text())
-    assert recorded["init_from"] == str(tiny_run)
+    assert recorded["init_from"] == str(init_from)
     assert recorded["init_from_sha256"] == file_sha256(tiny_run / "model.safetensors")
 
 
@@ -196,4 +199,50 @@ def test_init_from_names_a_missing_checkpoint(tiny_preset, tmp_path, capsys):
 def test_resume_names_a_missing_run(tmp_path, capsys):
     missing = tmp_path / "nowhere"
     assert train.main(["--out", str(tmp_path / "x"), "--resume", str(missing)]) == 2
-    assert str(missing) in capsys.readouterr().err
+    assert f"{missing}: not a run to resume" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("start_from_itself", [False, True])
+def test_a_new_run_never_writes_into_a_run_that_exists(
+    tiny_run, tiny_preset, tmp_path, capsys, start_from_itself
+):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    before = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+    args = (
+        init_from_args(tiny_preset, run, run)
+        if start_from_itself
+        else tiny_run_args(tiny_preset, run)
+    )
+    assert train.main(args) == 2
+    assert f"{run} already holds a run" in capsys.readouterr().err
+    assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == before
+
+
+def test_a_run_that_crashed_before_its_first_epoch_ended_is_started_over(tiny_preset, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "settings.json").write_text("{}")  # all that such a run leaves
+    settings, out, resume, _ = train.parse_args(tiny_run_args(tiny_preset, out))
+    trainer, _, _ = train.prepare(settings, out, resume)
+    assert trainer.epoch == 0
+    assert json.loads((out / "settings.json").read_text())["preset"] == tiny_preset
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--resume", "RUN", "--init-from", "RUN"], "--init-from starts a new one"),
+        (["--preset", "mnist-tiny"], "--out RUN_DIR is required for a new run"),
+    ],
+)
+def test_usage_errors(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        train.parse_args(args)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_resume_needs_no_out(tmp_path):
+    _, out, resume, _ = train.parse_args(["--resume", str(tmp_path)])
+    assert resume == tmp_path and out is None
