@@ -196,6 +196,7 @@ class Trainer:
         from safetensors.torch import load_file
 
         state = json.loads((resume_dir / "state.json").read_text())
+        self.trim_metrics(after_epoch=state["epoch"])
         self.model.load_state_dict(load_file(str(resume_dir / "model.safetensors")))
         load_optimizer(self.optimizer, resume_dir / "optimizer.safetensors")
         self.epoch = state["epoch"]
@@ -219,6 +220,21 @@ class Trainer:
                 f"{checkpoint} was trained on {metadata.get('dataset')!r}, not {self.spec.name!r}"
             )
         self.model.load_state_dict(model.state_dict())
+
+    def trim_metrics(self, after_epoch: int) -> None:
+        """Drops the rows of epochs after the saved state: an epoch writes its row before its state,
+        so a run stopped in between would otherwise list that epoch twice once resumed."""
+        path = self.out_dir / "metrics.csv"
+        if not path.exists():
+            return
+        with path.open(newline="") as handle:
+            rows = list(csv.DictReader(handle))
+        kept = [row for row in rows if int(row["epoch"]) <= after_epoch]
+        if len(kept) < len(rows):
+            with path.open("w", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=METRIC_FIELDS)
+                writer.writeheader()
+                writer.writerows(kept)
 
     def append_metrics(self, row: dict) -> None:
         path = self.out_dir / "metrics.csv"
@@ -376,11 +392,9 @@ def check_same_validation_split(settings: TrainSettings, checkpoint: Path) -> No
 
 
 def refuse_existing_run(out_dir: Path) -> None:
-    """A new run never writes into the directory of a run that has finished an epoch. One that
-    has not (a crash during its first epoch) holds nothing to lose, and is started over."""
-    taken = [
-        name for name in ("metrics.csv", "model.safetensors", "last") if (out_dir / name).exists()
-    ]
+    """A new run never writes into the directory of a run that has weights. One that has none (it
+    stopped before its first epoch was saved) holds nothing to lose, and is started over."""
+    taken = [name for name in ("model.safetensors", "last") if (out_dir / name).exists()]
     if taken:
         raise ValueError(
             f"{out_dir} already holds a run ({', '.join(taken)}); continue it with "
@@ -444,6 +458,8 @@ def prepare(
             raise ValueError(f"{initial_weights} changed while it was read; is it still training?")
         print(f"starting from the weights of {initial_weights}", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if resume is None:  # a row left by a first epoch that stopped before saving its weights
+        (out_dir / "metrics.csv").unlink(missing_ok=True)
     (out_dir / "settings.json").write_text(json.dumps(asdict(settings), indent=2))
     print(
         f"{settings.preset}: {trainer.model.num_parameters():,} parameters, "

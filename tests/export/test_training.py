@@ -82,8 +82,9 @@ class Interrupted(Exception):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stopped", ["after saving epoch 1", "before saving epoch 2"])
 def test_resume_continues_exactly_where_an_uninterrupted_run_goes(
-    tmp_path, tiny_preset, monkeypatch
+    tmp_path, tiny_preset, monkeypatch, stopped
 ):
     args = [
         "--preset",
@@ -108,8 +109,11 @@ def test_resume_continues_exactly_where_an_uninterrupted_run_goes(
     save_state = train.Trainer.save_state
 
     def save_then_stop(self):
+        # Epoch 2 has written its metrics row by the time it saves its state.
+        if stopped == "before saving epoch 2" and self.epoch == 2:
+            raise Interrupted
         save_state(self)
-        if self.epoch == 1:
+        if stopped == "after saving epoch 1" and self.epoch == 1:
             raise Interrupted
 
     with monkeypatch.context() as patch:
@@ -219,14 +223,16 @@ def test_a_new_run_never_writes_into_a_run_that_exists(
     assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file()} == before
 
 
-def test_a_run_that_crashed_before_its_first_epoch_ended_is_started_over(tiny_preset, tmp_path):
+def test_a_run_stopped_before_its_first_epoch_was_saved_is_started_over(tiny_preset, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    (out / "settings.json").write_text("{}")  # all that such a run leaves
+    (out / "settings.json").write_text("{}")  # all that such a run leaves, and at most
+    (out / "metrics.csv").write_text("epoch,val_loss\n1,2.3\n")  # the row of its first epoch
     settings, out, resume, _ = train.parse_args(tiny_run_args(tiny_preset, out))
     trainer, _, _ = train.prepare(settings, out, resume)
     assert trainer.epoch == 0
     assert json.loads((out / "settings.json").read_text())["preset"] == tiny_preset
+    assert not (out / "metrics.csv").exists()
 
 
 @pytest.mark.parametrize(
