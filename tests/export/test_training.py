@@ -192,6 +192,7 @@ def test_init_from_refuses_a_checkpoint_of_another_architecture(tiny_run, tmp_pa
     assert train.main(args) == 2
     error = capsys.readouterr().err
     assert "holds a different model" in error and "'mnist-tiny'" in error
+    assert not (tmp_path / "child").exists()
 
 
 def test_init_from_names_a_missing_checkpoint(tiny_preset, tmp_path, capsys):
