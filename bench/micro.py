@@ -39,7 +39,9 @@ from bench.stats import per_call_us, rate, summarize
 from service.model_repository import parse_metadata
 from service.predictions import prediction
 from service.preprocessing import Preprocessor, decode_image, image_to_array
+from service.runtime import session_options
 from service.schemas import ModelRef, PredictRequest, PredictResponse
+from service.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "models" / "fashion-mnist-vit" / "1"
@@ -52,20 +54,37 @@ def threads_default() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+# The service's defaults, not this shell's VITSERVE_* variables: model_construct reads no environment.
+SERVICE_SETTINGS = Settings.model_construct(provider="cpu")
+
+
+def describe(settings: Settings) -> str:
+    threads = settings.intra_op_threads or "auto"
+    return f"intra {threads}, spinning {'on' if settings.allow_spinning else 'off'}"
+
+
+SERVICE_LABEL = f"service: {describe(SERVICE_SETTINGS)}"
+OTHER_SPINNING = not SERVICE_SETTINGS.allow_spinning
+OTHER_SPINNING_LABEL = f"spinning {'on' if OTHER_SPINNING else 'off'}"
+
+
 def options(
-    intra: int = 0,
+    intra: int | None = None,
     spinning: bool | None = None,
-    level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    level: ort.GraphOptimizationLevel | None = None,
     save_to: Path | None = None,
 ) -> ort.SessionOptions:
-    """The service's session options (service/runtime.py), with one thing changed."""
-    result = ort.SessionOptions()
-    result.intra_op_num_threads = intra
-    result.inter_op_num_threads = 0
-    result.graph_optimization_level = level
-    result.log_severity_level = 3
-    if spinning is not None:
-        result.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    """The service's session options at its default settings, with at most one thing changed.
+
+    Built by the service's own ``session_options`` so that the baseline is what the service runs.
+    """
+    changes = {"intra_op_threads": intra, "allow_spinning": spinning}
+    settings = SERVICE_SETTINGS.model_copy(
+        update={name: value for name, value in changes.items() if value is not None}
+    )
+    result = session_options(settings)
+    if level is not None:
+        result.graph_optimization_level = level
     if save_to is not None:
         result.optimized_model_filepath = str(save_to)
     return result
@@ -75,10 +94,10 @@ def session_configs(threads: int, offline: Path) -> dict[str, tuple[Path, ort.Se
     model = SHIPPED / "model.onnx"
     level = ort.GraphOptimizationLevel
     configs = {
-        "service: intra auto, spinning on, ENABLE_ALL": (model, options()),
+        f"{SERVICE_LABEL}, ENABLE_ALL": (model, options()),
         "intra 1": (model, options(intra=1)),
         f"intra {threads}": (model, options(intra=threads)),
-        "intra auto, spinning off": (model, options(spinning=False)),
+        OTHER_SPINNING_LABEL: (model, options(spinning=OTHER_SPINNING)),
         "ENABLE_EXTENDED": (model, options(level=level.ORT_ENABLE_EXTENDED)),
         "ENABLE_BASIC": (model, options(level=level.ORT_ENABLE_BASIC)),
         "DISABLE_ALL": (model, options(level=level.ORT_DISABLE_ALL)),
@@ -144,8 +163,8 @@ def pipeline_bench(threads: int, repeats: int, seconds: float) -> dict:
     encoded, _ = b64_pngs(32)
     files = [base64.b64decode(e) for e in encoded]
     configs = {
-        "service: intra auto, spinning on": options(),
-        "intra auto, spinning off": options(spinning=False),
+        SERVICE_LABEL: options(),
+        OTHER_SPINNING_LABEL: options(spinning=OTHER_SPINNING),
         "intra 1": options(intra=1),
     }
     if threads == 1:

@@ -54,7 +54,8 @@ def choose_providers(settings: Settings) -> list[str | tuple[str, dict[str, str]
     return [(CUDA, options), CPU]
 
 
-def _session_options(settings: Settings) -> ort.SessionOptions:
+def session_options(settings: Settings) -> ort.SessionOptions:
+    """onnxruntime session options for these settings (bench/micro.py varies them one at a time)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = settings.intra_op_threads
     options.inter_op_num_threads = settings.inter_op_threads
@@ -81,7 +82,7 @@ def warm_up_sizes(max_batch_size: int, session: ort.InferenceSession) -> list[in
 def open_session(path: Path, settings: Settings) -> ort.InferenceSession:
     try:
         session = ort.InferenceSession(
-            str(path), sess_options=_session_options(settings), providers=choose_providers(settings)
+            str(path), sess_options=session_options(settings), providers=choose_providers(settings)
         )
     except ModelLoadError:
         raise

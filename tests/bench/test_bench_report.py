@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.report import render, targets
+from bench.report import paired_wins, render, targets
 from bench.stats import summarize
 
 
@@ -142,3 +142,16 @@ def test_render_has_banners_targets_and_the_cuda_section():
     assert "## The CUDA path (not measured)" in text
     assert "No GPU was available" in text
     assert "`hey -z 5s -c 64 -D single.json URL`" in text  # temporary paths shortened
+
+
+def test_attention_pairs_report_how_many_repeats_each_graph_won():
+    pair = _engine()["classifier_vs_attention"]["32"]
+    # Medians favour attention.onnx while model.onnx wins 2 of 3 pairs: the report must show both.
+    pair["samples"] = {
+        "model.onnx": [1000.0, 900.0, 1200.0],
+        "attention.onnx": [950.0, 1300.0, 1100.0],
+    }
+    assert paired_wins(pair) == "2 of 3"
+    measured = targets({"classifier_vs_attention": {"32": pair}}, _service())[6]["measured"]
+    assert "model.onnx faster in 2 of 3 repeats" in measured
+    assert paired_wins({"model.onnx": summarize([1.0])}) is None
