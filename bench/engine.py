@@ -8,10 +8,13 @@ vs the attention graph.
   file's ``model_config`` with the file's initializers copied in (bench/weights.py, checked against
   onnxruntime before anything is timed).
 - A larger model (DeiT-Tiny sizes on 32x32 RGB, patch 4: 5.4M parameters, about 15x the shipped model's
-  compute per image), randomly initialised, exported on the fly with ``export.onnx.to_onnx`` (the
-  function ``build_graphs`` uses for the classifier) into a temporary directory.
+  compute per image), randomly initialised, exported on the fly with ``export.onnx.classifier_graph``
+  (what ``build_graphs`` writes as ``model.onnx``) into a temporary directory.
 - ``model.onnx`` vs ``attention.onnx`` of the shipped model at batch 32 (and 1): what ``/predict``
   would pay if it ran the graph that also outputs attention maps.
+- The shipped weights exported as a classifier three ways (explicit softmax at opset 18, as shipped;
+  ``scaled_dot_product_attention`` at opset 18; the same at opset 23, one ``Attention`` op a layer):
+  the measurement behind ``export.onnx.build_graphs``.
 
 Every point is images/s, repeated (interleaved across engines and batch sizes), reported as the median
 with min and max.
@@ -27,10 +30,12 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import torch
 
 from bench.machine import busy_check
@@ -38,14 +43,15 @@ from bench.stats import rate, summarize
 from bench.weights import read_metadata, torch_from_onnx
 from export.config import ViTConfig
 from export.model import VisionTransformer
-from service.runtime import open_session
+from export.onnx import OPSET, classifier_graph, example_input, to_onnx
+from service.runtime import open_session, session_options
 from service.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "models" / "fashion-mnist-vit" / "1"
-# The two graphs differ by a few percent while one repeat on the shared 2-core machine can swing
-# 30%: a verdict needs many interleaved pairs, and they are cheap (about 2 s a pair at batch 32).
-ATTENTION_REPEATS = 15
+# Graphs that differ by a few percent, while one repeat on the shared 2-core machine can swing 30%:
+# a verdict needs many interleaved pairs, and they are cheap (about 1 s a graph at batch 32).
+PAIRED_REPEATS = 15
 LARGE_NAME = "vit-ti-cifar"
 LARGE = ViTConfig(
     image_height=32,
@@ -145,6 +151,29 @@ def compare_engines(
     }
 
 
+def interleaved(
+    runs: dict[str, Callable[[], object]], batch: int, repeats: int, min_time_s: float, base: str
+) -> dict:
+    """Images/s of each run, one repeat of every run after another (order reversed every other
+    repeat), and each run's ratio to ``base`` within the same repeat: a paired comparison, which
+    a noisy shared machine needs more than large samples."""
+    for run in runs.values():
+        run()
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for repeat in range(repeats):
+        order = list(runs) if repeat % 2 == 0 else list(reversed(runs))
+        for name in order:
+            samples[name].append(rate(runs[name], batch, min_time_s, 3))
+    return {
+        name: {
+            "images_per_s": summarize(values),
+            f"over_{base}": summarize([v / b for v, b in zip(values, samples[base], strict=True)]),
+            "samples": values,
+        }
+        for name, values in samples.items()
+    }
+
+
 def classifier_vs_attention(
     threads: int, batches: list[int], repeats: int, min_time_s: float
 ) -> dict:
@@ -162,21 +191,12 @@ def classifier_vs_attention(
             graph: (lambda s=session, x=x: s.run(None, {"images": x}))
             for graph, session in sessions.items()
         }
-        for run in runs.values():
-            run()
-        samples = {graph: [] for graph in runs}
-        for repeat in range(repeats):
-            order = list(runs) if repeat % 2 == 0 else list(reversed(runs))
-            for graph in order:
-                samples[graph].append(rate(runs[graph], batch, min_time_s, 3))
-        ratios = [
-            c / a for c, a in zip(samples["model.onnx"], samples["attention.onnx"], strict=True)
-        ]
+        measured = interleaved(runs, batch, repeats, min_time_s, base="attention.onnx")
         result[str(batch)] = {
-            "model.onnx": summarize(samples["model.onnx"]),
-            "attention.onnx": summarize(samples["attention.onnx"]),
-            "classifier_over_attention": summarize(ratios),
-            "samples": samples,
+            "model.onnx": measured["model.onnx"]["images_per_s"],
+            "attention.onnx": measured["attention.onnx"]["images_per_s"],
+            "classifier_over_attention": measured["model.onnx"]["over_attention.onnx"],
+            "samples": {graph: measured[graph]["samples"] for graph in runs},
         }
         print(
             f"  classifier vs attention graph, batch {batch}: "
@@ -187,19 +207,85 @@ def classifier_vs_attention(
     return result
 
 
+SHIPPED_EXPORT = "explicit softmax, opset 18 (shipped model.onnx)"
+CLASSIFIER_EXPORTS = {
+    # name: (fused attention in PyTorch, opset)
+    SHIPPED_EXPORT: (False, OPSET),
+    "scaled_dot_product_attention, opset 18": (True, OPSET),
+    "scaled_dot_product_attention, opset 23 (ONNX Attention op)": (True, 23),
+}
+
+
+def classifier_exports(
+    model: VisionTransformer, threads: int, batches: list[int], repeats: int, min_time_s: float
+) -> dict:
+    """The shipped weights exported as a classifier three ways: why export.onnx.build_graphs exports
+    the explicit softmax path (it re-exports the shipped one too, to compare like with like)."""
+    c = model.config
+    example = example_input(model)
+    options = session_options(Settings(provider="cpu", intra_op_threads=threads))
+    sessions, nodes = {}, {}
+    for name, (fused, opset) in CLASSIFIER_EXPORTS.items():
+        model.set_fused_attention(fused)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                graph = to_onnx(model.eval(), example, ["logits"], opset=opset)
+        finally:
+            model.set_fused_attention(True)
+        nodes[name] = len(graph.graph.node)
+        sessions[name] = ort.InferenceSession(
+            graph.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+    result: dict = {"shipped": SHIPPED_EXPORT, "nodes": nodes, "batches": {}}
+    for batch in batches:
+        x = images_for(c, batch)
+        outputs = {name: s.run(None, {"images": x})[0] for name, s in sessions.items()}
+        differences = {
+            name: float(np.abs(out - outputs[SHIPPED_EXPORT]).max())
+            for name, out in outputs.items()
+        }
+        if max(differences.values()) > 1e-4:
+            raise RuntimeError(f"classifier exports disagree at batch {batch}: {differences}")
+        runs = {
+            name: (lambda s=session, x=x: s.run(None, {"images": x}))
+            for name, session in sessions.items()
+        }
+        measured = interleaved(runs, batch, repeats, min_time_s, base=SHIPPED_EXPORT)
+        result["batches"][str(batch)] = {
+            name: {
+                "images_per_s": values["images_per_s"],
+                "over_shipped": values[f"over_{SHIPPED_EXPORT}"],
+                "wins_over_shipped": sum(
+                    v > b
+                    for v, b in zip(
+                        values["samples"], measured[SHIPPED_EXPORT]["samples"], strict=True
+                    )
+                ),
+                "repeats": len(values["samples"]),
+                "max_abs_diff_vs_shipped": differences[name],
+            }
+            for name, values in measured.items()
+        }
+        for name, values in result["batches"][str(batch)].items():
+            print(
+                f"  classifier export batch {batch:>3}: {name}: "
+                f"{values['images_per_s']['median']:,.0f} img/s, "
+                f"x{values['over_shipped']['median']:.3f} of shipped",
+                flush=True,
+            )
+    return result
+
+
 def export_large(directory: Path) -> tuple[VisionTransformer, Path, float]:
     """The larger model, randomly initialised (head included, so the logits are not all zero)."""
-    from export.onnx import to_onnx  # imports the exporter stack only when needed
-
     torch.manual_seed(0)
     model = VisionTransformer(LARGE).eval()
     torch.nn.init.normal_(model.head.weight, std=0.02)
     started = time.perf_counter()
-    example = torch.zeros(2, LARGE.in_channels, LARGE.image_height, LARGE.image_width)
-    model.set_fused_attention(True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        proto = to_onnx(model, example, ["logits"])
+        proto = classifier_graph(model)
     path = directory / "model.onnx"
     onnx.save_model(proto, path)
     return model, path, time.perf_counter() - started
@@ -234,8 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     results["models"]["fashion-mnist-vit (shipped)"] = compare_engines(
         "shipped", shipped, SHIPPED / "model.onnx", threads, batches, repeats, min_time
     )
+    pair_repeats = max(repeats, PAIRED_REPEATS) if not args.quick else repeats
     results["classifier_vs_attention"] = classifier_vs_attention(
-        threads, [1, 32], max(repeats, ATTENTION_REPEATS) if not args.quick else repeats, min_time
+        threads, [1, 32], pair_repeats, min_time
+    )
+    results["classifier_exports"] = classifier_exports(
+        shipped, threads, [1, 32] if args.quick else [1, 32, 64], pair_repeats, min_time
     )
     if not args.skip_large:
         with tempfile.TemporaryDirectory(prefix="vitserve-bench-") as tmp:

@@ -385,6 +385,40 @@ def engine_section(engine: dict) -> list[str]:
             ),
             "",
         ]
+    exports = engine.get("classifier_exports")
+    if exports:
+        rows = []
+        for batch, variants in exports["batches"].items():
+            for name, values in variants.items():
+                shipped = name == exports["shipped"]
+                rows.append(
+                    [
+                        batch,
+                        name,
+                        exports["nodes"][name],
+                        fmt_spread(values["images_per_s"]),
+                        "1" if shipped else fmt_spread(values["over_shipped"], 3),
+                        "-" if shipped else f"{values['wins_over_shipped']} of {values['repeats']}",
+                    ]
+                )
+        out += [
+            "### How the classifier graph is exported (shipped weights, onnxruntime)",
+            "",
+            "The shipped weights exported as a classifier three ways, run with the service's session "
+            "options: the explicit softmax path at opset 18 (what `export.onnx` writes as "
+            "`model.onnx`), `scaled_dot_product_attention` at opset 18 (which the exporter spells "
+            "as the same matrix products plus shape nodes), and the same at opset 23 (one ONNX "
+            "`Attention` op a layer). Ratio: images/s over the shipped export's within each "
+            "interleaved repeat. Opset 23 is not shipped whatever it measures here: onnxruntime's "
+            "CUDA kernel for `Attention` could not be checked on a GPU, and Triton servers with an "
+            "older onnxruntime cannot load it.",
+            "",
+            table(
+                ["batch", "export", "nodes", "img/s", "ratio to shipped", "faster than shipped in"],
+                rows,
+            ),
+            "",
+        ]
     return out
 
 

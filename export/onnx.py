@@ -5,12 +5,13 @@
 Writes (Triton layout, see docs/model-repository.md)::
 
     <repo>/<name>/config.pbtxt, labels.txt
-    <repo>/<name>/<version>/model.onnx       classifier (fused attention, logits only)
-    <repo>/<name>/<version>/attention.onnx   same weights, explicit attention, logits + maps
+    <repo>/<name>/<version>/model.onnx       classifier (logits only)
+    <repo>/<name>/<version>/attention.onnx   same weights, logits + every layer's attention maps
 
-Two graphs rather than one graph with two outputs, so that ``/predict`` never computes attention
-probabilities it does not return (BENCHMARKS.md has the measurement). Nothing is written unless both
-graphs pass the ONNX checker and match PyTorch on real images at batch sizes 1, 7 and 64.
+Two graphs rather than one graph with two outputs, so that ``/predict`` never copies out attention
+maps it does not return (BENCHMARKS.md has the measurement). Nothing is written unless both graphs
+pass the ONNX checker and match PyTorch on real images at batch sizes 1, 7 and 64; the classifier is
+checked against PyTorch's fused forward pass, the attention graph against the explicit one.
 """
 
 from __future__ import annotations
@@ -89,7 +90,10 @@ logging.getLogger("torch.onnx").setLevel(logging.ERROR)
 
 
 def to_onnx(
-    module: torch.nn.Module, example: torch.Tensor, output_names: list[str]
+    module: torch.nn.Module,
+    example: torch.Tensor,
+    output_names: list[str],
+    opset: int = OPSET,
 ) -> onnx.ModelProto:
     program = torch.onnx.export(
         module,
@@ -98,21 +102,39 @@ def to_onnx(
         input_names=["images"],
         output_names=output_names,
         dynamic_shapes=({0: torch.export.Dim.DYNAMIC},),
-        opset_version=OPSET,
+        opset_version=opset,
         external_data=False,
         verbose=False,
     )
     return strip_build_details(program.model_proto)
 
 
-def build_graphs(model: VisionTransformer) -> Graphs:
+def example_input(model: VisionTransformer) -> torch.Tensor:
     c = model.config
-    example = torch.zeros(2, c.in_channels, c.image_height, c.image_width)
-    model = model.eval()
-    model.set_fused_attention(True)
-    classifier = to_onnx(model, example, ["logits"])
-    attention = to_onnx(WithAttention(model).eval(), example, ["logits", "attention"])
-    return Graphs(classifier, attention)
+    return torch.zeros(2, c.in_channels, c.image_height, c.image_width)
+
+
+def classifier_graph(model: VisionTransformer) -> onnx.ModelProto:
+    """``model.onnx``: logits only, exported from the explicit softmax path.
+
+    At opset 18 the exporter spells ``scaled_dot_product_attention`` as the same MatMul-Softmax-MatMul
+    plus extra Slice/Reshape/Shape/Concat nodes, and onnxruntime ran that classifier slower than the
+    explicit one (``python -m bench.engine``, BENCHMARKS.md). Opset 23's ``Attention`` op was faster
+    still on the CPU but is not taken: onnxruntime's CUDA kernel for it is recent, it could not be
+    checked on a GPU here, and older Triton servers cannot load opset 23.
+    """
+    model.eval().set_fused_attention(False)
+    try:
+        return to_onnx(model, example_input(model), ["logits"])
+    finally:
+        model.set_fused_attention(True)
+
+
+def build_graphs(model: VisionTransformer) -> Graphs:
+    """The classifier and the attention graph: the same explicit graph, the second one also
+    outputting every layer's attention probabilities."""
+    attention = to_onnx(WithAttention(model).eval(), example_input(model), ["logits", "attention"])
+    return Graphs(classifier_graph(model), attention)
 
 
 def session_for(model: onnx.ModelProto) -> ort.InferenceSession:

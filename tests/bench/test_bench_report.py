@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.report import paired_wins, render, targets
+from bench.report import engine_section, paired_wins, render, targets
 from bench.stats import summarize
 
 
@@ -155,3 +155,26 @@ def test_attention_pairs_report_how_many_repeats_each_graph_won():
     measured = targets({"classifier_vs_attention": {"32": pair}}, _service())[6]["measured"]
     assert "model.onnx faster in 2 of 3 repeats" in measured
     assert paired_wins({"model.onnx": summarize([1.0])}) is None
+
+
+def test_classifier_exports_table_marks_the_shipped_export():
+    shipped, other = "explicit (shipped)", "sdpa opset 18"
+
+    def variant(rate, over, wins):
+        return {
+            "images_per_s": summarize([rate]),
+            "over_shipped": summarize([over]),
+            "wins_over_shipped": wins,
+            "repeats": 3,
+            "max_abs_diff_vs_shipped": 0.0,
+        }
+
+    exports = {
+        "shipped": shipped,
+        "nodes": {shipped: 199, other: 253},
+        "batches": {"32": {shipped: variant(1300, 1.0, 0), other: variant(1200, 0.92, 1)}},
+    }
+    text = "\n".join(engine_section({"classifier_exports": exports}))
+    assert "### How the classifier graph is exported" in text
+    assert f"| 32 | {shipped} | 199 | 1,300 | 1 | - |" in text
+    assert f"| 32 | {other} | 253 | 1,200 | 0.920 | 1 of 3 |" in text

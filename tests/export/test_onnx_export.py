@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,20 @@ def test_verification_figures_are_within_tolerance(exported):
         assert row["logits_max_abs_diff"] <= 1e-4
         assert row["attention_max_abs_diff"] <= 1e-4
         assert row["argmax_mismatches"] == 0
+
+
+def test_the_classifier_is_the_attention_graph_without_its_maps(exported):
+    """model.onnx comes from the explicit softmax path (measured faster in onnxruntime than the
+    exporter's spelling of scaled_dot_product_attention), so it holds no operator that the attention
+    graph does not."""
+    repo, _ = exported
+    version = repo / "tiny" / "3"
+    classifier, attention = (
+        Counter(node.op_type for node in onnx.load(str(version / name)).graph.node)
+        for name in ("model.onnx", "attention.onnx")
+    )
+    assert classifier["Softmax"] == attention["Softmax"] > 0
+    assert not classifier - attention, f"only in model.onnx: {dict(classifier - attention)}"
 
 
 def test_graphs_have_a_dynamic_batch_axis_and_match_pytorch(exported, tiny_run):
