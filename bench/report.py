@@ -358,8 +358,8 @@ def engine_section(engine: dict) -> list[str]:
         out += [
             "### The classifier graph vs the attention graph (shipped model, onnxruntime)",
             "",
-            "`model.onnx` is what `/predict` runs (fused attention, logits only); `attention.onnx` "
-            "has the same weights and also outputs every layer's attention probabilities. Ratio: "
+            "`model.onnx` is what `/predict` runs (logits only); `attention.onnx` is the same graph "
+            "with a second output, every layer's attention probabilities. Ratio: "
             "model.onnx / attention.onnx images/s within each interleaved repeat, median (min-max); "
             "the medians of the two columns need not give the same ratio on a noisy machine, so "
             "the last column counts the repeats model.onnx won.",

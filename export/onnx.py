@@ -8,8 +8,9 @@ Writes (Triton layout, see docs/model-repository.md)::
     <repo>/<name>/<version>/model.onnx       classifier (logits only)
     <repo>/<name>/<version>/attention.onnx   same weights, logits + every layer's attention maps
 
-Two graphs rather than one graph with two outputs, so that ``/predict`` never copies out attention
-maps it does not return (BENCHMARKS.md has the measurement). Nothing is written unless both graphs
+Two graphs rather than one graph with two outputs, so that ``/predict`` never assembles and copies
+out attention maps it does not return (about 230 KiB an image; on the CPU the difference is within
+the machine's noise, BENCHMARKS.md, and on a GPU the maps would cross to the host). Nothing is written unless both graphs
 pass the ONNX checker and match PyTorch on real images at batch sizes 1, 7 and 64; the classifier is
 checked against PyTorch's fused forward pass, the attention graph against the explicit one.
 """
@@ -118,10 +119,12 @@ def classifier_graph(model: VisionTransformer) -> onnx.ModelProto:
     """``model.onnx``: logits only, exported from the explicit softmax path.
 
     At opset 18 the exporter spells ``scaled_dot_product_attention`` as the same MatMul-Softmax-MatMul
-    plus extra Slice/Reshape/Shape/Concat nodes, and onnxruntime ran that classifier slower than the
-    explicit one (``python -m bench.engine``, BENCHMARKS.md). Opset 23's ``Attention`` op was faster
-    still on the CPU but is not taken: onnxruntime's CUDA kernel for it is recent, it could not be
-    checked on a GPU here, and older Triton servers cannot load opset 23.
+    plus extra Slice/Reshape/Shape/Concat nodes (253 nodes against 199 for the shipped model), and
+    onnxruntime ran that classifier at 0.92-0.97x of the explicit one at batch 1, 32 and 64 over 31
+    interleaved pairs (``python -m bench.engine --skip-large --repeats 31``; BENCHMARKS.md has a
+    15-pair run). Opset 23's ``Attention`` op was faster on the CPU (1.02-1.10x) but is not taken:
+    onnxruntime's CUDA kernel for it is recent, it could not be checked on a GPU here, and Triton
+    servers with an older onnxruntime cannot load opset 23.
     """
     model.eval().set_fused_attention(False)
     try:
