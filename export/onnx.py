@@ -10,9 +10,10 @@ Writes (Triton layout, see docs/model-repository.md)::
 
 Two graphs rather than one graph with two outputs, so that ``/predict`` never assembles and copies
 out attention maps it does not return (about 230 KiB an image; on the CPU the difference is within
-the machine's noise, BENCHMARKS.md, and on a GPU the maps would cross to the host). Nothing is written unless both graphs
-pass the ONNX checker and match PyTorch on real images at batch sizes 1, 7 and 64; the classifier is
-checked against PyTorch's fused forward pass, the attention graph against the explicit one.
+the machine's noise, BENCHMARKS.md, and on a GPU the maps would cross to the host). Nothing is
+written unless both graphs pass the ONNX checker and match PyTorch on real images at batch sizes 1,
+7 and 64; the classifier is checked against PyTorch's fused forward pass, the attention graph
+against the explicit one.
 """
 
 from __future__ import annotations
