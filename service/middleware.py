@@ -14,7 +14,7 @@ import uuid
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import PayloadTooLarge, error_body
+from service.errors import PayloadTooLarge, error_body, is_protocol_path
 from service.metrics import Metrics
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -94,10 +94,9 @@ class RequestContextMiddleware:
 
     async def _reject_too_large(self, send: Send, request_id: str, length: int, path: str) -> None:
         message = f"{_too_large(self.max_body_bytes)} (Content-Length: {length})"
-        # The Open Inference Protocol's error body is {"error": "<message>"}.
         error = (
             {"error": message}
-            if path == "/v2" or path.startswith("/v2/")
+            if is_protocol_path(path)
             else error_body("payload_too_large", message, request_id, "body")
         )
         body = json.dumps(error).encode()

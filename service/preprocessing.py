@@ -321,7 +321,9 @@ class Preprocessor:
     def from_bytes(self, data: bytes, field: str, invert: Invert = "auto") -> Prepared:
         draft = max(self.height, self.width)
         image = decode_image(data, field, self.max_pixels, draft)
-        image = shrink(image, self.height, self.width)
+        return self.from_image(shrink(image, self.height, self.width), invert)
+
+    def from_image(self, image: Image.Image, invert: Invert = "auto") -> Prepared:
         return self.from_array(image_to_array(image), invert)
 
     def from_pixels(self, pixels: Any, field: str, invert: Invert = "auto") -> Prepared:
