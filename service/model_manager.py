@@ -162,7 +162,13 @@ class ModelManager:
     # --- lookup -----------------------------------------------------------------------------------
 
     def model(self, name: str | None) -> ManagedModel:
-        name = name or self.default_name or ""
+        if self.default_name is None:
+            raise ServiceUnavailable(
+                "the models are not loaded yet; retry shortly",
+                code="not_ready",
+                retry_after_s=self.settings.retry_after_s,
+            )
+        name = name or self.default_name
         model = self.models.get(name)
         if model is None:
             served = ", ".join(sorted(self.models)) or "none"
@@ -253,7 +259,8 @@ class ModelManager:
             model = self.models[name] = ManagedModel(name, serving, config_signature)
         config_changed = model.config_signature != config_signature
         model.serving, model.config_signature = serving, config_signature
-        wanted = select_versions(serving.version_policy, version_numbers(self.repository / name))
+        available = version_numbers(self.repository / name)
+        wanted = select_versions(serving.version_policy, available)
         for version in wanted:
             files, problem = None, ""
             try:
@@ -272,8 +279,19 @@ class ModelManager:
                 self._record_failure(model, version, status, signature, problem)
             else:
                 await self._load_version(model, version, files, signature)
-        for version in [v for v in model.versions if v not in wanted]:
-            self._retire(model, version, "removed from the repository or the version policy")
+        for version, status in list(model.versions.items()):
+            if version not in wanted and status.pipeline is not None:
+                self._retire(model, version, "removed from the repository or the version policy")
+            elif version not in wanted and version not in available:
+                del model.versions[version]
+        if serving.version_policy[0] == "specific":
+            for version in sorted(set(serving.version_policy[1]) - set(available)):
+                model.versions[version] = VersionStatus(
+                    version,
+                    "UNAVAILABLE",
+                    f"version {version} of model {name!r} not found in {self.repository / name}; "
+                    f"available: {', '.join(map(str, available)) or 'none'}",
+                )
 
     async def _load_version(
         self, model: ManagedModel, version: int, files: VersionFiles, signature: Signature

@@ -141,7 +141,7 @@ class ModelPipeline:
         }
         self.classifier = DynamicBatcher(
             "classifier",
-            [runtime.classify_with(session) for session in runtime.classifiers],
+            [runtime.classify_with(i) for i in range(len(runtime.classifiers))],
             max_batch_size=serving.max_batch_size,
             preferred_batch_sizes=serving.preferred_batch_sizes,
             **common,

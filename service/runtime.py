@@ -191,13 +191,15 @@ class Runtime:
         spec = self.metadata.input
         return (spec.channels, spec.height, spec.width)
 
-    def classify_with(
-        self, session: ort.InferenceSession
-    ) -> Callable[[np.ndarray], tuple[np.ndarray]]:
-        """A batch runner on one instance's session: logits ``[batch, classes]``."""
+    def classify(self, images: np.ndarray, instance: int = 0) -> np.ndarray:
+        """Logits ``[batch, classes]`` from one instance's session."""
         meta = self.metadata
-        outputs, name = [meta.outputs.logits], meta.input.name
-        return lambda images: tuple(session.run(outputs, {name: images}))
+        (logits,) = self.classifiers[instance].run([meta.outputs.logits], {meta.input.name: images})
+        return logits
+
+    def classify_with(self, instance: int) -> Callable[[np.ndarray], tuple[np.ndarray]]:
+        """The batch runner of one instance, for the batcher."""
+        return lambda images: (self.classify(images, instance),)
 
     def attend(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Logits and attention ``[batch, layers, heads, tokens, tokens]``."""
@@ -218,10 +220,9 @@ class Runtime:
             (max(max_batch_size, attention_max_batch_size), *self.input_shape), dtype=np.float32
         )
         try:
-            for session in self.classifiers:
-                run = self.classify_with(session)
+            for instance, session in enumerate(self.classifiers):
                 for size in warm_up_sizes(max_batch_size, session):
-                    (logits,) = run(images[:size])
+                    logits = self.classify(images[:size], instance)
                     if logits.shape != (size, meta.num_classes):
                         raise ModelLoadError(
                             f"{self.files.classifier_path}: batch of {size} gave logits "
@@ -237,7 +238,7 @@ class Runtime:
                             f"{logits.shape} and attention {attention.shape}, expected "
                             f"{(size, meta.num_classes)} and {(size, *expected)}"
                         )
-                reference = self.classify_with(self.classifiers[0])(images[:1])[0]
+                reference = self.classify(images[:1])
                 difference = float(np.max(np.abs(reference - self.attend(images[:1])[0])))
                 if difference > 1e-3 * max(1.0, float(np.max(np.abs(reference)))):
                     logger.warning(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -230,6 +230,15 @@ class Settings(BaseSettings):
         gt=0.0,
         description="Longest wait for queued and running requests on SIGTERM before they are cancelled.",
     )
+
+    @model_validator(mode="after")
+    def _queue_holds_a_request(self) -> Settings:
+        if self.max_queue_size is not None and self.max_queue_size < self.max_images_per_request:
+            raise ValueError(
+                f"max_queue_size ({self.max_queue_size}) must be at least max_images_per_request "
+                f"({self.max_images_per_request}), or a full-sized request could never be queued"
+            )
+        return self
 
     @field_validator("api_key", mode="before")
     @classmethod

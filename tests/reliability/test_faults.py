@@ -95,8 +95,8 @@ def faulty_client(model_repository: Path, monkeypatch: pytest.MonkeyPatch, **set
         raise_server_exceptions=False,
     )
     client.__enter__()
-    runtime = client.app.state.service.runtime
-    monkeypatch.setattr(runtime, "classifier", FailingSession(runtime.classifier))
+    runtime = client.app.state.service.manager.resolve().runtime
+    monkeypatch.setitem(runtime.classifiers, 0, FailingSession(runtime.classifiers[0]))
     monkeypatch.setattr(runtime, "attention", FailingSession(runtime.attention))
     return client
 

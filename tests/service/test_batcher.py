@@ -40,7 +40,7 @@ def batcher(model: Model, **options) -> DynamicBatcher:
         "max_queue_size": 64,
         "timeout_s": 10.0,
         "retry_after_s": 2,
-        "metrics": Metrics(8),
+        "metrics": Metrics(),
     }
     values.update(options)
     return DynamicBatcher("test", model, **values)
@@ -129,7 +129,7 @@ def test_full_queue_rejects_at_once_with_retry_after():
     assert waited < 0.5  # the model holds its batch for up to 10 s
     assert [len(answer) for answer in answers] == [2, 4]  # the admitted requests were still served
     text = b._metrics.registry.get_sample_value(
-        "vitserve_rejected_requests_total", {"graph": "test", "reason": "queue_full"}
+        "vitserve_rejected_requests_total", {"model": "", "graph": "test", "reason": "queue_full"}
     )
     assert text == 1.0
 
@@ -170,7 +170,7 @@ def test_a_failing_batch_fails_only_its_own_requests():
         isinstance(bad, InferenceFailed) and bad.status_code == 500 and "ValueError" in bad.message
     )
     failures = b._metrics.registry.get_sample_value(
-        "vitserve_inference_failures_total", {"graph": "test"}
+        "vitserve_inference_failures_total", {"model": "", "graph": "test"}
     )
     assert failures == 1.0
 
@@ -197,29 +197,26 @@ def test_stop_drains_the_queue_then_refuses_work():
 
 def test_a_full_queue_refuses_before_decoding(client, monkeypatch, fashion_images):
     """An overloaded service must not spend CPU decoding images it cannot queue."""
-    state = client.app.state.service
+    pipeline = client.app.state.service.manager.resolve()
     decoded = []
-    real_from_bytes = state.preprocessor.from_bytes
-    monkeypatch.setattr(
-        state.preprocessor,
-        "from_bytes",
-        lambda *args, **kwargs: decoded.append(1) or real_from_bytes(*args, **kwargs),
-    )
+    real_from_image = pipeline.preprocessor.from_image
+
+    def counting(*args, **kwargs):
+        decoded.append(1)
+        return real_from_image(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline.preprocessor, "from_image", counting)
     files = [("files", (f"{i}.png", encode(fashion_images[i]), "image/png")) for i in range(2)]
     for batcher, route, payload in (
-        (state.classifier, "/predict", {"files": files}),
-        (state.attention, "/attention", {"files": {"file": files[0][1]}}),
+        (pipeline.classifier, "/predict", {"files": files}),
+        (pipeline.attention, "/attention", {"files": {"file": files[0][1]}}),
     ):
         monkeypatch.setattr(batcher, "max_queue_size", 0)
         response = client.post(route, **payload)
         assert_error(response, 503, "queue is full", "max_queue_size=0")
         assert decoded == []
         monkeypatch.undo()
-        monkeypatch.setattr(
-            state.preprocessor,
-            "from_bytes",
-            lambda *args, **kwargs: decoded.append(1) or real_from_bytes(*args, **kwargs),
-        )
+        monkeypatch.setattr(pipeline.preprocessor, "from_image", counting)
     assert client.post("/predict", files=files).status_code == 200
     assert len(decoded) == 2
 
@@ -228,13 +225,13 @@ def test_decoding_runs_at_most_max_concurrent_decodes_at_once(client, monkeypatc
     """Large images cost memory while they decode: the service bounds how many decode at once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    state = client.app.state.service
-    limit = state.settings.max_concurrent_decodes
+    pipeline = client.app.state.service.manager.resolve()
+    limit = pipeline.settings.max_concurrent_decodes
     running, peak = 0, 0
     lock = threading.Lock()
-    real_from_bytes = state.preprocessor.from_bytes
+    real_from_image = pipeline.preprocessor.from_image
 
-    def slow_from_bytes(*args, **kwargs):
+    def slow_from_image(*args, **kwargs):
         nonlocal running, peak
         with lock:
             running += 1
@@ -242,9 +239,9 @@ def test_decoding_runs_at_most_max_concurrent_decodes_at_once(client, monkeypatc
         time.sleep(0.05)
         with lock:
             running -= 1
-        return real_from_bytes(*args, **kwargs)
+        return real_from_image(*args, **kwargs)
 
-    monkeypatch.setattr(state.preprocessor, "from_bytes", slow_from_bytes)
+    monkeypatch.setattr(pipeline.preprocessor, "from_image", slow_from_image)
     png = encode(fashion_images[0])
     with ThreadPoolExecutor(max_workers=3 * limit) as pool:
         responses = list(
