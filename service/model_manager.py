@@ -243,9 +243,11 @@ class ModelManager:
             )
         return serving
 
-    async def _sync_model(self, name: str, initial: bool = False) -> None:
+    async def _sync_model(self, name: str, initial: bool = False) -> list[str]:
         """Bring one model in line with the repository: load what its policy wants and is new or
-        changed, release what it no longer wants. Call with the lock held."""
+        changed, release what it no longer wants; the reasons of the loads that failed. Call with
+        the lock held."""
+        failures: list[str] = []
         model = self.models.get(name)
         config_signature = _signature(self.repository / name / CONFIG_FILE)
         try:
@@ -254,36 +256,41 @@ class ModelManager:
             self._failed(name, None, str(error))
             if model is None:
                 self.models[name] = ManagedModel(name, ServingConfig())
-            return
+            return [str(error)]
         if model is None:
             model = self.models[name] = ManagedModel(name, serving, config_signature)
         config_changed = model.config_signature != config_signature
         model.serving, model.config_signature = serving, config_signature
         available = version_numbers(self.repository / name)
         wanted = select_versions(serving.version_policy, available)
+        scanned = {version: self._scan(name, version, initial) for version in available}
         for version in wanted:
-            files, problem = None, ""
-            try:
-                files = version_files(self.repository, name, version)
-                signature = files.signature()
-            except (ModelLoadError, OSError) as error:
-                signature, problem = ("unreadable", str(error)), str(error)
+            files, signature, problem, settled = scanned[version]
             status = model.versions.get(version)
             if status is not None and status.signature == signature and not config_changed:
                 continue
-            if not initial and self._seen.get((name, version)) != signature:
-                self._seen[(name, version)] = signature  # load once it is the same on the next scan
+            if not settled:
                 continue
-            self._seen.pop((name, version), None)
             if files is None:
                 self._record_failure(model, version, status, signature, problem)
-            else:
-                await self._load_version(model, version, files, signature)
+                failures.append(problem)
+            elif (
+                failure := await self._load_version(model, version, files, signature)
+            ) is not None:
+                failures.append(failure)
+        # what is served now keeps serving until a version the policy wants is ready to replace it
+        replaced = not wanted or any(
+            model.versions.get(v) is not None and model.versions[v].state == "READY" for v in wanted
+        )
         for version, status in list(model.versions.items()):
-            if version not in wanted and status.pipeline is not None:
+            if version in wanted:
+                continue
+            if status.pipeline is not None and replaced:
                 self._retire(model, version, "removed from the repository or the version policy")
-            elif version not in wanted and version not in available:
+            elif status.pipeline is None:
                 del model.versions[version]
+        for key in [k for k in self._seen if k[0] == name and k[1] not in available]:
+            del self._seen[key]
         if serving.version_policy[0] == "specific":
             for version in sorted(set(serving.version_policy[1]) - set(available)):
                 model.versions[version] = VersionStatus(
@@ -292,10 +299,28 @@ class ModelManager:
                     f"version {version} of model {name!r} not found in {self.repository / name}; "
                     f"available: {', '.join(map(str, available)) or 'none'}",
                 )
+        return failures
+
+    def _scan(
+        self, name: str, version: int, initial: bool
+    ) -> tuple[VersionFiles | None, Signature, str, bool]:
+        """The files of a version, their signature, why they cannot be read, and whether they have
+        settled: looked the same on the previous scan (a directory still being copied in changes
+        between scans; an atomic rename never does)."""
+        files, problem = None, ""
+        try:
+            files = version_files(self.repository, name, version)
+            signature: Signature = files.signature()
+        except (ModelLoadError, OSError) as error:
+            signature, problem = ("unreadable", str(error)), str(error)
+        settled = initial or self._seen.get((name, version)) == signature
+        self._seen[(name, version)] = signature
+        return files, signature, problem, settled
 
     async def _load_version(
         self, model: ManagedModel, version: int, files: VersionFiles, signature: Signature
-    ) -> None:
+    ) -> str | None:
+        """Load one version and route to it; the reason when it fails (what was served stays)."""
         previous = model.versions.get(version)
         if previous is None:
             model.versions[version] = VersionStatus(version, "LOADING", signature=signature)
@@ -303,7 +328,7 @@ class ModelManager:
             runtime = await asyncio.to_thread(Runtime.load, files, self.settings, model.serving)
         except ModelLoadError as error:
             self._record_failure(model, version, previous, signature, str(error))
-            return
+            return str(error)
         pipeline = ModelPipeline(
             model.name, runtime, model.serving, self.settings, self.metrics, self.gate
         )
@@ -331,6 +356,7 @@ class ModelManager:
         )
         if old is not None:
             self._release(old)
+        return None
 
     def _record_failure(
         self,
@@ -403,11 +429,12 @@ class ModelManager:
             model = self.models.get(name)
             if model is not None:
                 model.config_signature = ()  # an explicit load re-reads everything
-            await self._sync_model(name, initial=True)
+            failures = await self._sync_model(name, initial=True)
             model = self.models[name]
-        if not model.ready_versions():
-            reasons = "; ".join(f"version {s.version}: {s.reason}" for s in model.versions.values())
-            raise ModelLoadError(f"model {name!r}: no version loaded ({reasons or 'no versions'})")
+        if failures or not model.ready_versions():
+            kept = model.ready_versions()
+            still = f"; still serving version(s) {kept}" if kept else ""
+            raise ModelLoadError(f"{'; '.join(failures) or 'no version directory'}{still}")
 
     async def unload(self, name: str) -> None:
         """Explicit control: stop routing to every version of a model and release them once drained."""

@@ -96,7 +96,7 @@ def faulty_client(model_repository: Path, monkeypatch: pytest.MonkeyPatch, **set
     )
     client.__enter__()
     runtime = client.app.state.service.manager.resolve().runtime
-    monkeypatch.setitem(runtime.classifiers, 0, FailingSession(runtime.classifiers[0]))
+    monkeypatch.setattr(runtime, "classifiers", [FailingSession(s) for s in runtime.classifiers])
     monkeypatch.setattr(runtime, "attention", FailingSession(runtime.attention))
     return client
 
