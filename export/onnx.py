@@ -22,9 +22,7 @@ import argparse
 import datetime as dt
 import json
 import logging
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,13 +34,13 @@ import torch
 from export.checkpoint import CheckpointError, file_sha256, load_checkpoint, resolve_checkpoint
 from export.data import DatasetError, DatasetSpec, get_dataset_spec, load_dataset, normalize
 from export.model import VisionTransformer, WithAttention
+from export.repository import write_entry
 
 OPSET = 18
 METADATA_KEY = "vitserve"
 VERIFY_BATCH_SIZES = (1, 7, 64)
 LOGITS_TOLERANCE = 1e-4
 ATTENTION_TOLERANCE = 1e-4
-TRITON_MAX_BATCH_SIZE = 64
 
 
 class VerificationError(RuntimeError):
@@ -283,67 +281,6 @@ def with_metadata(model: onnx.ModelProto, document: dict) -> onnx.ModelProto:
     onnx.helper.set_model_props(model, {METADATA_KEY: json.dumps(document, sort_keys=True)})
     model.producer_name = "vitserve-export"
     return model
-
-
-def triton_config(name: str, model: VisionTransformer, max_queue_delay_us: int = 2000) -> str:
-    c = model.config
-    return f"""name: "{name}"
-platform: "onnxruntime_onnx"
-max_batch_size: {TRITON_MAX_BATCH_SIZE}
-input [
-  {{
-    name: "images"
-    data_type: TYPE_FP32
-    dims: [ {c.in_channels}, {c.image_height}, {c.image_width} ]
-  }}
-]
-output [
-  {{
-    name: "logits"
-    data_type: TYPE_FP32
-    dims: [ {c.num_classes} ]
-    label_filename: "labels.txt"
-  }}
-]
-dynamic_batching {{
-  max_queue_delay_microseconds: {max_queue_delay_us}
-}}
-version_policy: {{ latest: {{ num_versions: 1 }} }}
-instance_group [ {{ kind: KIND_AUTO, count: 1 }} ]
-"""
-
-
-def write_entry(
-    repo: Path,
-    name: str,
-    version: int,
-    graphs: Graphs,
-    model: VisionTransformer,
-    labels: list[str],
-    overwrite: bool,
-) -> Path:
-    """Write into a temporary directory first and move into place, so a failure leaves nothing."""
-    entry = repo / name
-    version_dir = entry / str(version)
-    if version_dir.exists() and not overwrite:
-        raise FileExistsError(
-            f"{version_dir} already exists; pass --overwrite to replace it or choose another --version"
-        )
-    entry.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=entry))
-    try:
-        onnx.save_model(graphs.classifier, staging / "model.onnx")
-        onnx.save_model(graphs.attention, staging / "attention.onnx")
-        (entry / "config.pbtxt").write_text(triton_config(name, model))
-        (entry / "labels.txt").write_text("\n".join(labels) + "\n")
-        if version_dir.exists():
-            shutil.rmtree(version_dir)
-        # mkdtemp makes the directory private; the service may run as another user.
-        staging.chmod(0o755)
-        staging.rename(version_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return version_dir
 
 
 def export_model(
