@@ -4,9 +4,10 @@
 
 Writes (Triton layout, see docs/model-repository.md)::
 
-    <repo>/<name>/config.pbtxt, labels.txt
+    <repo>/<name>/config.pbtxt               serving settings (kept if present)
     <repo>/<name>/<version>/model.onnx       classifier (logits only)
     <repo>/<name>/<version>/attention.onnx   same weights, logits + every layer's attention maps
+    <repo>/<name>/<version>/labels.txt       one class label per line
 
 Two graphs rather than one graph with two outputs, so that ``/predict`` never assembles and copies
 out attention maps it does not return (about 230 KiB an image; on the CPU the difference is within
@@ -34,7 +35,7 @@ import torch
 from export.checkpoint import CheckpointError, file_sha256, load_checkpoint, resolve_checkpoint
 from export.data import DatasetError, DatasetSpec, get_dataset_spec, load_dataset, normalize
 from export.model import VisionTransformer, WithAttention
-from export.repository import write_entry
+from export.repository import RepositoryError, write_version
 
 OPSET = 18
 METADATA_KEY = "vitserve"
@@ -321,7 +322,10 @@ def export_model(
             sha,
         )
         with_metadata(proto, document)
-    written = write_entry(Path(repo), name, version, graphs, model, labels, overwrite)
+    c = model.config
+    files = {"model.onnx": graphs.classifier, "attention.onnx": graphs.attention}
+    dims = (c.in_channels, c.image_height, c.image_width)
+    written = write_version(Path(repo), name, version, files, labels, dims, overwrite)
     return {"path": str(written), "test_accuracy": accuracy, "verification": figures}
 
 
@@ -353,7 +357,13 @@ def main(argv: list[str] | None = None) -> int:
             args.overwrite,
             measure=not args.skip_accuracy,
         )
-    except (VerificationError, CheckpointError, DatasetError, FileExistsError) as error:
+    except (
+        VerificationError,
+        CheckpointError,
+        DatasetError,
+        FileExistsError,
+        RepositoryError,
+    ) as error:
         print(f"export failed, nothing written: {error}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2))

@@ -18,6 +18,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 ModelConfig = model_config_pb2.ModelConfig
+DataType = model_config_pb2.DataType
 CONFIG_FILE = "config.pbtxt"
 
 # ("latest", n) | ("specific", (v, ...)) | ("all",): Triton's three version policies.
