@@ -34,6 +34,7 @@ import torch
 
 from export.checkpoint import CheckpointError, file_sha256, load_checkpoint, resolve_checkpoint
 from export.data import DatasetError, DatasetSpec, get_dataset_spec, load_dataset, normalize
+from export.evaluate import dataset_logits, onnx_runner
 from export.model import VisionTransformer, WithAttention
 from export.repository import RepositoryError, write_version
 
@@ -204,12 +205,9 @@ def verify(model: VisionTransformer, graphs: Graphs, images: torch.Tensor) -> di
 
 
 def measure_accuracy(graph: onnx.ModelProto, images: torch.Tensor, labels: torch.Tensor) -> float:
-    session = session_for(graph)
-    correct = 0
-    for start in range(0, len(images), 500):
-        (logits,) = session.run(["logits"], {"images": images[start : start + 500].numpy()})
-        correct += int((logits.argmax(1) == labels[start : start + 500].numpy()).sum())
-    return correct / len(images)
+    """Accuracy of ``graph`` on ``images``, already normalised."""
+    logits = dataset_logits(onnx_runner(session_for(graph)), images.numpy(), lambda x: x, 500)
+    return float((logits.argmax(1) == labels.numpy()).mean())
 
 
 def tool_versions() -> dict:
