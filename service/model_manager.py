@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -24,6 +24,7 @@ from service.errors import NotFound, ServiceUnavailable
 from service.metrics import Metrics
 from service.model_config import (
     ModelConfig,
+    ModelConfigError,
     ServingConfig,
     read_model_config,
     select_versions,
@@ -59,7 +60,7 @@ class VersionStatus:
 @dataclass
 class ManagedModel:
     name: str
-    serving: ServingConfig
+    serving: ServingConfig | None
     config_signature: Signature = ()
     versions: dict[int, VersionStatus] = field(default_factory=dict)
     unloaded: bool = False
@@ -72,6 +73,17 @@ class ManagedModel:
         if version is None:
             return self.versions[ready[-1]].pipeline if ready else None
         return self.versions[version].pipeline if version in ready else None
+
+
+DEFAULT_MAX_QUEUE_SIZE = 512
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+
+
+def _default_config(name: str) -> ModelConfig:
+    """Serving settings of a model whose directory has no config.pbtxt."""
+    config = ModelConfig(name=name, max_batch_size=32)
+    config.dynamic_batching.max_queue_delay_microseconds = 2000
+    return config
 
 
 def _signature(path: Path) -> Signature:
@@ -227,14 +239,23 @@ class ModelManager:
     # --- loading ----------------------------------------------------------------------------------
 
     def _serving(self, name: str) -> ServingConfig:
-        overrides = self.settings.batching_overrides()
+        """The model's config.pbtxt with the environment's overrides; a model without the file gets
+        the defaults of DEFAULT_CONFIG. A queue without a size or timeout there gets the service's
+        bounds (an unbounded queue is not a setting this service offers)."""
         path = self.repository / name / CONFIG_FILE
-        config = read_model_config(path) if path.is_file() else ModelConfig()
-        serving = serving_config(config, overrides)
+        overrides: dict[str, object] = dict(self.settings.batching_overrides())
         if name == self.default_name and self.settings.model_version is not None:
-            serving = serving_config(
-                config, {**overrides, "version_policy": ("specific", [self.settings.model_version])}
-            )
+            overrides["version_policy"] = ("specific", (self.settings.model_version,))
+        try:
+            config = read_model_config(path) if path.is_file() else _default_config(name)
+            serving = serving_config(config, overrides)
+        except ModelConfigError as error:
+            raise ModelLoadError(str(error)) from error
+        serving = replace(
+            serving,
+            max_queue_size=serving.max_queue_size or DEFAULT_MAX_QUEUE_SIZE,
+            request_timeout_s=serving.request_timeout_s or DEFAULT_REQUEST_TIMEOUT_S,
+        )
         if serving.max_queue_size < self.settings.max_images_per_request:
             raise ModelLoadError(
                 f"{name}: max_queue_size ({serving.max_queue_size}) must be at least "
@@ -255,7 +276,7 @@ class ModelManager:
         except ModelLoadError as error:
             self._failed(name, None, str(error))
             if model is None:
-                self.models[name] = ManagedModel(name, ServingConfig())
+                self.models[name] = ManagedModel(name, serving=None)
             return [str(error)]
         if model is None:
             model = self.models[name] = ManagedModel(name, serving, config_signature)

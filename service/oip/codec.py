@@ -32,6 +32,7 @@ from service.errors import InvalidInput, validation_details, validation_message
 from service.model_repository import ModelMetadata
 from service.oip.schemas import HEADER_LENGTH, PROBABILITIES, InferRequest
 from service.predictions import softmax
+from service.preprocessing import normalise
 
 INPUT_DATATYPES = ("FP32", "UINT8")
 _ITEMSIZE = {"FP32": 4, "UINT8": 1}
@@ -209,10 +210,7 @@ def decode_request(
         values = _from_json(flat, tensor.datatype, where)
     batch = values.reshape(shape[0], *model_dims)
     if tensor.datatype == "UINT8":
-        pre = meta.preprocessing
-        mean = np.asarray(pre.mean, dtype=np.float32).reshape(-1, 1, 1)
-        std = np.asarray(pre.std, dtype=np.float32).reshape(-1, 1, 1)
-        batch = (batch.astype(np.float32) * np.float32(pre.scale) - mean) / std
+        batch = normalise(batch, meta.preprocessing)
     batch = np.ascontiguousarray(batch, dtype=np.float32)
     return infer, Decoded(batch, _requested_outputs(infer, meta))
 

@@ -354,7 +354,7 @@ def test_the_shipped_model_is_in_the_build_context():
     model = ROOT / "models" / "fashion-mnist-vit"
     versions = [p for p in model.iterdir() if p.name.isdigit()]
     assert versions, "no shipped model version under models/fashion-mnist-vit/"
-    for path in (model / "labels.txt", *(v / "model.onnx" for v in versions)):
+    for path in (*(v / "labels.txt" for v in versions), *(v / "model.onnx" for v in versions)):
         assert path.exists()
         assert in_build_context(str(path.relative_to(ROOT)))
 

@@ -220,7 +220,7 @@ def test_no_requested_outputs_returns_every_output_in_binary(client, http, fashi
 
 def test_classification_extension_names_the_labels(client, model_repository, fashion_images):
     images = fashion_images[:4]
-    labels = (model_repository / MODEL_NAME / "labels.txt").read_text().splitlines()
+    labels = (model_repository / MODEL_NAME / "1" / "labels.txt").read_text().splitlines()
     plain = client.infer(MODEL_NAME, [fp32_input(images)], outputs=outputs()[:1])
     logits = plain.as_numpy("logits")
     result = client.infer(
