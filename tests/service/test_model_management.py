@@ -7,6 +7,7 @@ version in the answers), bounded generously, never a fixed sleep.
 
 from __future__ import annotations
 
+import re
 import shutil
 import threading
 import time
@@ -195,12 +196,9 @@ def test_load_and_unload_need_explicit_mode(client):
 
 def test_two_models_each_with_its_own_batcher(repository, fashion_images):
     shutil.copytree(repository / MODEL_NAME, repository / "second")
-    (repository / "second" / "config.pbtxt").write_text(
-        (repository / "second" / "config.pbtxt")
-        .read_text()
-        .replace(f'name: "{MODEL_NAME}"', 'name: "second"')
-        .replace("max_batch_size: 64", "max_batch_size: 3")
-    )
+    config = repository / "second" / "config.pbtxt"
+    text = re.sub(r"max_batch_size: \d+", "max_batch_size: 3", config.read_text())
+    config.write_text(text.replace(f'name: "{MODEL_NAME}"', 'name: "second"'))
     settings = make_settings(repository, max_batch_size=None)
     with TestClient(create_app(settings)) as client:
         models = {m["name"]: m for m in client.get("/models").json()["models"]}
