@@ -98,7 +98,6 @@ class ModelManager:
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.repository = Path(settings.model_repository)
         self.gate = DecodeGate(settings, metrics)
         self.models: dict[str, ManagedModel] = {}
         self.default_name: str | None = None
@@ -106,6 +105,10 @@ class ModelManager:
         self._lock = asyncio.Lock()
         self._poller: asyncio.Task | None = None
         self._retiring: set[asyncio.Task] = set()
+
+    @property
+    def repository(self) -> Path:
+        return Path(self.settings.model_repository)
 
     # --- start and stop ---------------------------------------------------------------------------
 
@@ -194,9 +197,9 @@ class ModelManager:
         if pipeline is not None:
             return pipeline
         if version is not None and version not in model.versions:
-            served = ", ".join(map(str, model.ready_versions())) or "none"
+            ready = ", ".join(f"version {v}" for v in model.ready_versions()) or "none"
             raise NotFound(
-                f"version {version} of model {model.name!r} is not served; ready versions: {served}",
+                f"unknown version '{version}' of model '{model.name}' (ready: {ready})",
                 field="version",
             )
         state = model.versions[version].state if version is not None else "UNAVAILABLE"

@@ -137,13 +137,13 @@ def test_unknown_model_and_version_are_404(client):
 
 
 def test_routes_outside_the_protocol_answer_in_its_error_shape(client, http):
-    """Triton-only routes (model config, repository index) and wrong methods: 404 and 405, as
+    """Triton-only routes (shared memory, trace settings) and wrong methods: 404 and 405, as
     {"error": "..."} that tritonclient reads as a message."""
     with pytest.raises(InferenceServerException) as error:
-        client.get_model_config(MODEL_NAME)
-    assert_oip_error(error, 404, f"/v2/models/{MODEL_NAME}/config is not served")
+        client.get_system_shared_memory_status()
+    assert_oip_error(error, 404, "/v2/systemsharedmemory/status is not served")
     with pytest.raises(InferenceServerException) as error:
-        client.get_model_repository_index()
+        client.get_trace_settings()
     assert_oip_error(error, 404, "is not served")
     wrong_method = http.get(f"/v2/models/{MODEL_NAME}/infer")
     assert wrong_method.status_code == 405

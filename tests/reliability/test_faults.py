@@ -240,7 +240,7 @@ BAD_MODELS = {
         "expected 'classifier'",
     ),
     "labels.txt disagrees": (
-        lambda v: (v.parent / "labels.txt").write_text("cat\ndog\n"),
+        lambda v: (v / "labels.txt").write_text("cat\ndog\n"),
         "labels.txt",
         "does not match",
     ),
