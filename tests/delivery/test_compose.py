@@ -141,6 +141,17 @@ def test_services_are_hardened(services, name):
 
 
 @pytest.mark.parametrize("name", SERVICES)
+def test_tmp_holds_a_spooled_upload_of_the_largest_body(services, name):
+    """Starlette spools uploaded files over 1 MiB to /tmp: one body of the limit must fit."""
+    settings = pytest.importorskip("service.settings")
+    limit = settings.Settings.model_fields["max_body_bytes"].default
+    (tmp,) = [mount for mount in services[name]["tmpfs"] if mount.split(":")[0] == "/tmp"]
+    size = re.search(r"size=(\d+)([kmg])", tmp)
+    assert size, tmp
+    assert int(size.group(1)) * 1024 ** " kmg".index(size.group(2)) >= limit
+
+
+@pytest.mark.parametrize("name", SERVICES)
 def test_stop_grace_period_outlasts_the_drain(services, name):
     settings = pytest.importorskip("service.settings")
     drain = settings.Settings.model_fields["graceful_shutdown_s"].default

@@ -193,6 +193,10 @@ def test_deployment_writes_only_to_tmp_and_reads_models_from_the_claim(variant):
     assert set(mounts) == {"/tmp", "/app/models"}
     tmp = volumes[mounts["/tmp"]["name"]]
     assert "emptyDir" in tmp and not mounts["/tmp"].get("readOnly", False)
+    # Starlette spools uploaded files over 1 MiB there: one body of the limit must fit.
+    settings = pytest.importorskip("service.settings")
+    limit = settings.Settings.model_fields["max_body_bytes"].default
+    assert quantity(tmp["emptyDir"]["sizeLimit"]) >= limit
     models = mounts["/app/models"]
     assert models["readOnly"] is True
     claim = volumes[models["name"]]["persistentVolumeClaim"]

@@ -10,13 +10,17 @@ tmpfs is mounted on a directory that ``TMPDIR`` names, the only writable place l
 through file modes. The mount is private to the server's namespace; nothing outside it changes.
 
 Before it starts the service, the script inside the namespace checks that a file cannot be
-created in the working tree, so the test cannot pass on a writable root by mistake.
+created in the working tree, so the test cannot pass on a writable root by mistake. Besides a JSON
+/predict, compared with onnxruntime, one multipart upload larger than 1 MiB is sent: Starlette
+spools such a part to a temporary file, the one write the service makes, which must land in the
+tmpfs.
 Skipped, with the reason, where the sandbox does not allow mount namespaces (not root, or
 ``unshare`` refused).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -25,9 +29,11 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import httpx
 import numpy as np
 import onnxruntime as ort
 import pytest
+from PIL import Image
 
 from bench import server_process
 from export.data import get_dataset_spec
@@ -48,7 +54,7 @@ if touch "$VITSERVE_TEST_TREE/.read-only-probe" 2>/dev/null; then
     echo "the working tree is writable: the read-only remount did not take" >&2
     exit 97
 fi
-mount -t tmpfs -o size=64m,mode=1777 vitserve-tmp "$TMPDIR"
+mount -t tmpfs -o size=256m,mode=1777 vitserve-tmp "$TMPDIR"
 exec "$VITSERVE_TEST_PYTHON" -m service
 """
 
@@ -131,6 +137,18 @@ def test_service_serves_from_a_read_only_root(tmp_path: Path) -> None:
         assert prediction["index"] == int(np.argmax(expected)), (prediction, expected)
         for entry in prediction["top_k"]:
             assert entry["score"] == pytest.approx(float(expected[entry["index"]]), abs=1e-4)
+
+        noise = np.random.default_rng(8).integers(0, 256, (1100, 1100), dtype=np.uint8)
+        png = io.BytesIO()
+        Image.fromarray(noise).save(png, format="PNG")
+        assert png.tell() > 1024 * 1024, "the part must be large enough to be spooled to disk"
+        upload = httpx.post(
+            url + "/predict",
+            files={"files": ("noise.png", png.getvalue(), "image/png")},
+            timeout=60,
+        )
+        assert upload.status_code == 200, upload.text
+        assert len(upload.json()["predictions"]) == 1
     finally:
         server_process.stop_process(process)
     assert not (ROOT / ".read-only-probe").exists()
