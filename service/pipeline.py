@@ -74,6 +74,42 @@ class DecodeGate:
             self._slots.release()
 
 
+# Requests whose images have at most this many pixels in all are decoded on the event loop: a thread
+# hop costs more than decoding a few thumbnails (BENCHMARKS.md), and such work cannot hold the loop long.
+INLINE_PIXELS = 64 * 64 * 4
+
+
+def declared_pixels(image: RawImage) -> int | None:
+    """The pixel count an image declares before any decoding: a pixel list's shape, or the header of
+    a PNG, GIF or BMP; None when it cannot be told cheaply (JPEG, WebP, malformed)."""
+    if image.data is None:
+        rows = image.pixels if isinstance(image.pixels, list) else []
+        first = rows[0] if rows and isinstance(rows[0], list) else []
+        if first and isinstance(first[0], list):  # C x H x W
+            return len(rows) * len(first) * len(first[0])
+        return len(rows) * len(first) if first else None
+    data = image.data
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) >= 24:
+        return int.from_bytes(data[16:20], "big") * int.from_bytes(data[20:24], "big")
+    if data[:3] == b"GIF" and len(data) >= 10:
+        return int.from_bytes(data[6:8], "little") * int.from_bytes(data[8:10], "little")
+    if data[:2] == b"BM" and len(data) >= 26:
+        width = int.from_bytes(data[18:22], "little", signed=True)
+        height = int.from_bytes(data[22:26], "little", signed=True)
+        return abs(width * height)
+    return None
+
+
+def decode_inline(images: list[RawImage]) -> bool:
+    total = 0
+    for image in images:
+        pixels = declared_pixels(image)
+        if pixels is None:
+            return False
+        total += pixels
+    return total <= INLINE_PIXELS
+
+
 async def client_gone(request: Request) -> None:
     """Returns when the client has disconnected (the body has been read before this is awaited)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -190,10 +226,16 @@ class ModelPipeline:
         admit: int,
         prepare: Callable[[], np.ndarray],
         request: Request,
+        inline: bool = False,
     ) -> list[tuple[np.ndarray, ...]]:
+        """Admit, prepare the rows (on the event loop when ``inline``, else in a thread under a
+        decode slot), queue them, and answer when they have run."""
         batcher.admit(admit)
-        async with self.gate.slot():
-            rows = await run_in_threadpool(prepare)
+        if inline:
+            rows = prepare()
+        else:
+            async with self.gate.slot():
+                rows = await run_in_threadpool(prepare)
         return await batcher.submit(rows, request_id_of(request), client_gone(request))
 
     async def classify(
@@ -206,7 +248,8 @@ class ModelPipeline:
             batch = prepare_batch(self.preprocessor, images, invert, budget)
             return np.stack([item.tensor for item in batch])
 
-        rows = await self._run(self.classifier, len(images), prepare, request)
+        inline = decode_inline(images)
+        rows = await self._run(self.classifier, len(images), prepare, request, inline)
         return [logits for (logits,) in rows]
 
     async def attend(

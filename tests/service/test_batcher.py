@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from service.batcher import DynamicBatcher
 from service.errors import InferenceFailed, ServiceUnavailable
@@ -242,7 +243,8 @@ def test_decoding_runs_at_most_max_concurrent_decodes_at_once(client, monkeypatc
         return real_from_image(*args, **kwargs)
 
     monkeypatch.setattr(pipeline.preprocessor, "from_image", slow_from_image)
-    png = encode(fashion_images[0])
+    # larger than the thumbnails that are decoded on the event loop (service.pipeline.INLINE_PIXELS)
+    png = encode(Image.fromarray(fashion_images[0]).resize((200, 200)))
     with ThreadPoolExecutor(max_workers=3 * limit) as pool:
         responses = list(
             pool.map(
@@ -261,3 +263,24 @@ def test_an_empty_api_key_is_refused_at_start():
 
     with pytest.raises(ValidationError, match="api_key is set but empty"):
         Settings(api_key="  ")
+
+
+def test_only_small_images_are_decoded_on_the_event_loop(fashion_images):
+    from service.inputs import RawImage
+    from service.pipeline import INLINE_PIXELS, declared_pixels, decode_inline
+
+    thumbnail = Image.fromarray(fashion_images[0])
+    side = int(INLINE_PIXELS**0.5)
+    for image_format in ("PNG", "GIF", "BMP"):
+        for size in ((28, 28), (side + 1, side)):
+            data = encode(thumbnail.resize(size), image_format)
+            assert declared_pixels(RawImage("f", data=data)) == size[0] * size[1]
+    jpeg = RawImage("f", data=encode(thumbnail, "JPEG"))
+    assert declared_pixels(jpeg) is None  # unknown without parsing: decoded in a thread
+    small = RawImage("f", data=encode(thumbnail))
+    large = RawImage("f", data=encode(thumbnail.resize((side + 1, side))))
+    assert decode_inline([small, small]) and not decode_inline([large])
+    assert not decode_inline([small, jpeg])
+    assert not decode_inline([small] * (INLINE_PIXELS // 784 + 1))  # the request's total counts
+    assert declared_pixels(RawImage("f", pixels=[[0] * 5] * 3)) == 15
+    assert declared_pixels(RawImage("f", pixels=[[[0] * 5] * 3] * 3)) == 45
