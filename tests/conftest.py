@@ -23,6 +23,16 @@ from tests.support import MODEL_NAME, TINY, Reference, make_settings
 
 torch.set_num_threads(1)  # a training run may hold the other cores
 
+# pyproject's per-test timeout (120 s) fails a hang fast; a test marked slow (training runs, real
+# servers under load) gets this instead, unless it sets its own with @pytest.mark.timeout.
+SLOW_TIMEOUT_S = 600
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _clean_environment() -> Iterator[None]:
