@@ -40,7 +40,7 @@ DATASET_DIR := /usr/share/datasets/fashion-mnist
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: help serve test lint format hadolint compose-check k8s-check pytest dataset chromium train \
-	export bench docker-build clean
+	export bench mutation docker-build clean
 
 help: ## List the targets.
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -120,11 +120,22 @@ bench: $(TEST_STAMP) ## Run the benchmarks (results: BENCHMARKS.md).
 	@test -d bench || { echo "no bench/ directory yet" >&2; exit 1; }
 	$(VPY) -m bench
 
+# make mutation: every mutant of the core modules ([tool.mutmut] in pyproject.toml), or those whose
+# name matches MUTATE (e.g. MUTATE='service.security*'); niced, and stopped after MUTATION_LIMIT.
+MUTATE ?=
+MUTATION_LIMIT ?= 2h
+MUTATION_CHILDREN ?= 2
+mutation: $(TEST_STAMP) dataset ## Mutation testing of the core modules (docs/testing.md); not in `make test`.
+	rm -rf mutants
+	TESTS_MODEL_CACHE=$(CURDIR)/mutants/.model-cache timeout $(MUTATION_LIMIT) \
+		nice -n 10 $(BIN)/mutmut run --max-children $(MUTATION_CHILDREN) $(MUTATE)
+	$(BIN)/mutmut results
+
 docker-build: ## Build the three images (needs a Docker engine with BuildKit).
 	docker build --target service --build-arg VARIANT=cpu -t vitserve:cpu .
 	docker build --target service --build-arg VARIANT=gpu -t vitserve:gpu .
 	docker build --target export -t vitserve:export .
 
 clean: ## Remove the virtual environment, caches and test artifacts (never runs/ or models/).
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis test-artifacts
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis test-artifacts mutants
 	find . -path ./runs -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
