@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import compare, hey, inprocess, profile
+from bench import compare, hey, inprocess, profile, swap
 from bench.machine import busy_check, machine_rows
 from bench.server_process import REPO
 from bench.stats import table
@@ -41,7 +41,7 @@ PACKAGES = (
     "numpy",
     "pillow",
 )
-STEPS = ("model", "compare", "profile")
+STEPS = ("model", "compare", "profile", "swap")
 
 
 def _git() -> str:
@@ -76,6 +76,7 @@ def steps(args: argparse.Namespace, out: Path) -> dict[str, Callable[[], object]
             out, MODEL_DIR, compare.Plan.for_run(quick), dict(args.variant or [])
         ),
         "profile": lambda: profile.run(out, MODEL_DIR, 3.0 if quick else 20.0),
+        "swap": lambda: swap.run(out, MODEL_DIR, swap.Phases.for_run(quick)),
     }
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from bench import compare, profile
+from bench import compare, profile, swap
 from bench.comparison import Comparison, Point, Start
 from bench.stats import Spread
 
@@ -14,7 +14,7 @@ MODEL_DIR = Path("/repo/models/fashion-mnist-vit/1")
 
 
 def test_every_bench_uses_its_own_ports():
-    ranges = [compare.PORTS, profile.PORTS]
+    ranges = [compare.PORTS, profile.PORTS, swap.PORTS]
     assert all(r.start >= 18100 and r.stop <= 18200 for r in ranges)
     assert len({p for r in ranges for p in r}) == sum(len(r) for r in ranges)  # no overlap
 
