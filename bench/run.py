@@ -1,8 +1,9 @@
 """``python -m bench``: every benchmark in one run, then BENCHMARKS.md.
 
-    python -m bench            # the full run; writes BENCHMARKS.md
-    python -m bench --quick    # a smoke run of every code path (under 2 minutes); writes
-                               # bench/results/quick-*/BENCHMARKS.md unless --output says otherwise
+    python -m bench                 # the full run; writes BENCHMARKS.md
+    python -m bench --quick         # a smoke run of every code path (under 2 minutes)
+    python -m bench --only swap     # some steps
+A smoke run or some steps write bench/results/*/BENCHMARKS.md unless --output says otherwise.
 
 Steps, in this order: the model alone (bench/inprocess.py), vitserve against the plain servers with
 the in-process ceiling (bench/compare.py), where the service's core time goes (bench/profile.py), and
@@ -101,11 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     kind = "quick" if args.quick else "full"
     out = args.results_dir or REPO / "bench" / "results" / f"{kind}-{started:%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
-    output = args.output or (out / "BENCHMARKS.md" if args.quick else REPO / "BENCHMARKS.md")
+    wanted = [s.strip() for s in args.only.split(",") if s.strip()]
+    whole = not args.quick and set(wanted) >= set(STEPS)  # only a whole run replaces BENCHMARKS.md
+    output = args.output or (REPO / "BENCHMARKS.md" if whole else out / "BENCHMARKS.md")
     busy = busy_check(interval_s=2.0)
     if busy.busy:
         print(f"!!! the machine is busy: {busy.describe()}", flush=True)
-    wanted = [s.strip() for s in args.only.split(",") if s.strip()]
     sections, failures = [], {}
     for name, step in steps(args, out).items():
         if name not in wanted:

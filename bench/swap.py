@@ -1,4 +1,4 @@
-"""A live model update under load: ``python -m bench.swap``.
+"""A live model update under load.
 
 The model repository is copied to a temporary directory and the service started on it with
 ``VITSERVE_MODEL_CONTROL=poll`` and ``VITSERVE_REPOSITORY_POLL_S=0.5``. ``hey`` sends c=64 single-image
@@ -7,12 +7,11 @@ window, a copy of the newest version, staged on the same file system, is renamed
 ``<repository>/<model>/<version + 1>/``. Meanwhile a probe sends one request at a time and records the
 status and ``model.version`` of each answer. Reported: failed requests (non-200 answers and transport
 errors of the load and the probe; target 0), p99 of each window, and when the answers switched.
+Run alone: ``python -m bench --only swap``.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from bench import hey
 from bench.payloads import b64_pngs, predict_body
-from bench.server_process import REPO, running, service_env
+from bench.server_process import running, service_env
 from bench.stats import fmt, table
 
 PORTS = range(18150, 18160)
@@ -219,17 +218,3 @@ def run(out: Path, model_dir: Path, phases: Phases) -> Swap:
     )
     commands = [f"{shown} python -m service", hey.shown(load(phases.during_s)).replace(url, "URL")]
     return Swap(old, new, windows, analyse(probes, old, new), len(probes), commands)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.swap", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="short windows: a smoke run")
-    args = parser.parse_args(argv)
-    out = REPO / "bench" / "results" / f"swap-{dt.datetime.now():%Y%m%d-%H%M%S}"
-    result = run(out, REPO / "models" / "fashion-mnist-vit" / "1", Phases.for_run(args.quick))
-    print(result.markdown())
-    return 0 if result.passed else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -44,3 +44,14 @@ def test_document_has_each_section_each_failure_and_the_machine(tmp_path, monkey
     assert "**compare FAILED:** `RuntimeError: the server did not start`" in text
     assert "## Fine section" in text and "## Machine" in text and "| CPU |" in text
     assert "Written by `python -m bench --quick --output" in text
+
+
+def test_only_a_whole_full_run_replaces_benchmarks_md(tmp_path, monkeypatch):
+    monkeypatch.setattr(run, "steps", lambda args, out: {"model": Fine})
+    check = run.busy_check
+    monkeypatch.setattr(run, "busy_check", lambda interval_s: check(interval_s=0.05))
+    monkeypatch.setattr(run, "REPO", tmp_path / "repo")
+    (tmp_path / "repo").mkdir()
+    assert run.main(["--only", "model", "--results-dir", str(tmp_path / "raw")]) == 0
+    assert not (tmp_path / "repo" / "BENCHMARKS.md").exists()
+    assert "## Fine section" in (tmp_path / "raw" / "BENCHMARKS.md").read_text()
