@@ -10,6 +10,7 @@ VENV ?= .venv
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 # make train / make export
 PRESET ?= fashion-small
@@ -116,9 +117,13 @@ train: $(TEST_STAMP) dataset ## Train a ViT: PRESET=fashion-small RUN=runs/fashi
 export: $(TEST_STAMP) dataset ## Export RUN to ONNX as models/MODEL/VERSION.
 	$(VPY) -m export.onnx $(RUN) --name $(MODEL) --version $(VERSION) --repo $(REPO)
 
-bench: $(TEST_STAMP) ## Run the benchmarks (results: BENCHMARKS.md).
-	@test -d bench || { echo "no bench/ directory yet" >&2; exit 1; }
-	$(VPY) -m bench
+bench: $(TEST_STAMP) ## Run the benchmarks on a quiet machine (BENCH_ARGS=--quick: a smoke run); writes BENCHMARKS.md.
+	@if ! command -v hey >/dev/null; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$(SUDO) apt-get install -y --no-install-recommends hey \
+		|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends hey; }; \
+	fi
+	$(VPY) -m bench $(BENCH_ARGS)
 
 # make mutation: every mutant of the core modules ([tool.mutmut] in pyproject.toml), or those whose
 # name matches MUTATE (e.g. MUTATE='service.security*'); niced, and stopped after MUTATION_LIMIT.
