@@ -120,12 +120,10 @@ def classifier_graph(model: VisionTransformer) -> onnx.ModelProto:
     """``model.onnx``: logits only, exported from the explicit softmax path.
 
     At opset 18 the exporter spells ``scaled_dot_product_attention`` as the same MatMul-Softmax-MatMul
-    plus extra Slice/Reshape/Shape/Concat nodes (253 nodes against 199 for the shipped model), and
-    onnxruntime ran that classifier at 0.92-0.97x of the explicit one at batch 1, 32 and 64 over 31
-    interleaved pairs (``python -m bench.engine --skip-large --repeats 31``; BENCHMARKS.md has a
-    15-pair run). Opset 23's ``Attention`` op was faster on the CPU (1.02-1.10x) but is not taken:
-    onnxruntime's CUDA kernel for it is recent, it could not be checked on a GPU here, and Triton
-    servers with an older onnxruntime cannot load opset 23.
+    plus extra Slice/Reshape/Shape/Concat nodes, which onnxruntime ran slower on the CPU than the
+    explicit graph (measured when this was chosen; see the git history of BENCHMARKS.md). Opset 23's
+    ``Attention`` op is not taken: onnxruntime's CUDA kernel for it is recent, it could not be checked
+    on a GPU here, and Triton servers with an older onnxruntime cannot load opset 23.
     """
     model.eval().set_fused_attention(False)
     try:

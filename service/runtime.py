@@ -86,8 +86,8 @@ def warm_up_sizes(max_batch_size: int, session: ort.InferenceSession) -> list[in
     """Batch sizes to run once before serving.
 
     On CUDA every size: each new input shape costs a cuDNN/kernel set-up on its first run. On the CPU
-    a first run at a new size costs no more than any other run (bench/micro.py measured it), so the
-    smallest and largest sizes, which check the graph's batch axis, are enough and start-up is short.
+    onnxruntime has no per-shape set-up to hide, so the smallest and largest sizes, which check the
+    graph's batch axis, are enough and start-up stays short.
     """
     if session.get_providers()[0] == CUDA:
         return list(range(1, max_batch_size + 1))
