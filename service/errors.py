@@ -90,6 +90,12 @@ class InferenceFailed(ServiceError):
     code = "inference_failed"
 
 
+def printable(text: str) -> str:
+    """``text`` with anything UTF-8 cannot encode (a lone surrogate, which a client-chosen charset
+    can produce) written as a backslash escape: safe to put in a JSON answer or a log line."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def request_id_of(request: Request) -> str | None:
     return request.scope.get("state", {}).get("request_id")
 
@@ -99,8 +105,8 @@ def error_body(
 ) -> dict[str, Any]:
     error: dict[str, Any] = {
         "code": code,
-        "message": message,
-        "field": field,
+        "message": printable(message),
+        "field": None if field is None else printable(field),
         "request_id": request_id,
     }
     if details is not None:
@@ -143,7 +149,10 @@ def location(loc: Sequence[str | int]) -> str:
 
 
 def validation_details(errors: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    return [{"field": location(e.get("loc", ())), "message": e.get("msg", "")} for e in errors]
+    return [
+        {"field": printable(location(e.get("loc", ()))), "message": printable(e.get("msg", ""))}
+        for e in errors
+    ]
 
 
 def validation_message(details: Sequence[Mapping[str, Any]]) -> str:
