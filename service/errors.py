@@ -14,8 +14,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 logger = logging.getLogger("vitserve")
+# Set in a request's ASGI state by service/server.py when the body deadline cut the request off.
+CUT_OFF = "vitserve.cut_off"
 
 
 class ServiceError(Exception):
@@ -201,6 +204,17 @@ def install_error_handlers(app: FastAPI) -> None:
             message,
             headers=getattr(error, "headers", None),
         )
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, error: ClientDisconnect) -> JSONResponse:
+        # Nobody reads this answer; it is what the log and the metrics record. A body cut off by
+        # the server's body deadline (service/server.py marks it) is a 408, a client that hung up
+        # while sending is nginx's 499.
+        cut_off = request.scope.get("state", {}).get(CUT_OFF)
+        status, code = (408, "request_timeout") if cut_off else (499, "client_closed_request")
+        reason = f"past {cut_off}" if cut_off else "the client closed the connection"
+        logger.info("request %s: body not received (%s)", request_id_of(request), reason)
+        return error_response(request, status, code, f"the request body was not received: {reason}")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
