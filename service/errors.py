@@ -15,8 +15,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 logger = logging.getLogger("vitserve")
+# Set in a request's ASGI state by service/server.py when the body deadline cut the request off.
+CUT_OFF = "vitserve.cut_off"
 
 
 class ServiceError(Exception):
@@ -107,6 +110,12 @@ def is_protocol_path(path: str) -> bool:
     return path == PROTOCOL_PREFIX or path.startswith(PROTOCOL_PREFIX + "/")
 
 
+def printable(text: str) -> str:
+    """``text`` with anything UTF-8 cannot encode (a lone surrogate, which a client-chosen charset
+    can produce) written as a backslash escape: safe to put in a JSON answer or a log line."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def request_id_of(request: Request) -> str | None:
     return request.scope.get("state", {}).get("request_id")
 
@@ -116,8 +125,8 @@ def error_body(
 ) -> dict[str, Any]:
     error: dict[str, Any] = {
         "code": code,
-        "message": message,
-        "field": field,
+        "message": printable(message),
+        "field": None if field is None else printable(field),
         "request_id": request_id,
     }
     if details is not None:
@@ -164,7 +173,10 @@ def location(loc: Sequence[str | int]) -> str:
 
 
 def validation_details(errors: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    return [{"field": location(e.get("loc", ())), "message": e.get("msg", "")} for e in errors]
+    return [
+        {"field": printable(location(e.get("loc", ()))), "message": printable(e.get("msg", ""))}
+        for e in errors
+    ]
 
 
 def validation_message(details: Sequence[Mapping[str, Any]]) -> str:
@@ -213,6 +225,17 @@ def install_error_handlers(app: FastAPI) -> None:
             message,
             headers=getattr(error, "headers", None),
         )
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, error: ClientDisconnect) -> JSONResponse:
+        # Nobody reads this answer; it is what the log and the metrics record. A body cut off by
+        # the server's body deadline (service/server.py marks it) is a 408, a client that hung up
+        # while sending is nginx's 499.
+        cut_off = request.scope.get("state", {}).get(CUT_OFF)
+        status, code = (408, "request_timeout") if cut_off else (499, "client_closed_request")
+        reason = f"past {cut_off}" if cut_off else "the client closed the connection"
+        logger.info("request %s: body not received (%s)", request_id_of(request), reason)
+        return error_response(request, status, code, f"the request body was not received: {reason}")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:

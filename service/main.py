@@ -11,7 +11,9 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from service.docs import install_docs
 from service.errors import install_error_handlers
+from service.inputs import json_limits
 from service.metrics import Metrics
 from service.middleware import RequestContextMiddleware
 from service.oip import repository as oip_repository
@@ -72,7 +74,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await state.stop()
 
-    app = FastAPI(title="vitserve", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(
+        title="vitserve",
+        version=__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        docs_url=None,  # service/docs.py serves the docs from local assets
+        redoc_url=None,
+    )
     app.state.settings = settings
     app.state.metrics = app_metrics
     app.state.service = state
@@ -90,10 +99,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     routers.append(oip.not_in_protocol_route(routers))
     for router in routers:
         app.include_router(router)
+    install_docs(app, settings)
     app.add_middleware(
         RequestContextMiddleware,
         max_body_bytes=settings.max_body_bytes,
         metrics=app_metrics,
+        json_limits=json_limits(settings),
         static_paths=frozenset(
             route.path for router in routers for route in router.routes if "{" not in route.path
         ),

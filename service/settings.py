@@ -176,6 +176,17 @@ class Settings(BaseSettings):
         ),
     )
 
+    max_json_values: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description=(
+            "Most JSON values (numbers, strings, arrays, objects) a JSON request body may hold, "
+            "counted on its raw bytes before it is parsed (each costs about 100 bytes once parsed); "
+            "a 1024 x 1024 pixel list is 1.05 million. Larger bodies are answered 413: send large "
+            "images as files."
+        ),
+    )
+
     max_concurrent_decodes: int = Field(
         default=2,
         ge=1,
@@ -225,6 +236,47 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("VITSERVE_PORT", "PORT", "port"),
         description="Port `python -m service` listens on (VITSERVE_PORT, or PORT as platforms set it).",
     )
+    header_timeout_s: float = Field(
+        default=30.0,
+        gt=0.0,
+        le=3600.0,
+        description=(
+            "`python -m service`: a connection whose request headers are not complete this many "
+            "seconds after it opened (or after its previous response) is answered 408 and closed."
+        ),
+    )
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0.0,
+        le=3600.0,
+        description=(
+            "`python -m service`: a request body may take this many seconds, plus one second per "
+            "body_min_bytes_per_s bytes received; past that it is answered 408 and closed."
+        ),
+    )
+    body_min_bytes_per_s: int = Field(
+        default=16 * 1024,
+        ge=1,
+        description=(
+            "`python -m service`: the slowest upload rate (bytes a second) that keeps extending "
+            "body_timeout_s; a client at least this fast is never cut off."
+        ),
+    )
+    max_connections: int = Field(
+        default=512,
+        ge=1,
+        description=(
+            "`python -m service`: most open client connections; one more is answered 503 with "
+            "Retry-After and closed."
+        ),
+    )
+    docs: bool = Field(
+        default=True,
+        description=(
+            "Serve the interactive API docs at /docs (Swagger UI) and /redoc, from assets shipped "
+            "with the service (no CDN); /openapi.json is served either way."
+        ),
+    )
     graceful_shutdown_s: float = Field(
         default=60.0,
         gt=0.0,
@@ -242,12 +294,24 @@ class Settings(BaseSettings):
 
     @field_validator("api_key", mode="before")
     @classmethod
-    def _api_key_is_not_empty(cls, value: object) -> object:
-        if isinstance(value, str) and not value.strip():
-            raise ValueError(
-                "api_key is set but empty: unset VITSERVE_API_KEY to serve without a key, "
-                "or give it a value"
-            )
+    def _api_key_can_be_sent(cls, value: object) -> object:
+        # The messages never quote the key: it is a secret.
+        if isinstance(value, str):
+            if not value.strip():
+                raise ValueError(
+                    "api_key is set but empty: unset VITSERVE_API_KEY to serve without a key, "
+                    "or give it a value"
+                )
+            if not all(" " <= char <= "~" for char in value):
+                raise ValueError(
+                    "api_key must be printable ASCII: an HTTP header cannot carry other "
+                    "characters, so no request could ever match it"
+                )
+            if value != value.strip():
+                raise ValueError(
+                    "api_key starts or ends with a space, which an Authorization header cannot "
+                    "carry, so no request could ever match it"
+                )
         return value
 
     @property
