@@ -111,7 +111,7 @@ class DynamicBatcher:
         logger.error(
             "the %s batcher of %s stopped: %r", self.graph, self.model or "-", self.failure
         )
-        self._fail_all("the batcher stopped; retry on another instance", "batcher_failed")
+        self.fail_all("the batcher stopped; retry on another instance", "batcher_failed")
 
     def admit(self, count: int) -> None:
         """Raise the 503 that ``submit`` would raise for ``count`` images now.
@@ -302,8 +302,8 @@ class DynamicBatcher:
             if not item.future.done():
                 item.future.set_result(tuple(output[index] for output in outputs))
 
-    def _fail_all(self, message: str, code: str) -> int:
-        """Fail every queued image and every image of a running batch; how many were failed."""
+    def fail_all(self, message: str, code: str = "shutting_down") -> int:
+        """Fail every queued image and every image of a running batch (503); how many were failed."""
         failed = 0
         for item in self._pending:
             if not item.future.done():
@@ -343,7 +343,7 @@ class DynamicBatcher:
                 await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
             except TimeoutError:
                 self._task.cancel()
-                failed = self._fail_all(
+                failed = self.fail_all(
                     "the service shut down before this request was answered", "shutting_down"
                 )
         for instance in self._instances:

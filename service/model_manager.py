@@ -105,6 +105,7 @@ class ModelManager:
         self._lock = asyncio.Lock()
         self._poller: asyncio.Task | None = None
         self._retiring: set[asyncio.Task] = set()
+        self._retired: set[ModelPipeline] = set()  # released, still answering what they admitted
 
     @property
     def repository(self) -> Path:
@@ -154,6 +155,20 @@ class ModelManager:
             for status in model.versions.values():
                 if status.pipeline is not None:
                     status.pipeline.flush()
+
+    def fail_unanswered(self) -> int:
+        """Answer 503 to every image still queued or running (the drain's deadline); how many."""
+        return sum(
+            batcher.fail_all("the service shut down before this request was answered")
+            for model in self.models.values()
+            for status in model.versions.values()
+            if status.pipeline is not None
+            for batcher in status.pipeline.batchers
+        ) + sum(
+            batcher.fail_all("the service shut down before this request was answered")
+            for pipeline in self._retired
+            for batcher in pipeline.batchers
+        )
 
     async def stop(self, timeout_s: float) -> int:
         """Stop following the repository and release every version; how many images were failed."""
@@ -420,7 +435,9 @@ class ModelManager:
             pipeline.retire(self.settings.graceful_shutdown_s)
         )
         self._retiring.add(task)
+        self._retired.add(pipeline)
         task.add_done_callback(self._retiring.discard)
+        task.add_done_callback(lambda _: self._retired.discard(pipeline))
 
     # --- control ----------------------------------------------------------------------------------
 

@@ -280,7 +280,17 @@ class Settings(BaseSettings):
     graceful_shutdown_s: float = Field(
         default=60.0,
         gt=0.0,
-        description="Longest wait for queued and running requests on SIGTERM before they are cancelled.",
+        description=(
+            "Longest wait for queued and running requests on SIGTERM; what is still unanswered then "
+            "is answered 503."
+        ),
+    )
+    access_log: bool = Field(
+        default=False,
+        description=(
+            "uvicorn's access log, a line per request; off by default, as it costs a share of every "
+            "request's CPU (the metrics count every request by route and status)."
+        ),
     )
 
     @model_validator(mode="after")

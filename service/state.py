@@ -27,6 +27,8 @@ class ServiceState:
         self.phase: Phase = "starting"
         self.manager = ModelManager(settings, metrics)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task | None = None
+        self._failed_at_deadline = 0
         self.metrics.ready.set(0)
 
     @property
@@ -50,19 +52,33 @@ class ServiceState:
             self.metrics.ready.set(1)
 
     def begin_shutdown(self) -> None:
-        """Readiness turns false at once, and queued images run without waiting for a batch to fill.
-        Safe to call from a signal handler: it only sets a field and schedules the flush."""
+        """Readiness turns false at once; queued images run without waiting for a batch to fill, and
+        whatever is still unanswered when graceful_shutdown_s has passed is answered 503. Safe to call
+        from a signal handler: it only sets a field and schedules the rest on the event loop."""
         if self.phase in ("starting", "ready"):
             self.phase = "shutting_down"
             if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self.manager.flush)
+                self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self.manager.flush()
+        if self._drain is None:
+            self._drain = asyncio.get_running_loop().create_task(self._drain_deadline())
+
+    async def _drain_deadline(self) -> None:
+        """At the deadline, answer what is left 503 while the server can still send it (uvicorn
+        waits a little longer than this before it cancels open requests)."""
+        await asyncio.sleep(self.settings.graceful_shutdown_s)
+        self._failed_at_deadline += self.manager.fail_unanswered()
 
     async def stop(self) -> None:
         """Not ready any more; finish everything queued and running, then release the models."""
         self.begin_shutdown()
         self.metrics.ready.set(0)
         timeout = self.settings.graceful_shutdown_s
-        failed = await self.manager.stop(timeout)
+        if self._drain is not None:
+            self._drain.cancel()
+        failed = self._failed_at_deadline + await self.manager.stop(timeout)
         self.phase = "stopped"
         if failed:
             logger.error(
