@@ -22,13 +22,15 @@ import torch
 
 from export.checkpoint import CheckpointError, file_sha256, load_checkpoint, resolve_checkpoint
 from export.data import (
-    DATASETS,
+    DATASET_CHOICES,
+    FOLDER,
     DatasetError,
     DatasetSpec,
     Split,
     get_dataset_spec,
-    load_dataset,
+    load_test_split,
     normalize,
+    spec_from_metadata,
 )
 
 METADATA_KEY = "vitserve"
@@ -87,8 +89,25 @@ def _check_fits(
 
 
 def _test_split(spec: DatasetSpec, data_dir: str | Path | None) -> Split:
-    _, test = load_dataset(spec.name, data_dir)
-    return test
+    return load_test_split(spec, data_dir)
+
+
+def _onnx_folder_spec(metadata: dict, data_dir: str | Path | None, path: Path) -> DatasetSpec:
+    """A folder dataset as an ONNX model describes it (no paths are exported: --data-dir says where)."""
+    from export.folder import folder_spec
+
+    if data_dir is None:
+        raise EvaluationError(f"{path} was trained on a folder of images; pass --data-dir DIR")
+    shape, pre = metadata["input"], metadata["preprocessing"]
+    return folder_spec(
+        data_dir,
+        tuple(metadata["labels"]),
+        shape["channels"],
+        shape["height"],
+        shape["width"],
+        tuple(pre["mean"]),
+        tuple(pre["std"]),
+    )
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
@@ -120,7 +139,8 @@ def evaluate_checkpoint(
     """Metrics of a checkpoint (file or run directory) on the test split of its dataset."""
     path = resolve_checkpoint(path)
     model, metadata = load_checkpoint(path)
-    spec = get_dataset_spec(dataset or metadata["dataset"])
+    known = dataset is None or dataset == FOLDER  # a folder's spec travels in the checkpoint
+    spec = spec_from_metadata(metadata) if known else get_dataset_spec(dataset)
     config = model.config
     _check_fits(
         spec, config.in_channels, config.image_height, config.image_width, config.num_classes, path
@@ -206,7 +226,7 @@ def evaluate_onnx(
     name = dataset or metadata.get("dataset")
     if not name:
         raise EvaluationError(f"{path}: the metadata names no dataset; pass --dataset")
-    spec = get_dataset_spec(name)
+    spec = _onnx_folder_spec(metadata, data_dir, path) if name == FOLDER else get_dataset_spec(name)
     shape = metadata["input"]
     _check_fits(
         spec, shape["channels"], shape["height"], shape["width"], len(metadata["labels"]), path
@@ -334,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("source", help="checkpoint (.safetensors or run directory) or ONNX model")
     parser.add_argument(
         "--dataset",
-        choices=sorted(DATASETS),
+        choices=sorted(DATASET_CHOICES),
         default=None,
         help="dataset to evaluate on (default: the one the model names)",
     )
