@@ -242,7 +242,7 @@ def write_report(
         write_attention_dir(model, test, chosen, spec, Path(attention_dir))
         results["attention_dir"] = str(attention_dir)
         results["attention_test_indices"] = chosen
-        written.append(f"{len(chosen)} images' attention in {attention_dir}")
+        print(f"wrote the attention of {len(chosen)} test images to {attention_dir}", flush=True)
     results["gallery_test_indices"] = indices
     results["plots"] = written
     (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
