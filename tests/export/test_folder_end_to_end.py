@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import pytest
 
+from export.evaluate import EvaluationError, evaluate_onnx
 from tests.export.shapes import SHAPES
 from tests.support import REPO, Suite, running_server
 
@@ -49,6 +50,11 @@ def test_a_folder_of_shapes_is_trained_exported_and_served(
     assert (shape["channels"], shape["height"], shape["width"]) == (3, 32, 32)
     assert metadata["model_config"]["patch_embedding"] == "linear"
     assert metadata["test_accuracy"] > 0.7, metadata["test_accuracy"]
+    # The ONNX file knows no paths: evaluating it on the folder needs --data-dir, and agrees.
+    results = evaluate_onnx(repository / "shapes/1/model.onnx", data_dir=shapes_folders[0])
+    assert results["accuracy"] == metadata["test_accuracy"] and results["images"] == 36
+    with pytest.raises(EvaluationError, match="trained on a folder of images; pass --data-dir"):
+        evaluate_onnx(repository / "shapes/1/model.onnx")
 
     held_out = sorted(shapes_folders[1].rglob("*.*"))
     assert len(held_out) == 30
