@@ -176,3 +176,22 @@ def test_resume_keeps_the_recorded_model(tmp_path, tiny_preset):
     assert json.loads((run / "settings.json").read_text())["model_config"] == recorded
     state = json.loads((run / "last" / "state.json").read_text())
     assert state["settings"]["model_config"] == recorded
+
+
+def test_the_train_your_own_images_command_is_valid():
+    """docs/train-your-own.md's training command parses into the model it names."""
+    from tests.export.conftest import REPO
+
+    text = (REPO / "docs" / "train-your-own.md").read_text()
+    (command,) = re.findall(r"`\.venv/bin/python -m export\.train ([^`]+)`", text)
+    settings, out, _, _ = train.parse_args(command.split())
+    config = ViTConfig.from_dict(settings.model_config)
+    assert (
+        settings.dataset == "folder" and settings.data_dir == "photos" and str(out) == "runs/photos"
+    )
+    assert (config.in_channels, config.image_height, config.patch_size, config.depth) == (
+        3,
+        64,
+        8,
+        6,
+    )
