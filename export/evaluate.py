@@ -23,13 +23,15 @@ import torch
 
 from export.checkpoint import CheckpointError, file_sha256, load_checkpoint, resolve_checkpoint
 from export.data import (
-    DATASETS,
+    DATASET_CHOICES,
+    FOLDER,
     DatasetError,
     DatasetSpec,
     Split,
     get_dataset_spec,
-    load_dataset,
+    load_test_split,
     normalize,
+    spec_from_metadata,
 )
 from service.model_repository import (
     ATTENTION_FILE,
@@ -94,8 +96,25 @@ def _check_fits(
 
 
 def _test_split(spec: DatasetSpec, data_dir: str | Path | None) -> Split:
-    _, test = load_dataset(spec.name, data_dir)
-    return test
+    return load_test_split(spec, data_dir)
+
+
+def _onnx_folder_spec(metadata: dict, data_dir: str | Path | None, path: Path) -> DatasetSpec:
+    """A folder dataset as an ONNX model describes it (no paths are exported: --data-dir says where)."""
+    from export.folder import folder_spec
+
+    if data_dir is None:
+        raise EvaluationError(f"{path} was trained on a folder of images; pass --data-dir DIR")
+    shape, pre = metadata["input"], metadata["preprocessing"]
+    return folder_spec(
+        data_dir,
+        tuple(metadata["labels"]),
+        shape["channels"],
+        shape["height"],
+        shape["width"],
+        tuple(pre["mean"]),
+        tuple(pre["std"]),
+    )
 
 
 def dataset_logits(
@@ -162,7 +181,8 @@ def evaluate_checkpoint(
     """Metrics of a checkpoint (file or run directory) on the test split of its dataset."""
     path = resolve_checkpoint(path)
     model, metadata = load_checkpoint(path)
-    spec = get_dataset_spec(dataset or metadata["dataset"])
+    known = dataset is None or dataset == FOLDER  # a folder's spec travels in the checkpoint
+    spec = spec_from_metadata(metadata) if known else get_dataset_spec(dataset)
     config = model.config
     _check_fits(
         spec, config.in_channels, config.image_height, config.image_width, config.num_classes, path
@@ -223,7 +243,10 @@ def evaluate_onnx(
     name = dataset or metadata.dataset
     if not name:
         raise EvaluationError(f"{path}: the metadata names no dataset; pass --dataset")
-    spec = get_dataset_spec(name)
+    if name == FOLDER:
+        spec = _onnx_folder_spec(metadata.model_dump(), data_dir, path)
+    else:
+        spec = get_dataset_spec(name)
     shape = metadata.input
     _check_fits(spec, shape.channels, shape.height, shape.width, metadata.num_classes, path)
     polarity = metadata.preprocessing.polarity
@@ -343,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("source", help="checkpoint (.safetensors or run directory) or ONNX model")
     parser.add_argument(
         "--dataset",
-        choices=sorted(DATASETS),
+        choices=sorted(DATASET_CHOICES),
         default=None,
         help="dataset to evaluate on (default: the one the model names)",
     )

@@ -23,7 +23,7 @@ from export.data import DatasetError
 from export.evaluate import evaluate_onnx
 from export.hardware import cpu_model
 from export.report import plot_curves, read_metrics, write_report
-from export.train import TrainSettings
+from export.train_settings import TrainSettings, architecture_flags
 
 REPO = Path(__file__).resolve().parents[1]
 CARD_PLOTS = ("curves.png", "confusion_matrix.png", "attention_gallery.png")
@@ -59,6 +59,7 @@ def train_command(settings: dict, out: str = "runs/NAME", init_from: str | None 
         value = settings.get(key)
         if key in ("preset", "dataset") or (value is not None and value != getattr(defaults, key)):
             parts.append(f"{flag} {value}")
+    parts += architecture_flags(settings)
     if settings.get("compile"):
         parts.append("--compile")
     if settings.get("augment") is False:

@@ -33,9 +33,16 @@ import onnxruntime as ort
 import torch
 
 from export.checkpoint import CheckpointError, file_sha256, load_checkpoint, resolve_checkpoint
-from export.data import DatasetError, DatasetSpec, get_dataset_spec, load_dataset, normalize
+from export.data import (
+    DatasetError,
+    DatasetSpec,
+    load_test_split,
+    normalize,
+    spec_from_metadata,
+)
 from export.evaluate import dataset_logits, onnx_runner
 from export.model import VisionTransformer, WithAttention
+from export.pixels import preprocessing_document
 from export.repository import RepositoryError, write_version
 
 OPSET = 18
@@ -248,15 +255,7 @@ def describe(
             "width": c.image_width,
         },
         "outputs": {"logits": "logits", "attention": "attention"},
-        "preprocessing": {
-            "color": "grayscale" if c.in_channels == 1 else "rgb",
-            "resize": "fit-pad",
-            "pad_value": 0,
-            "polarity": spec.polarity,
-            "scale": 1.0 / 255.0,
-            "mean": list(spec.mean),
-            "std": list(spec.std),
-        },
+        "preprocessing": preprocessing_document(spec),
         "patch": {"size": c.patch_size, "grid": list(c.grid)},
         "pooling": c.pooling,
         "class_token": c.pooling == "token",
@@ -292,17 +291,19 @@ def export_model(
     """Export, verify and write a checkpoint; returns the metadata document and the figures."""
     path = resolve_checkpoint(checkpoint)
     model, metadata = load_checkpoint(path)
-    spec = get_dataset_spec(metadata["dataset"])
+    spec = spec_from_metadata(metadata)
     labels = json.loads(metadata["labels"])
     version_dir = Path(repo) / name / str(version)
     if version_dir.exists() and not overwrite:
         raise FileExistsError(
             f"{version_dir} already exists; pass --overwrite to replace it or choose another --version"
         )
-    _, test = load_dataset(spec.name, data_dir)
+    test = load_test_split(spec, data_dir)
     images = normalize(test.images, spec)
     graphs = build_graphs(model)
-    figures = verify(model, graphs, images[: max(VERIFY_BATCH_SIZES)])
+    # A small folder dataset may hold fewer test images than the largest batch checked: repeat them.
+    repeats = -(-max(VERIFY_BATCH_SIZES) // max(1, len(images)))
+    figures = verify(model, graphs, images.repeat(repeats, 1, 1, 1)[: max(VERIFY_BATCH_SIZES)])
     accuracy = measure_accuracy(graphs.classifier, images, test.labels) if measure else None
     sha = file_sha256(path)
     for graph_name, proto in (("classifier", graphs.classifier), ("attention", graphs.attention)):
