@@ -16,82 +16,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
 
 from service.errors import NotFound, ServiceUnavailable
 from service.metrics import Metrics
 from service.model_config import (
-    ModelConfig,
-    ModelConfigError,
     ServingConfig,
-    read_model_config,
     select_versions,
-    serving_config,
 )
 from service.model_repository import (
     CONFIG_FILE,
     ModelLoadError,
     VersionFiles,
     model_names,
-    version_files,
     version_numbers,
+)
+from service.model_versions import (
+    ManagedModel,
+    Signature,
+    VersionStatus,
+    file_signature,
+    scan_version,
+    serving_settings,
 )
 from service.pipeline import DecodeGate, ModelPipeline
 from service.runtime import Runtime
 from service.settings import Settings
 
 logger = logging.getLogger("vitserve")
-
-State = Literal["LOADING", "READY", "UNAVAILABLE", "UNLOADING"]
-Signature = tuple
-
-
-@dataclass
-class VersionStatus:
-    version: int
-    state: State
-    reason: str = ""
-    pipeline: ModelPipeline | None = None
-    signature: Signature = ()
-
-
-@dataclass
-class ManagedModel:
-    name: str
-    serving: ServingConfig | None
-    config_signature: Signature = ()
-    versions: dict[int, VersionStatus] = field(default_factory=dict)
-    unloaded: bool = False
-
-    def ready_versions(self) -> list[int]:
-        return sorted(v for v, s in self.versions.items() if s.state == "READY" and s.pipeline)
-
-    def pipeline(self, version: int | None = None) -> ModelPipeline | None:
-        ready = self.ready_versions()
-        if version is None:
-            return self.versions[ready[-1]].pipeline if ready else None
-        return self.versions[version].pipeline if version in ready else None
-
-
-DEFAULT_MAX_QUEUE_SIZE = 512
-DEFAULT_REQUEST_TIMEOUT_S = 30.0
-
-
-def _default_config(name: str) -> ModelConfig:
-    """Serving settings of a model whose directory has no config.pbtxt."""
-    config = ModelConfig(name=name, max_batch_size=32)
-    config.dynamic_batching.max_queue_delay_microseconds = 2000
-    return config
-
-
-def _signature(path: Path) -> Signature:
-    try:
-        stat = path.stat()
-    except OSError:
-        return ()
-    return (stat.st_size, stat.st_mtime_ns)
 
 
 class ModelManager:
@@ -257,30 +209,8 @@ class ModelManager:
     # --- loading ----------------------------------------------------------------------------------
 
     def _serving(self, name: str) -> ServingConfig:
-        """The model's config.pbtxt with the environment's overrides; a model without the file gets
-        the defaults of DEFAULT_CONFIG. A queue without a size or timeout there gets the service's
-        bounds (an unbounded queue is not a setting this service offers)."""
-        path = self.repository / name / CONFIG_FILE
-        overrides: dict[str, object] = dict(self.settings.batching_overrides())
-        if name == self.default_name and self.settings.model_version is not None:
-            overrides["version_policy"] = ("specific", (self.settings.model_version,))
-        try:
-            config = read_model_config(path) if path.is_file() else _default_config(name)
-            serving = serving_config(config, overrides)
-        except ModelConfigError as error:
-            raise ModelLoadError(str(error)) from error
-        serving = replace(
-            serving,
-            max_queue_size=serving.max_queue_size or DEFAULT_MAX_QUEUE_SIZE,
-            request_timeout_s=serving.request_timeout_s or DEFAULT_REQUEST_TIMEOUT_S,
-        )
-        if serving.max_queue_size < self.settings.max_images_per_request:
-            raise ModelLoadError(
-                f"{name}: max_queue_size ({serving.max_queue_size}) must be at least "
-                f"max_images_per_request ({self.settings.max_images_per_request}), or a full-sized "
-                "request could never be queued"
-            )
-        return serving
+        pinned = self.settings.model_version if name == self.default_name else None
+        return serving_settings(self.repository, name, self.settings, pinned)
 
     async def _sync_model(self, name: str, initial: bool = False) -> list[str]:
         """Bring one model in line with the repository: load what its policy wants and is new or
@@ -288,7 +218,7 @@ class ModelManager:
         the lock held."""
         failures: list[str] = []
         model = self.models.get(name)
-        config_signature = _signature(self.repository / name / CONFIG_FILE)
+        config_signature = file_signature(self.repository / name / CONFIG_FILE)
         try:
             serving = self._serving(name)
         except ModelLoadError as error:
@@ -343,15 +273,10 @@ class ModelManager:
     def _scan(
         self, name: str, version: int, initial: bool
     ) -> tuple[VersionFiles | None, Signature, str, bool]:
-        """The files of a version, their signature, why they cannot be read, and whether they have
-        settled: looked the same on the previous scan (a directory still being copied in changes
-        between scans; an atomic rename never does)."""
-        files, problem = None, ""
-        try:
-            files = version_files(self.repository, name, version)
-            signature: Signature = files.signature()
-        except (ModelLoadError, OSError) as error:
-            signature, problem = ("unreadable", str(error)), str(error)
+        """A version's files, their signature, why they cannot be read, and whether they have settled:
+        looked the same on the previous scan (a directory still being copied in changes between
+        scans; an atomic rename never does)."""
+        files, signature, problem = scan_version(self.repository, name, version)
         settled = initial or self._seen.get((name, version)) == signature
         self._seen[(name, version)] = signature
         return files, signature, problem, settled
