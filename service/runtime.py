@@ -62,11 +62,12 @@ def usable_cores() -> int:
 
 
 def intra_op_threads(settings: Settings, instances: int) -> int:
-    """The setting when given; else the cores shared out among the instances (0, onnxruntime's own
-    choice of every core, for a single instance)."""
-    if settings.intra_op_threads or instances == 1:
+    """The setting when given; else every core but one, shared out among the instances (at least one
+    thread each): the one left is the event loop's, which parses, decodes and answers every request
+    while the model runs (BENCHMARKS.md measures the alternatives)."""
+    if settings.intra_op_threads:
         return settings.intra_op_threads
-    return max(1, usable_cores() // instances)
+    return max(1, (usable_cores() - 1) // instances)
 
 
 def session_options(settings: Settings, instances: int = 1) -> ort.SessionOptions:

@@ -140,8 +140,8 @@ class Settings(BaseSettings):
         default=0,
         ge=0,
         description=(
-            "onnxruntime intra-op threads per session (0: the cores shared out among the "
-            "instances)."
+            "onnxruntime intra-op threads per session (0: every core but one, shared out among the "
+            "instances; the one left runs the event loop)."
         ),
     )
     inter_op_threads: int = Field(
