@@ -78,10 +78,13 @@ class GuardedProtocol(HttpToolsProtocol):
             self._deadline.cancel()
             self._deadline = None
 
-    def _close_with(self, status: int, reason: str, code: str, message: str) -> None:
+    def _close_with(
+        self, status: int, reason: str, code: str, message: str, *, answer: bool = True
+    ) -> None:
+        """Answer (unless ``answer`` is false: a response has started) and close."""
         if self.transport.is_closing():
             return
-        if self.cycle is None or not self.cycle.response_started:
+        if answer:
             retry = self.retry_after_s if status == 503 else None
             self.transport.write(_response(status, reason, code, message, retry))
         self.transport.close()
@@ -118,6 +121,7 @@ class GuardedProtocol(HttpToolsProtocol):
             "request_timeout",
             f"the request body did not arrive in time: body_timeout_s={self.body_timeout_s:g} "
             f"seconds plus one per body_min_bytes_per_s={self.body_min_bytes_per_s} bytes",
+            answer=not cycle.response_started,
         )
 
     def _refuse_over_cap(self) -> None:
