@@ -16,7 +16,7 @@ from bench.server_process import REPO
 from export.data import get_dataset_spec
 
 MODEL_DIR = REPO / "models" / "fashion-mnist-vit" / "1"
-LABELS = (MODEL_DIR.parent / "labels.txt").read_text().split("\n")
+LABELS = (MODEL_DIR / "labels.txt").read_text().split("\n")
 
 
 def reference_logits(images: np.ndarray) -> np.ndarray:
