@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from export import onnx as onnx_export
-from export import repository
+from export import quantize, repository
 from export.checkpoint import CheckpointError, load_checkpoint
 from export.data import get_dataset_spec, load_dataset, normalize
+from export.model import VisionTransformer
 from export.report import plot_curves
 from export.repository import RepositoryError, write_version
 from service.model_config import read_model_config
@@ -394,3 +395,99 @@ def test_overwrite_replaces_a_version_whole(tmp_path):
     )
     np.testing.assert_array_equal(logits, np.full((1, 4), 3.0))
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["1", "config.pbtxt"]
+
+
+# -- int8 ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def quantized(tiny_run, tmp_path_factory, run_module) -> tuple[Path, dict]:
+    repo = tmp_path_factory.mktemp("int8")
+    completed = run_module(
+        "export.onnx",
+        *(str(tiny_run), "--name", "tiny-int8", "--version", "1", "--repo", str(repo)),
+        *("--quantize", "int8", "--quantization", "dynamic"),
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr
+    return repo / "tiny-int8", json.loads(completed.stdout)
+
+
+def test_int8_ships_as_its_own_model_and_says_so(quantized, exported):
+    entry, result = quantized
+    assert sorted(p.name for p in entry.iterdir()) == ["1", "config.pbtxt"]
+    assert sorted(p.name for p in (entry / "1").iterdir()) == ["labels.txt", "model.onnx"]
+    document = metadata_of(entry / "1" / "model.onnx")
+    assert document["precision"] == "int8" and document["quantization"] == "dynamic"
+    assert document["attention_graph"] is None and document["graph"] == "classifier"
+    assert document["name"] == "tiny-int8" and document["labels"][1] == "Trouser"
+    _, float_result = exported
+    assert document["float_test_accuracy"] == float_result["test_accuracy"]  # the same float graph
+    assert document["test_accuracy"] == result["test_accuracy"]
+    assert document["float_test_accuracy"] - document["test_accuracy"] <= 0.003
+    ops = Counter(node.op_type for node in onnx.load(str(entry / "1" / "model.onnx")).graph.node)
+    assert ops["MatMulInteger"] > 0 and ops["DynamicQuantizeLinear"] > 0
+
+
+def test_int8_predictions_follow_the_float_model(quantized, exported):
+    entry, _ = quantized
+    repo, _ = exported
+    spec = get_dataset_spec("fashion-mnist")
+    _, test = load_dataset("fashion-mnist")
+    images = normalize(test.images[:500], spec).numpy()
+    (int8,) = ort.InferenceSession(str(entry / "1" / "model.onnx")).run(None, {"images": images})
+    (fp32,) = ort.InferenceSession(str(repo / "tiny" / "3" / "model.onnx")).run(
+        None, {"images": images}
+    )
+    assert (int8.argmax(1) == fp32.argmax(1)).mean() >= 0.97
+    assert 0 < np.abs(int8 - fp32).max() < 0.5 * np.abs(fp32).max()  # close, and not the same
+
+
+def test_static_qdq_is_calibrated_on_training_images(tiny_run, tmp_path):
+    result = quantize.export_quantized(
+        tiny_run, "q", 1, tmp_path, method="static-qdq", calibration_count=64
+    )
+    document = metadata_of(tmp_path / "q" / "1" / "model.onnx")
+    assert document["quantization"] == "static-qdq" and document["calibration_images"] == 64
+    assert result["float_test_accuracy"] - result["test_accuracy"] <= 0.003
+    ops = Counter(n.op_type for n in onnx.load(str(tmp_path / "q" / "1" / "model.onnx")).graph.node)
+    assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > 0 and not ops["MatMulInteger"]
+
+
+def test_an_int8_graph_that_loses_accuracy_is_refused(
+    tiny_run, tiny_config, tmp_path, capsys, monkeypatch
+):
+    real_quantize = quantize.quantize_graph
+
+    def quantize_other_weights(graph, method, calibration=None):
+        torch.manual_seed(1)
+        stranger = onnx_export.classifier_graph(VisionTransformer(tiny_config))
+        return real_quantize(stranger, method, calibration)
+
+    monkeypatch.setattr(quantize, "quantize_graph", quantize_other_weights)
+    code = onnx_export.main(
+        [
+            str(tiny_run),
+            "--name",
+            "q",
+            "--version",
+            "1",
+            "--repo",
+            str(tmp_path),
+            "--quantize",
+            "int8",
+        ]
+    )
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "nothing written" in err and "more than 0.3 points below the float graph's" in err
+    assert not (tmp_path / "q").exists()
+
+
+def test_calibration_images_are_a_seeded_sample_of_the_training_split():
+    images = torch.arange(100).view(100, 1, 1, 1)
+    chosen = quantize.calibration_images(images, 10)
+    assert len(chosen) == 10 and len(set(chosen.flatten().tolist())) == 10
+    assert chosen.flatten().tolist() == sorted(chosen.flatten().tolist())
+    assert torch.equal(chosen, quantize.calibration_images(images, 10))
+    assert not torch.equal(chosen, quantize.calibration_images(images, 10, seed=1))
+    with pytest.raises(ValueError, match="--calibration-images must be 1 to 100, got 101"):
+        quantize.calibration_images(images, 101)
