@@ -22,6 +22,8 @@ from export.model import VisionTransformer
 from export.report import plot_curves
 from export.repository import RepositoryError, write_version
 from service.model_config import read_model_config
+from service.model_repository import Preprocessing
+from service.preprocessing import normalise
 from tests.export.runs import init_from_args, save_altered_copy
 
 
@@ -491,3 +493,25 @@ def test_calibration_images_are_a_seeded_sample_of_the_training_split():
     assert not torch.equal(chosen, quantize.calibration_images(images, 10, seed=1))
     with pytest.raises(ValueError, match="--calibration-images must be 1 to 100, got 101"):
         quantize.calibration_images(images, 101)
+
+
+def test_the_int8_model_card_says_how_it_was_made_and_what_batching_does_to_it(quantized, tiny_run):
+    from export.model_card import write_model_card
+
+    entry, result = quantized
+    text = write_model_card(tiny_run, entry).read_text()
+    assert "- Precision: int8 (`dynamic` quantization by onnxruntime)" in text
+    assert f"which measured {100 * result['float_test_accuracy']:.2f}% on the same split" in text
+    assert (
+        f"`python -m export.onnx {tiny_run} --name tiny-int8 --version 1 --quantize int8 "
+        "--quantization dynamic`" in text
+    )
+    _, test = load_dataset("fashion-mnist")
+    document = metadata_of(entry / "1" / "model.onnx")
+    images = normalise(test.images.numpy(), Preprocessing(**document["preprocessing"]))
+    session = ort.InferenceSession(str(entry / "1" / "model.onnx"))
+    alone = [session.run(None, {"images": images[i : i + 1]})[0] for i in range(len(images))]
+    batched = [session.run(None, {"images": images[i : i + 32]})[0] for i in range(0, 10000, 32)]
+    changed = int((np.concatenate(alone).argmax(1) != np.concatenate(batched).argmax(1)).sum())
+    assert changed > 0  # so that the count is checked, not a constant
+    assert f": {changed} of 10000 test images are classified differently at batch 1 and" in text
