@@ -206,7 +206,7 @@ def evaluate_checkpoint(
 
 
 # -- ONNX ------------------------------------------------------------------------------------------
-def _onnx_session(path: Path, threads: int | None):
+def onnx_session(path: Path, threads: int | None):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -238,7 +238,7 @@ def evaluate_onnx(
     path = Path(path)
     if not path.is_file():
         raise EvaluationError(f"{path}: no such ONNX file")
-    session = _onnx_session(path, threads)
+    session = onnx_session(path, threads)
     metadata = read_onnx_metadata(session, path)
     name = dataset or metadata.dataset
     if not name:
@@ -289,6 +289,9 @@ def evaluate_onnx(
         "metadata_test_accuracy": metadata.test_accuracy,
         "checkpoint_sha256": provenance.get("checkpoint_sha256"),
         "precision": provenance.get("precision", "float32"),
+        "quantization": provenance.get("quantization"),
+        "calibration_images": provenance.get("calibration_images"),
+        "float_test_accuracy": provenance.get("float_test_accuracy"),
         **results,
     }
 

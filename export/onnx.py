@@ -327,6 +327,8 @@ def export_model(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from export import quantize  # it builds on this module
+
     parser = argparse.ArgumentParser(
         prog="python -m export.onnx",
         description=__doc__,
@@ -339,21 +341,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default=None, help="dataset directory (real test images)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing version")
     parser.add_argument("--skip-accuracy", action="store_true", help="do not measure test accuracy")
+    quantize.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.version < 1:
         parser.error(f"--version must be 1 or more, got {args.version}")
     if not args.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         parser.error(f"--name may hold letters, digits, '-', '_' and '.', got {args.name!r}")
     try:
-        result = export_model(
-            args.checkpoint,
-            args.name,
-            args.version,
-            args.repo,
-            args.data_dir,
-            args.overwrite,
-            measure=not args.skip_accuracy,
-        )
+        if args.quantize:
+            result = quantize.export_quantized(
+                *(args.checkpoint, args.name, args.version, args.repo, args.data_dir),
+                *(args.overwrite, args.quantization, args.calibration_images),
+            )
+        else:
+            result = export_model(
+                args.checkpoint,
+                args.name,
+                args.version,
+                args.repo,
+                args.data_dir,
+                args.overwrite,
+                measure=not args.skip_accuracy,
+            )
     except (
         VerificationError,
         CheckpointError,
