@@ -29,6 +29,7 @@ from bench import hey
 from bench.payloads import b64_pngs, predict_body
 from bench.server_process import running, service_env
 from bench.stats import fmt, table
+from service.model_repository import version_numbers
 
 PORTS = range(18150, 18160)
 POLL_S = 0.5
@@ -142,7 +143,7 @@ class Swap:
 def stage(model_dir: Path, staging: Path) -> tuple[int, int, Callable[[], None]]:
     """Copy the newest version of ``model_dir`` under ``staging`` (same file system, not yet
     visible): that version, the new version number, and the rename that publishes it."""
-    old = max(int(p.name) for p in model_dir.iterdir() if p.name.isdigit())
+    old = max(version_numbers(model_dir))
     staged = staging / str(old + 1)
     shutil.copytree(model_dir / str(old), staged)
     return old, old + 1, lambda: os.rename(staged, model_dir / str(old + 1))

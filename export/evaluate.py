@@ -39,6 +39,7 @@ from service.model_repository import (
     ModelLoadError,
     ModelMetadata,
     parse_metadata,
+    version_numbers,
 )
 from service.preprocessing import normalise
 
@@ -305,13 +306,9 @@ def resolve_source(source: str | Path) -> tuple[str, Path]:
             return "checkpoint", source / "model.safetensors"
         if (source / "model.onnx").is_file():
             return "onnx", source / "model.onnx"
-        versions = sorted(
-            (
-                int(p.name)
-                for p in source.iterdir()
-                if p.name.isdigit() and (p / "model.onnx").is_file()
-            ),
-        )
+        versions = [
+            v for v in version_numbers(source) if (source / str(v) / "model.onnx").is_file()
+        ]
         if versions:
             return "onnx", source / str(versions[-1]) / "model.onnx"
         raise EvaluationError(

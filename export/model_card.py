@@ -29,8 +29,8 @@ from export.evaluate import (
 )
 from export.hardware import cpu_model
 from export.report import plot_curves, read_metrics, write_report
-from export.repository import versions_in
 from export.train_settings import TrainSettings, architecture_flags
+from service.model_repository import version_numbers
 from service.preprocessing import normalise
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,7 +169,7 @@ def plot_all_stages(stages: list[Stage], path: Path) -> None:
 
 
 def newest_version(entry: Path) -> Path:
-    versions = versions_in(entry)
+    versions = version_numbers(entry)
     if not versions:
         raise FileNotFoundError(f"{entry}: no version directories")
     return entry / str(versions[-1])

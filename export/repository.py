@@ -26,6 +26,7 @@ from service.model_config import (
     read_model_config,
     write_model_config,
 )
+from service.model_repository import version_numbers
 
 LABELS_FILE = "labels.txt"
 STAGING_PREFIX = ".staging-"
@@ -33,13 +34,6 @@ STAGING_PREFIX = ".staging-"
 
 class RepositoryError(RuntimeError):
     """The export does not fit the model's existing entry (its config.pbtxt or its versions)."""
-
-
-def versions_in(entry: Path) -> list[int]:
-    """Numbered version directories of a model, ascending (staging directories are not numbers)."""
-    if not entry.is_dir():
-        return []
-    return sorted(int(p.name) for p in entry.iterdir() if p.is_dir() and p.name.isdigit())
 
 
 def labels_path(version: int) -> str:
@@ -125,7 +119,7 @@ def write_version(
         existing = read_model_config(config_path) if config_path.exists() else None
     except ModelConfigError as error:
         raise RepositoryError(f"{error}; correct it or move it away") from error
-    newest = version >= max(versions_in(entry), default=0)
+    newest = version >= max(version_numbers(entry), default=0)
     wanted = merge_config(existing, config, newest)
 
     entry.mkdir(parents=True, exist_ok=True)
