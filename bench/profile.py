@@ -27,7 +27,7 @@ from pathlib import Path
 from bench import hey
 from bench.machine import CLOCK_TICKS, thread_ticks
 from bench.payloads import b64_pngs, predict_body
-from bench.server_process import REPO, running, service_env
+from bench.server_process import REPO, running_service
 from bench.stats import fmt, table
 
 PORTS = range(18140, 18150)
@@ -240,12 +240,9 @@ def run(out: Path, model_dir: Path, seconds: float, concurrency: int = 64) -> Pr
     body.write_bytes(predict_body(b64_pngs(1)[0]))
     svg_seconds = min(seconds, 10.0)
     record = [py_spy(), "record", "--threads", "--nonblocking", "--rate", "100"]
-    settings = {"model_repository": model_dir.parents[1]}
-    with running(
-        (sys.executable, "-m", "service"),
-        lambda port: service_env(port, **settings),
-        out / "profile-service.log",
-        ports=PORTS,
+    repository = model_dir.parents[1]
+    with running_service(
+        out / "profile-service.log", ports=PORTS, model_repository=repository
     ) as server:
         url, pid = server.url + "/predict", str(server.process.pid)
         hey.run(hey.command(url, body, concurrency=8, requests=200), wall_limit_s=120)

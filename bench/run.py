@@ -30,6 +30,7 @@ from bench import compare, hey, inprocess, profile, swap
 from bench.machine import busy_check, machine_rows
 from bench.server_process import REPO
 from bench.stats import table
+from export.cli import command_parser
 
 MODEL_DIR = REPO / "models" / "fashion-mnist-vit" / "1"
 PACKAGES = (
@@ -82,11 +83,7 @@ def steps(args: argparse.Namespace, out: Path) -> dict[str, Callable[[], object]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("bench", __doc__)
     parser.add_argument("--quick", action="store_true", help="smoke run of every code path")
     parser.add_argument("--output", type=Path, help="the Markdown file to write")
     parser.add_argument("--results-dir", type=Path, help="raw results (default: bench/results/)")

@@ -202,3 +202,10 @@ def running(
         yield RunningServer(process, url, port, log, ready_s)
     finally:
         stop_process(process, timeout_s=stop_timeout_s)
+
+
+def running_service(
+    log: Path, *, ports: range, **settings: object
+) -> contextlib.AbstractContextManager[RunningServer]:
+    """``python -m service`` with ``settings`` as its VITSERVE_* variables, under :func:`running`."""
+    return running(SERVICE, lambda port: service_env(port, **settings), log, ports=ports)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from bench import hey
 from bench.payloads import b64_pngs, predict_body
-from bench.server_process import running, service_env
+from bench.server_process import running_service
 from bench.stats import fmt, table
 from service.model_repository import version_numbers
 
@@ -183,12 +182,7 @@ def run(out: Path, model_dir: Path, phases: Phases) -> Swap:
         }
         raw: list[tuple[float, int, int | None]] = []
         stop = threading.Event()
-        with running(
-            (sys.executable, "-m", "service"),
-            lambda port: service_env(port, **settings),
-            out / "swap-service.log",
-            ports=PORTS,
-        ) as server:
+        with running_service(out / "swap-service.log", ports=PORTS, **settings) as server:
             url = server.url + "/predict"
             hey.run(hey.command(url, out / "body-1.json", concurrency=8, requests=200), 120)
             prober = threading.Thread(target=probe, args=(url, body, stop, raw), daemon=True)

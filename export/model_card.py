@@ -9,17 +9,16 @@ ONNX file (the accuracy the service will deliver).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from export.checkpoint import CheckpointError, file_sha256, read_metadata, resolve_checkpoint
-from export.data import DatasetError, load_dataset
+from export.cli import command_parser, exit_status
+from export.data import load_dataset
 from export.evaluate import (
     dataset_logits,
     evaluate_onnx,
@@ -368,22 +367,16 @@ def write_model_card(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m export.model_card",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("export.model_card", __doc__)
     parser.add_argument("run_dir", type=Path, help="the training run directory")
     parser.add_argument("--entry", required=True, type=Path, help="models/NAME")
     parser.add_argument("--version", type=int, default=None, help="default: the newest")
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args(argv)
-    try:
-        print(write_model_card(args.run_dir, args.entry, args.version, args.data_dir))
-    except (CheckpointError, DatasetError, ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(
+        lambda: print(write_model_card(args.run_dir, args.entry, args.version, args.data_dir)),
+        FileNotFoundError,
+    )
 
 
 if __name__ == "__main__":

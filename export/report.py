@@ -16,7 +16,6 @@ also writes, for 8 test images, the attention of every layer and head and the ro
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import sys
@@ -30,8 +29,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from export.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
-from export.data import DatasetError, Split, load_test_split, normalize, spec_from_metadata
+from export.checkpoint import load_checkpoint, resolve_checkpoint
+from export.cli import command_parser, exit_status
+from export.data import Split, load_test_split, normalize, spec_from_metadata
 from export.evaluate import checkpoint_logits, classification_metrics
 from export.model import VisionTransformer
 from service.attention_maps import attention_map
@@ -266,11 +266,7 @@ def write_report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m export.report",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("export.report", __doc__)
     parser.add_argument("run_dir", type=Path, help="run directory holding model.safetensors")
     parser.add_argument("--data-dir", default=None, help="directory of the dataset's files")
     parser.add_argument(
@@ -285,12 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.images < 1:
         parser.error(f"--images must be at least 1, got {args.images}")
-    try:
-        write_report(args.run_dir, args.data_dir, args.attention_dir, args.images)
-    except (CheckpointError, DatasetError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(
+        lambda: write_report(args.run_dir, args.data_dir, args.attention_dir, args.images)
+    )
 
 
 if __name__ == "__main__":

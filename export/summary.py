@@ -13,17 +13,16 @@ its logits the model's fused forward pass.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from export.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+from export.checkpoint import load_checkpoint, resolve_checkpoint
+from export.cli import command_parser, exit_status
 from export.config import PRESETS, ViTConfig, get_preset
-from export.data import DatasetError, spec_from_metadata
+from export.data import spec_from_metadata
 from export.model import VisionTransformer, patchify
 
 
@@ -249,11 +248,7 @@ def format_image_summary(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m export.summary",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("export.summary", __doc__)
     parser.add_argument("source", nargs="?", help="a checkpoint (.safetensors) or run directory")
     parser.add_argument("image", nargs="?", type=Path, help="an image file to run through it")
     parser.add_argument(
@@ -275,17 +270,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preset {args.preset}")
         print(format_summary(model, args.batch, args.depth))
         return 0
-    try:
+
+    def summarise_checkpoint() -> None:
         model, metadata = load_checkpoint(args.source)
         print(f"checkpoint {resolve_checkpoint(args.source)} ({metadata['dataset']})")
         if args.image is None:
             print(format_summary(model, args.batch, args.depth))
         else:
             print(format_image_summary(model, metadata, args.image, args.depth))
-    except (CheckpointError, DatasetError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+
+    return exit_status(summarise_checkpoint)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from export.cli import command_parser
 from export.config import PRESETS, ViTConfig, get_preset
 from export.data import DATASET_CHOICES, DATASETS, FOLDER
 
@@ -209,11 +210,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainSettings, Path, Path
     from export import train
 
     defaults = TrainSettings()
-    parser = argparse.ArgumentParser(
-        prog="python -m export.train",
-        description=train.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("export.train", train.__doc__)
     parser.add_argument("--preset", default=defaults.preset, choices=sorted(PRESETS))
     parser.add_argument("--dataset", default=defaults.dataset, choices=sorted(DATASET_CHOICES))
     parser.add_argument(

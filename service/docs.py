@@ -35,11 +35,6 @@ CONTENT_SECURITY_POLICY = (
 )
 
 
-def _page(response: HTMLResponse) -> HTMLResponse:
-    response.headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY
-    return response
-
-
 def install_docs(app: FastAPI, settings: Settings) -> None:
     """Add /docs, /redoc and their assets to ``app`` (created with ``docs_url=None`` and
     ``redoc_url=None``), unless ``settings.docs`` is off."""
@@ -47,35 +42,32 @@ def install_docs(app: FastAPI, settings: Settings) -> None:
         return
     openapi_url = app.openapi_url or "/openapi.json"
     favicon = f"{ASSETS_URL}/favicon.png"
-
-    @app.get("/docs", include_in_schema=False)
-    async def swagger_ui() -> HTMLResponse:
-        return _page(
-            get_swagger_ui_html(
-                openapi_url=openapi_url,
-                title=f"{app.title} - Swagger UI",
-                swagger_js_url=f"{ASSETS_URL}/swagger-ui-bundle.js",
-                swagger_css_url=f"{ASSETS_URL}/swagger-ui.css",
-                swagger_favicon_url=favicon,
-                # no call to the public validator service
-                swagger_ui_parameters={"validatorUrl": None},
-            )
-        )
-
-    @app.get("/redoc", include_in_schema=False)
-    async def redoc() -> HTMLResponse:
-        return _page(
-            get_redoc_html(
-                openapi_url=openapi_url,
-                title=f"{app.title} - ReDoc",
-                redoc_js_url=f"{ASSETS_URL}/redoc.standalone.js",
-                redoc_favicon_url=favicon,
-                with_google_fonts=False,
-            )
-        )
-
+    # The pages depend on nothing in the request: rendered once, here.
+    swagger_ui = get_swagger_ui_html(
+        openapi_url=openapi_url,
+        title=f"{app.title} - Swagger UI",
+        swagger_js_url=f"{ASSETS_URL}/swagger-ui-bundle.js",
+        swagger_css_url=f"{ASSETS_URL}/swagger-ui.css",
+        swagger_favicon_url=favicon,
+        swagger_ui_parameters={"validatorUrl": None},  # no call to the public validator service
+    )
+    redoc = get_redoc_html(
+        openapi_url=openapi_url,
+        title=f"{app.title} - ReDoc",
+        redoc_js_url=f"{ASSETS_URL}/redoc.standalone.js",
+        redoc_favicon_url=favicon,
+        with_google_fonts=False,
+    )
+    _add_page(app, "/docs", bytes(swagger_ui.body))
+    _add_page(app, "/redoc", bytes(redoc.body))
     for name, media_type in ASSETS.items():
         _add_asset(app, name, media_type)
+
+
+def _add_page(app: FastAPI, path: str, html: bytes) -> None:
+    @app.get(path, include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(html, headers={"Content-Security-Policy": CONTENT_SECURITY_POLICY})
 
 
 def _add_asset(app: FastAPI, name: str, media_type: str) -> None:

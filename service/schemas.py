@@ -22,14 +22,16 @@ _INVERT_DESCRIPTION = (
 )
 
 
+def with_examples(*examples: dict, **config: Any) -> ConfigDict:
+    """A model config whose JSON schema (and so the OpenAPI page) shows ``examples``."""
+    return ConfigDict(json_schema_extra={"examples": list(examples)}, **config)
+
+
 class ImageInput(BaseModel):
     """One image: either an encoded file (base64) or raw pixel values. Give exactly one of the two."""
 
-    model_config = ConfigDict(
-        extra="forbid",
-        json_schema_extra={
-            "examples": [{"b64": EXAMPLE_PNG_B64}, {"pixels": [[0, 128], [255, 64]]}]
-        },
+    model_config = with_examples(
+        {"b64": EXAMPLE_PNG_B64}, {"pixels": [[0, 128], [255, 64]]}, extra="forbid"
     )
 
     b64: str | None = Field(
@@ -105,17 +107,10 @@ class PredictOptions(BaseModel):
 class PredictRequest(PredictOptions):
     """JSON body of POST /predict."""
 
-    model_config = ConfigDict(
+    model_config = with_examples(
+        {"images": [{"b64": EXAMPLE_PNG_B64}], "top_k": 3},
+        {"images": [{"pixels": [[0] * 4] * 4}, {"b64": EXAMPLE_PNG_B64}], "invert": "never"},
         extra="forbid",
-        json_schema_extra={
-            "examples": [
-                {"images": [{"b64": EXAMPLE_PNG_B64}], "top_k": 3},
-                {
-                    "images": [{"pixels": [[0] * 4] * 4}, {"b64": EXAMPLE_PNG_B64}],
-                    "invert": "never",
-                },
-            ]
-        },
     )
 
     images: list[ImageInput] = Field(
@@ -152,15 +147,11 @@ class AttentionOptions(BaseModel):
 class AttentionRequest(AttentionOptions):
     """JSON body of POST /attention."""
 
-    model_config = ConfigDict(
+    model_config = with_examples(
+        {"image": {"b64": EXAMPLE_PNG_B64}},
+        {"image": {"b64": EXAMPLE_PNG_B64}, "method": "raw", "layer": 0, "head": 1},
+        {"image": {"b64": EXAMPLE_PNG_B64}, "format": "png"},
         extra="forbid",
-        json_schema_extra={
-            "examples": [
-                {"image": {"b64": EXAMPLE_PNG_B64}},
-                {"image": {"b64": EXAMPLE_PNG_B64}, "method": "raw", "layer": 0, "head": 1},
-                {"image": {"b64": EXAMPLE_PNG_B64}, "format": "png"},
-            ]
-        },
     )
 
     image: ImageInput
@@ -193,15 +184,8 @@ _PREDICTION_EXAMPLE = {
 
 
 class PredictResponse(BaseModel):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [
-                {
-                    "model": {"name": "fashion-mnist-vit", "version": 1},
-                    "predictions": [_PREDICTION_EXAMPLE],
-                }
-            ]
-        }
+    model_config = with_examples(
+        {"model": {"name": "fashion-mnist-vit", "version": 1}, "predictions": [_PREDICTION_EXAMPLE]}
     )
 
     model: ModelRef
@@ -209,21 +193,17 @@ class PredictResponse(BaseModel):
 
 
 class AttentionResponse(BaseModel):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [
-                {
-                    "model": {"name": "fashion-mnist-vit", "version": 1},
-                    "prediction": _PREDICTION_EXAMPLE,
-                    "method": "rollout",
-                    "layer": 5,
-                    "head": None,
-                    "pooling": "mean",
-                    "grid": [2, 2],
-                    "inverted": False,
-                    "map": [[0.0, 0.4], [1.0, 0.7]],
-                }
-            ]
+    model_config = with_examples(
+        {
+            "model": {"name": "fashion-mnist-vit", "version": 1},
+            "prediction": _PREDICTION_EXAMPLE,
+            "method": "rollout",
+            "layer": 5,
+            "head": None,
+            "pooling": "mean",
+            "grid": [2, 2],
+            "inverted": False,
+            "map": [[0.0, 0.4], [1.0, 0.7]],
         }
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 import pytest
 
 from bench import server_process
+from tests.support import MODEL_NAME
 
 PORTS = range(18180, 18190)
 # Answers 200 to any GET on the port given as its first argument.
@@ -71,6 +73,16 @@ def test_running_yields_a_ready_server_and_stops_it(tmp_path):
         process = server.process
     assert process.returncode == -15  # stopped with SIGTERM
     assert server_process.http_get(server.url + "/health/ready", timeout_s=1) is None
+
+
+def test_running_service_passes_its_settings_to_python_m_service(tmp_path, model_repository):
+    settings = {"model_repository": model_repository, "model_name": MODEL_NAME}
+    log = tmp_path / "service.log"
+    with server_process.running_service(log, ports=PORTS, max_batch_size=3, **settings) as server:
+        models = json.loads(server_process.http_get(server.url + "/models") or "{}")
+        assert models["models"][0]["name"] == MODEL_NAME
+        assert models["models"][0]["batching"]["max_batch_size"] == 3
+    assert server.process.returncode == 0  # SIGTERM: a clean shutdown
 
 
 def test_stop_ends_the_whole_process_group(tmp_path):

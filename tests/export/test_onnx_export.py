@@ -25,6 +25,7 @@ from service.model_config import read_model_config
 from service.model_repository import Preprocessing
 from service.preprocessing import normalise
 from tests.export.runs import init_from_args, save_altered_copy
+from tests.support import FASHION_INPUT
 
 
 @pytest.fixture(scope="module")
@@ -110,14 +111,7 @@ def test_metadata_describes_the_model(exported, tiny_run):
     assert metadata_of(repo / "tiny/3/attention.onnx")["graph"] == "attention"
     assert document["name"] == "tiny" and document["version"] == 3
     assert document["labels"][0] == "T-shirt/top" and len(document["labels"]) == 10
-    assert document["input"] == {
-        "name": "images",
-        "layout": "NCHW",
-        "dtype": "float32",
-        "channels": 1,
-        "height": 28,
-        "width": 28,
-    }
+    assert document["input"] == FASHION_INPUT
     pre = document["preprocessing"]
     assert pre["mean"] == [0.2860] and pre["std"] == [0.3530]
     assert pre["polarity"] == "light-on-dark" and pre["color"] == "grayscale"

@@ -298,48 +298,14 @@ def test_pipeline_refuses_an_explicit_resume():
 
 
 def test_pipeline_builds_the_commands_it_runs(tmp_path):
+    run, models = str(tmp_path / "run"), str(tmp_path / "models")
+    given = ["--name", "m", "--version", "3", "--repo", models, "--data-dir", "/d"]
     args, rest = pipeline.parse_args(
-        [
-            "--preset",
-            "fashion-small",
-            "--out",
-            str(tmp_path / "run"),
-            "--name",
-            "m",
-            "--version",
-            "3",
-            "--repo",
-            str(tmp_path / "models"),
-            "--epochs",
-            "40",
-            "--overwrite",
-            "--data-dir",
-            "/d",
-        ]
+        ["--preset", "fashion-small", "--out", run, *given, "--epochs", "40", "--overwrite"]
     )
     assert rest == ["--preset", "fashion-small", "--epochs", "40"]
-    assert pipeline.train_argv(args, rest) == [
-        "--preset",
-        "fashion-small",
-        "--epochs",
-        "40",
-        "--out",
-        str(tmp_path / "run"),
-        "--data-dir",
-        "/d",
-    ]
-    assert pipeline.export_argv(args) == [
-        str(tmp_path / "run"),
-        "--name",
-        "m",
-        "--version",
-        "3",
-        "--repo",
-        str(tmp_path / "models"),
-        "--data-dir",
-        "/d",
-        "--overwrite",
-    ]
+    assert pipeline.train_argv(args, rest) == [*rest, "--out", run, "--data-dir", "/d"]
+    assert pipeline.export_argv(args) == [run, *given, "--overwrite"]
     (tmp_path / "run" / "last").mkdir(parents=True)
     (tmp_path / "run" / "last" / "state.json").write_text("{}")
     assert pipeline.train_argv(args, rest)[-2:] == ["--resume", str(tmp_path / "run")]

@@ -302,16 +302,7 @@ def test_one_and_three_channels(channels):
 
 
 def test_non_square_images():
-    config = ViTConfig(
-        image_height=28,
-        image_width=56,
-        patch_size=4,
-        dim=32,
-        depth=2,
-        heads=2,
-        mlp_dim=64,
-        pooling="token",
-    )
+    config = small(image_height=28, image_width=56, heads=2, pooling="token")
     assert config.grid == (7, 14) and config.num_patches == 98 and config.num_tokens == 99
     model = VisionTransformer(config).eval()
     logits, maps = model.forward_with_attention(torch.randn(2, 1, 28, 56))

@@ -8,8 +8,6 @@ afterwards.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from tests.support import (
     MAX_PIXELS,
     NUM_CLASSES,
     RELIABILITY,
+    asgi_post,
     assert_error,
     assert_matches,
     assert_no_leak,
@@ -777,37 +776,6 @@ def test_bad_input_gets_its_status_and_message(
         assert error["code"] in case.codes, error
 
 
-def asgi_post(app, path: str, headers: list[tuple[bytes, bytes]], body: bytes) -> tuple[int, dict]:
-    """Drive the ASGI app directly, with header bytes no HTTP client would send."""
-    sent: list[dict] = []
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"host", b"testserver"), *headers],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-        "state": {},
-    }
-    asyncio.run(app(scope, receive, send))
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    answer = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return start["status"], json.loads(answer)
-
-
 @pytest.mark.parametrize(
     ("length", "status"),
     [
@@ -822,7 +790,7 @@ def asgi_post(app, path: str, headers: list[tuple[bytes, bytes]], body: bytes) -
 @pytest.mark.parametrize("path", ["/predict", "/v2/models/tiny-vit/infer"])
 def test_an_odd_content_length_is_a_4xx(client, path, length, status):
     headers = [(b"content-type", b"application/json"), (b"content-length", length)]
-    answer_status, answer = asgi_post(client.app, path, headers, b"{}")
+    answer_status, answer, _ = asgi_post(client.app, path, headers, [b"{}"])
     assert answer_status == status, answer
     message = answer["error"] if path.startswith("/v2") else answer["error"]["message"]
     assert "Content-Length" in message and len(message) < 200, message

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.support import RELIABILITY, Server, assert_matches, metric, running_server
+from tests.support import RELIABILITY, Server, assert_matches, metric, recv_until, running_server
 
 pytestmark = pytest.mark.slow  # two servers, about 25 s together
 
@@ -44,9 +44,7 @@ def connect(server: Server, timeout: float = 10.0) -> socket.socket:
 
 def read_answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     """Status, headers and body of the one answer on ``sock``, read until the server closes it."""
-    data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
+    data = recv_until(sock, lambda _: False)
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     headers = dict(line.lower().split(": ", 1) for line in lines[1:])
@@ -120,9 +118,7 @@ def test_a_slow_but_steady_upload_is_served(server, fashion_images, reference):
         time.sleep(0.05)
     assert time.monotonic() - started > 2 * DEADLINES["body_timeout_s"]
     sock.settimeout(10)
-    answer = b""
-    while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
-        answer += sock.recv(65536)
+    answer = recv_until(sock, lambda data: b"\r\n\r\n" in data and data.rstrip().endswith(b"}"))
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
     prediction = json.loads(answer.partition(b"\r\n\r\n")[2])["predictions"][0]
     assert_matches(prediction, reference.probabilities(image[np.newaxis])[0])

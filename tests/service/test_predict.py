@@ -5,20 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.support import MODEL_NAME, Reference, b64, encode
+from export.data import FASHION_MNIST_LABELS
+from tests.support import FASHION_INPUT, MODEL_NAME, Reference, b64, encode
 
-LABELS = [
-    "T-shirt/top",
-    "Trouser",
-    "Pullover",
-    "Dress",
-    "Coat",
-    "Sandal",
-    "Shirt",
-    "Sneaker",
-    "Bag",
-    "Ankle boot",
-]
+LABELS = list(FASHION_MNIST_LABELS)
 
 
 def check_against_reference(predictions: list[dict], expected: np.ndarray, top_k: int) -> None:
@@ -144,14 +134,7 @@ def test_models_health_and_openapi(client, settings):
     info = client.get("/models").json()["models"][0]
     assert info["name"] == MODEL_NAME and info["version"] == 1
     assert info["labels"] == LABELS
-    assert info["input"] == {
-        "name": "images",
-        "layout": "NCHW",
-        "dtype": "float32",
-        "channels": 1,
-        "height": 28,
-        "width": 28,
-    }
+    assert info["input"] == FASHION_INPUT
     assert info["provider"] == "CPUExecutionProvider"
     assert info["grid"] == [4, 4] and info["pooling"] == "mean"
     assert info["batching"]["max_batch_size"] == settings.max_batch_size
