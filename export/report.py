@@ -34,7 +34,7 @@ from export.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoi
 from export.data import DatasetError, Split, load_test_split, normalize, spec_from_metadata
 from export.evaluate import checkpoint_logits, classification_metrics
 from export.model import VisionTransformer
-from export.rollout import attention_rollout, last_layer_heads, normalise_maps, to_grid
+from service.attention_maps import attention_map
 
 GALLERY_SIZE = 10
 
@@ -150,8 +150,18 @@ def plot_attention_gallery(
     logits, attention = model.forward_with_attention(normalize(images, spec).to(device))
     attention = attention.float().cpu().numpy()
     predicted = logits.argmax(dim=1).cpu().tolist()
-    rollout = normalise_maps(to_grid(attention_rollout(attention, config.pooling), config.grid))
-    heads = normalise_maps(to_grid(last_layer_heads(attention, config.pooling), config.grid))
+    last, pooling, grid = config.depth - 1, config.pooling, config.grid
+    rollout = [
+        attention_map(a, method="rollout", layer=last, head=None, pooling=pooling, grid=grid)
+        for a in attention
+    ]
+    heads = [
+        [
+            attention_map(a, method="raw", layer=last, head=h, pooling=pooling, grid=grid)
+            for h in range(config.heads)
+        ]
+        for a in attention
+    ]
 
     columns = 2 + config.heads
     figure, axes = plt.subplots(
@@ -172,7 +182,7 @@ def plot_attention_gallery(
             rollout[row], cmap="inferno", alpha=0.6, extent=extent, interpolation="bilinear"
         )
         for head in range(config.heads):
-            axes[row, 2 + head].imshow(heads[row, head], cmap="viridis", interpolation="nearest")
+            axes[row, 2 + head].imshow(heads[row][head], cmap="viridis", interpolation="nearest")
     titles = ["image", "rollout"] + [
         f"layer {config.depth} head {h + 1}" for h in range(config.heads)
     ]

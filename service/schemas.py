@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 Invert = Literal["auto", "always", "never"]
+_NUMBERS = frozenset((int, float))
 
 # A 1x1 black PNG, used in the examples.
 EXAMPLE_PNG_B64 = (
@@ -36,16 +39,58 @@ class ImageInput(BaseModel):
     pixels: list[Any] | None = Field(
         default=None,
         description=(
-            "Nested list H x W (grayscale) or C x H x W (C = 1 or 3) of numbers from 0 to 255."
+            "Nested list H x W (grayscale) or C x H x W (C = 1 or 3) of numbers from 0 to 255 "
+            "(JSON numbers: strings and booleans are refused)."
         ),
         json_schema_extra={"items": {"type": "array", "items": {}}},
     )
+
+    @field_validator("pixels")
+    @classmethod
+    def _numbers_only(cls, pixels: list[Any] | None) -> list[Any] | None:
+        found = None if pixels is None else first_non_number(pixels)
+        if found is not None:
+            position, value = found
+            raise PydanticCustomError(
+                "invalid_pixels",
+                "values must be numbers from 0 to 255; found {value} at {position}: not a "
+                "number (strings, booleans, null and objects are refused)",
+                {"value": json.dumps(value)[:40], "position": str(position)},
+            )
+        return pixels
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ImageInput:
         if (self.b64 is None) == (self.pixels is None):
             raise ValueError("give exactly one of 'b64' or 'pixels'")
         return self
+
+
+def first_non_number(pixels: list[Any]) -> tuple[list[int], Any] | None:
+    """The position and value of the first element of a nested list that is neither a list nor a
+    JSON number (int or float; a boolean is not one), in reading order; None when there is none."""
+    pending: list[tuple[list[int], list[Any]]] = [([], pixels)]
+    while pending:
+        path, values = pending.pop()
+        kinds = set(map(type, values))
+        if kinds <= _NUMBERS:
+            continue
+        if kinds <= _NUMBERS | {list}:
+            pending.extend(
+                ([*path, i], value)
+                for i, value in reversed(list(enumerate(values)))
+                if type(value) is list
+            )
+            continue
+        # a culprit is here, but a list before it may hold an earlier one
+        for i, value in enumerate(values):
+            if type(value) is list:
+                found = first_non_number(value)
+                if found is not None:
+                    return [*path, i, *found[0]], found[1]
+            elif type(value) not in _NUMBERS:
+                return [*path, i], value
+    return None
 
 
 class PredictOptions(BaseModel):
@@ -210,35 +255,53 @@ class InputInfo(BaseModel):
 
 class BatchingInfo(BaseModel):
     max_batch_size: int
+    preferred_batch_sizes: list[int]
     attention_max_batch_size: int
     max_queue_delay_ms: float
     max_queue_size: int
     request_timeout_s: float
+    instance_count: int
 
 
 class LimitsInfo(BaseModel):
     max_body_bytes: int
     max_images_per_request: int
     max_pixels_per_image: int
+    max_pixels_per_request: int
     accepted_formats: list[str]
 
 
+class VersionInfo(BaseModel):
+    version: int
+    state: Literal["LOADING", "READY", "UNAVAILABLE", "UNLOADING"]
+    reason: str = Field(default="", description="Why a version is not READY.")
+
+
 class ModelInfo(BaseModel):
+    """A model, its versions and their states; the details are those of the version that requests
+    without a version go to (the highest READY one), null while none is ready."""
+
     name: str = Field(examples=["fashion-mnist-vit"])
-    version: int = Field(examples=[1])
-    labels: list[str]
-    input: InputInfo
-    preprocessing: dict[str, Any]
-    grid: tuple[int, int]
-    pooling: str
-    depth: int
-    heads: int
-    dataset: str | None
-    test_accuracy: float | None
-    provider: str = Field(
-        description="The onnxruntime execution provider in use.", examples=["CPUExecutionProvider"]
+    default: bool = Field(description="Whether /predict and /attention serve this model.")
+    versions: list[VersionInfo]
+    version: int | None = Field(examples=[1])
+    labels: list[str] | None = None
+    input: InputInfo | None = None
+    preprocessing: dict[str, Any] | None = None
+    attention: bool = Field(default=False, description="Whether /attention is available.")
+    grid: tuple[int, int] | None = None
+    pooling: str | None = None
+    depth: int | None = None
+    heads: int | None = None
+    precision: str | None = Field(default=None, examples=["fp32", "int8"])
+    dataset: str | None = None
+    test_accuracy: float | None = None
+    provider: str | None = Field(
+        default=None,
+        description="The onnxruntime execution provider in use.",
+        examples=["CPUExecutionProvider"],
     )
-    batching: BatchingInfo
+    batching: BatchingInfo | None = None
     limits: LimitsInfo
 
 
@@ -247,7 +310,7 @@ class ModelsResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["live", "ready", "starting", "shutting_down"]
+    status: Literal["live", "ready", "starting", "shutting_down", "unavailable"]
     ready: bool
 
 

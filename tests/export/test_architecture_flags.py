@@ -179,11 +179,11 @@ def test_resume_keeps_the_recorded_model(tmp_path, tiny_preset):
 
 
 def test_the_train_your_own_images_command_is_valid():
-    """docs/train-your-own.md's training command parses into the model it names."""
+    """The README's "train on your own images" command parses into the model it names."""
     from tests.export.conftest import REPO
 
-    text = (REPO / "docs" / "train-your-own.md").read_text()
-    (command,) = re.findall(r"`\.venv/bin/python -m export\.train ([^`]+)`", text)
+    text = (REPO / "README.md").read_text()
+    (command,) = re.findall(r"`\.venv/bin/python -m export\.train (--dataset folder[^`]+)`", text)
     settings, out, _, _ = train.parse_args(command.split())
     config = ViTConfig.from_dict(settings.model_config)
     assert (

@@ -14,9 +14,12 @@ import pytest
 import torch
 
 from export import onnx as onnx_export
+from export import repository
 from export.checkpoint import CheckpointError, load_checkpoint
 from export.data import get_dataset_spec, load_dataset, normalize
 from export.report import plot_curves
+from export.repository import RepositoryError, write_version
+from service.model_config import read_model_config
 from tests.export.runs import init_from_args, save_altered_copy
 
 
@@ -36,12 +39,17 @@ def metadata_of(path: Path) -> dict:
 def test_writes_the_triton_layout(exported):
     repo, result = exported
     entry = repo / "tiny"
-    assert sorted(p.name for p in entry.iterdir()) == ["3", "config.pbtxt", "labels.txt"]
-    assert sorted(p.name for p in (entry / "3").iterdir()) == ["attention.onnx", "model.onnx"]
-    assert (entry / "labels.txt").read_text().splitlines()[1] == "Trouser"
-    config = (entry / "config.pbtxt").read_text()
-    assert 'platform: "onnxruntime_onnx"' in config
-    assert "dims: [ 1, 28, 28 ]" in config and "dims: [ 10 ]" in config
+    assert sorted(p.name for p in entry.iterdir()) == ["3", "config.pbtxt"]
+    assert sorted(p.name for p in (entry / "3").iterdir()) == [
+        "attention.onnx",
+        "labels.txt",
+        "model.onnx",
+    ]
+    assert (entry / "3" / "labels.txt").read_text().splitlines()[1] == "Trouser"
+    config = read_model_config(entry / "config.pbtxt")
+    assert config.name == "tiny" and config.platform == "onnxruntime_onnx"
+    assert list(config.input[0].dims) == [1, 28, 28] and list(config.output[0].dims) == [10]
+    assert config.output[0].label_filename == "3/labels.txt"
     assert (entry / "3").stat().st_mode & 0o755 == 0o755
     assert result["path"] == str(entry / "3")
 
@@ -269,3 +277,113 @@ def test_model_card_finds_a_parent_recorded_relative_to_the_repository(tmp_path,
     assert found == REPO / "checkpoints" / "fashion-small" / "model.safetensors"
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         locate_parent("checkpoints/no-such-run")
+
+
+# -- the repository writer: a version is written whole, and belongs to itself ---------------------
+def tiny_graph(scale: float) -> onnx.ModelProto:
+    """images [N, 1, 2, 2] -> logits [N, 4]: a stand-in graph, cheap to write."""
+    h = onnx.helper
+    nodes = [
+        h.make_node("Flatten", ["images"], ["flat"]),
+        h.make_node("Mul", ["flat", "scale"], ["logits"]),
+    ]
+    scale_init = onnx.numpy_helper.from_array(np.array(scale, dtype=np.float32), "scale")
+    graph = h.make_graph(
+        nodes,
+        "tiny",
+        [h.make_tensor_value_info("images", onnx.TensorProto.FLOAT, ["N", 1, 2, 2])],
+        [h.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["N", 4])],
+        [scale_init],
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 18)], ir_version=10)
+
+
+def write(repo: Path, version: int, labels=("a", "b", "c", "d"), scale=1.0, **kwargs) -> Path:
+    files = {"model.onnx": tiny_graph(scale), "attention.onnx": tiny_graph(-scale)}
+    return write_version(repo, "m", version, files, list(labels), (1, 2, 2), **kwargs)
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_an_export_that_fails_midway_leaves_no_version_directory(tmp_path, monkeypatch):
+    write(tmp_path, 1)
+    config_before = (tmp_path / "m" / "config.pbtxt").read_bytes()
+    saved = []
+
+    def save_then_fail(graph, path):
+        if saved:
+            raise OSError("disk full")
+        saved.append(path)
+        onnx.save_model(graph, path)
+
+    monkeypatch.setattr(repository.onnx, "save_model", save_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        write(tmp_path, 2, labels=("w", "x", "y", "z"))
+    assert saved, "the failure came after the first file was written"
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["1", "config.pbtxt"]
+    assert (tmp_path / "m" / "config.pbtxt").read_bytes() == config_before
+
+
+def test_a_new_version_with_other_labels_leaves_the_old_one_byte_identical(tmp_path):
+    first = write(tmp_path, 1)
+    before = snapshot(first)
+    second = write(tmp_path, 2, labels=("w", "x", "y", "z"), scale=2.0)
+    assert snapshot(first) == before
+    assert (first / "labels.txt").read_text() == "a\nb\nc\nd\n"
+    assert (second / "labels.txt").read_text() == "w\nx\ny\nz\n"
+    config = read_model_config(tmp_path / "m" / "config.pbtxt")
+    assert config.output[0].label_filename == "2/labels.txt"  # what Triton's latest-1 serves
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["1", "2", "config.pbtxt"]
+
+
+def test_the_users_serving_settings_are_kept(tmp_path):
+    write(tmp_path, 1)
+    path = tmp_path / "m" / "config.pbtxt"
+    edited = path.read_text().replace("max_batch_size: 32", "max_batch_size: 16")
+    edited += "\ninstance_group [ { count: 2 kind: KIND_CPU } ]\n"
+    path.write_text(edited)
+    write(tmp_path, 2)
+    config = read_model_config(path)
+    assert config.max_batch_size == 16 and [g.count for g in config.instance_group] == [1, 2]
+    write(tmp_path, 1, overwrite=True)  # an older version does not take label_filename back
+    assert read_model_config(path).output[0].label_filename == "2/labels.txt"
+
+
+def test_what_a_config_lacks_is_added_and_what_contradicts_the_graph_is_refused(tmp_path):
+    entry = tmp_path / "m"
+    entry.mkdir()
+    (entry / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 8\n')
+    write(tmp_path, 1)
+    config = read_model_config(entry / "config.pbtxt")
+    assert config.name == "m" and config.max_batch_size == 8
+    assert [(t.name, list(t.dims)) for t in config.input] == [("images", [1, 2, 2])]
+    assert config.output[0].name == "logits" and config.output[0].label_filename == "1/labels.txt"
+
+    before = (entry / "config.pbtxt").read_text()
+    (entry / "config.pbtxt").write_text(before.replace("dims: [1, 2, 2]", "dims: [3, 2, 2]"))
+    with pytest.raises(
+        RepositoryError, match=r"declares input \[\('images', 'TYPE_FP32', \[3, 2, 2\]\)\]"
+    ):
+        write(tmp_path, 2)
+    (entry / "config.pbtxt").write_text(before.replace('name: "m"', 'name: "other"'))
+    with pytest.raises(RepositoryError, match="names the model 'other', its directory is 'm'"):
+        write(tmp_path, 2)
+    (entry / "config.pbtxt").write_text(before.replace("max_batch_size", "max_batchsize"))
+    with pytest.raises(RepositoryError, match=r"config\.pbtxt: line 3, column 1"):
+        write(tmp_path, 2)
+    assert sorted(p.name for p in entry.iterdir()) == ["1", "config.pbtxt"]
+
+
+def test_overwrite_replaces_a_version_whole(tmp_path):
+    write(tmp_path, 1, labels=("a", "b", "c", "d"))
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        write(tmp_path, 1)
+    version = write(tmp_path, 1, labels=("p", "q", "r", "s"), scale=3.0, overwrite=True)
+    assert (version / "labels.txt").read_text() == "p\nq\nr\ns\n"
+    (logits,) = ort.InferenceSession(str(version / "model.onnx")).run(
+        None, {"images": np.ones((1, 1, 2, 2), np.float32)}
+    )
+    np.testing.assert_array_equal(logits, np.full((1, 4), 3.0))
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["1", "config.pbtxt"]
