@@ -12,11 +12,13 @@ every other file must be an image, and those that are not are listed with their 
 from __future__ import annotations
 
 import hashlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from export.data import FOLDER, DatasetError, DatasetSpec, Split
 
@@ -144,7 +146,10 @@ def read_split(files: tuple[tuple[Path, int], ...], spec: DatasetSpec) -> Split:
     preprocessor = preprocessor_for(spec)
     images = np.zeros((len(files), spec.channels, spec.height, spec.width), dtype=np.uint8)
     failures: list[str] = []
-    for index, (path, _) in enumerate(files):
+    progress = tqdm(
+        files, desc="reading images", mininterval=5.0, file=sys.stderr, disable=len(files) < 2000
+    )
+    for index, (path, _) in enumerate(progress):
         try:
             # Polarity "natural": never inverted, so the display is exactly the model's view.
             prepared = read_image(path, preprocessor, invert="never")

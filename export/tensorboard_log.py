@@ -24,8 +24,8 @@ class TensorBoardLog:
             raise RuntimeError(
                 "--tensorboard needs the tensorboard package: pip install -r requirements/export.txt"
             ) from error
-        # A resumed run drops what the stopped one logged after its last saved state.
-        self.writer = SummaryWriter(str(log_dir), purge_step=purge_step or None)
+        # Events at ``purge_step`` and later, from a run that stopped, are hidden from TensorBoard.
+        self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
 
     def step(self, step: int, loss: float, learning_rate: float) -> None:
         self.writer.add_scalar("train/loss", loss, step)

@@ -212,7 +212,8 @@ class Trainer:
         if self.settings.tensorboard:
             from export.tensorboard_log import TensorBoardLog
 
-            log = TensorBoardLog(self.out_dir / "tensorboard", purge_step=self.step)
+            # Resumed: what the stopped run logged after its saved state (later steps) is dropped.
+            log = TensorBoardLog(self.out_dir / "tensorboard", purge_step=self.step + 1)
         try:
             self.run_epochs(train, validation, log)
             if log is not None:

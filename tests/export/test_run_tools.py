@@ -160,3 +160,42 @@ def test_summary_needs_a_preset_or_a_checkpoint(capsys):
         summary.main([])
     assert exit_.value.code == 2
     assert "give either --preset NAME or a checkpoint" in capsys.readouterr().err
+
+
+class Interrupted(Exception):
+    pass
+
+
+@pytest.mark.slow
+def test_a_resumed_run_logs_every_epoch_once(tmp_path, tiny_preset, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from export import train
+
+    run = tmp_path / "run"
+    args = [
+        *("--preset", tiny_preset, "--epochs", "2", "--batch-size", "64", "--train-limit", "128"),
+        *("--validation-size", "64", "--warmup-epochs", "1", "--tensorboard", "--no-report"),
+        *("--out", str(run)),
+    ]
+    save_state = train.Trainer.save_state
+
+    def stop_before_saving_epoch_2(self):
+        if self.epoch == 2:  # its metrics row and TensorBoard events are written by now
+            raise Interrupted
+        save_state(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train.Trainer, "save_state", stop_before_saving_epoch_2)
+        with pytest.raises(Interrupted):
+            train.main(args)
+    assert train.main(["--resume", str(run)]) == 0
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    assert [event.step for event in events.Scalars("loss/validation")] == [2, 4]
+    assert [event.step for event in events.Scalars("train/loss")] == [1, 2, 3, 4]
+    rows = rows_of(run)
+    assert [event.value for event in events.Scalars("loss/validation")] == pytest.approx(
+        [float(row["val_loss"]) for row in rows], rel=1e-5
+    )
+    assert [event.step for event in events.Images("attention/0")] == [4]
