@@ -23,6 +23,9 @@ from service.state import ServiceState
 
 EXIT_BAD_SETTINGS = 2
 EXIT_START_FAILED = 3
+# uvicorn cancels open requests this long after the service's own drain deadline, which answers what
+# is left 503: long enough for those answers to be written.
+ANSWER_MARGIN_S = 5.0
 
 
 class _Server(uvicorn.Server):
@@ -79,7 +82,8 @@ def main() -> None:
         port=settings.port,
         log_level=settings.log_level,
         lifespan="on",
-        timeout_graceful_shutdown=settings.graceful_shutdown_s,
+        timeout_graceful_shutdown=settings.graceful_shutdown_s + ANSWER_MARGIN_S,
+        access_log=settings.access_log,
         proxy_headers=False,
         http=guarded_protocol(settings),
     )

@@ -1,4 +1,5 @@
-"""One error shape for every failure: ``{"error": {"code", "message", "field", "request_id"}}``.
+"""One error shape for every failure: ``{"error": {"code", "message", "field", "request_id"}}``, and the
+Open Inference Protocol's ``{"error": "<message>"}`` under ``/v2``.
 
 Bad input is a 4xx naming the field and the limit it broke; only a fault of the service is a 500, and
 that one carries the request id (the traceback goes to the log, never to the client).
@@ -86,11 +87,27 @@ class ServiceUnavailable(ServiceError):
         super().__init__(message, code=code, headers={"Retry-After": str(retry_after_s)})
 
 
+class ClientDisconnected(ServiceError):
+    """The client went away before its answer was ready (nginx's 499; nobody reads the body)."""
+
+    status_code = 499
+    code = "client_disconnected"
+
+
 class InferenceFailed(ServiceError):
     """500: the model run failed for the batch this request was in."""
 
     status_code = 500
     code = "inference_failed"
+
+
+PROTOCOL_PREFIX = "/v2"
+
+
+def is_protocol_path(path: str) -> bool:
+    """Whether ``path`` is the Open Inference Protocol's, whose errors are ``{"error": "<message>"}``
+    (clients such as tritonclient read ``error`` as a string)."""
+    return path == PROTOCOL_PREFIX or path.startswith(PROTOCOL_PREFIX + "/")
 
 
 def printable(text: str) -> str:
@@ -131,6 +148,10 @@ def error_response(
     all_headers = dict(headers or {})
     if request_id:
         all_headers.setdefault("X-Request-ID", request_id)
+    if is_protocol_path(request.url.path):
+        if status_code == 422:  # the protocol has no 422: a bad request is a 400
+            status_code = 400
+        return JSONResponse({"error": message}, status_code=status_code, headers=all_headers)
     return JSONResponse(
         error_body(code, message, request_id, field, details),
         status_code=status_code,

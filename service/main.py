@@ -16,7 +16,10 @@ from service.errors import install_error_handlers
 from service.inputs import json_limits
 from service.metrics import Metrics
 from service.middleware import RequestContextMiddleware
-from service.routers import attention, demo, health, metrics, models, predict, v2
+from service.oip import repository as oip_repository
+from service.oip import routes as oip
+from service.oip.schemas import InferRequest
+from service.routers import attention, demo, health, metrics, models, predict
 from service.schemas import AttentionRequest, PredictRequest
 from service.settings import Settings
 from service.state import ServiceState
@@ -49,7 +52,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         title=app.title, version=app.version, description=app.description, routes=app.routes
     )
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
-    for model in (PredictRequest, AttentionRequest, v2.InferRequest):
+    for model in (PredictRequest, AttentionRequest, InferRequest):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -60,7 +63,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     _configure_logging(settings.log_level)
-    app_metrics = Metrics(max(settings.max_batch_size, settings.attention_max_batch_size))
+    app_metrics = Metrics()
     state = ServiceState(settings, app_metrics)
 
     @asynccontextmanager
@@ -83,15 +86,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = app_metrics
     app.state.service = state
     install_error_handlers(app)
-    routers = (
+    routers = [
         predict.router,
         attention.router,
         models.router,
         health.router,
         metrics.router,
-        v2.router,
+        oip.router,
+        oip_repository.router,
         demo.router,
-    )
+    ]
+    routers.append(oip.not_in_protocol_route(routers))
     for router in routers:
         app.include_router(router)
     install_docs(app, settings)

@@ -16,7 +16,7 @@ import uuid
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import PayloadTooLarge, error_body
+from service.errors import PayloadTooLarge, error_body, is_protocol_path
 from service.inputs import current_json_limits
 from service.json_guard import ImageJsonLimits
 from service.metrics import Metrics
@@ -125,10 +125,9 @@ class RequestContextMiddleware:
     ) -> None:
         """Answer before the app sees the request (a bad or too large Content-Length)."""
         field = "body" if status == 413 else "Content-Length"
-        # The Open Inference Protocol's error body is {"error": "<message>"}.
         error = (
             {"error": message}
-            if path == "/v2" or path.startswith("/v2/")
+            if is_protocol_path(path)
             else error_body(code, message, request_id, field)
         )
         body = json.dumps(error).encode()

@@ -264,35 +264,53 @@ class InputInfo(BaseModel):
 
 class BatchingInfo(BaseModel):
     max_batch_size: int
+    preferred_batch_sizes: list[int]
     attention_max_batch_size: int
     max_queue_delay_ms: float
     max_queue_size: int
     request_timeout_s: float
+    instance_count: int
 
 
 class LimitsInfo(BaseModel):
     max_body_bytes: int
     max_images_per_request: int
     max_pixels_per_image: int
+    max_pixels_per_request: int
     accepted_formats: list[str]
 
 
+class VersionInfo(BaseModel):
+    version: int
+    state: Literal["LOADING", "READY", "UNAVAILABLE", "UNLOADING"]
+    reason: str = Field(default="", description="Why a version is not READY.")
+
+
 class ModelInfo(BaseModel):
+    """A model, its versions and their states; the details are those of the version that requests
+    without a version go to (the highest READY one), null while none is ready."""
+
     name: str = Field(examples=["fashion-mnist-vit"])
-    version: int = Field(examples=[1])
-    labels: list[str]
-    input: InputInfo
-    preprocessing: dict[str, Any]
-    grid: tuple[int, int]
-    pooling: str
-    depth: int
-    heads: int
-    dataset: str | None
-    test_accuracy: float | None
-    provider: str = Field(
-        description="The onnxruntime execution provider in use.", examples=["CPUExecutionProvider"]
+    default: bool = Field(description="Whether /predict and /attention serve this model.")
+    versions: list[VersionInfo]
+    version: int | None = Field(examples=[1])
+    labels: list[str] | None = None
+    input: InputInfo | None = None
+    preprocessing: dict[str, Any] | None = None
+    attention: bool = Field(default=False, description="Whether /attention is available.")
+    grid: tuple[int, int] | None = None
+    pooling: str | None = None
+    depth: int | None = None
+    heads: int | None = None
+    precision: str | None = Field(default=None, examples=["fp32", "int8"])
+    dataset: str | None = None
+    test_accuracy: float | None = None
+    provider: str | None = Field(
+        default=None,
+        description="The onnxruntime execution provider in use.",
+        examples=["CPUExecutionProvider"],
     )
-    batching: BatchingInfo
+    batching: BatchingInfo | None = None
     limits: LimitsInfo
 
 
@@ -301,7 +319,7 @@ class ModelsResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["live", "ready", "starting", "shutting_down"]
+    status: Literal["live", "ready", "starting", "shutting_down", "unavailable"]
     ready: bool
 
 

@@ -1,6 +1,7 @@
 """Service settings: every knob is an environment variable with the prefix ``VITSERVE_``.
 
-The README's settings table is built from the field descriptions below, so they are the documentation.
+Each model's batching settings come from its ``config.pbtxt`` (service/model_config.py); the batching
+variables here are overrides that win over every model's file when set.
 """
 
 from __future__ import annotations
@@ -22,50 +23,88 @@ class Settings(BaseSettings):
         validate_default=True,
     )
 
-    # The model.
+    # The models.
     model_repository: Path = Field(
         default=Path("models"),
         description="Directory of the model repository (layout of docs/model-repository.md).",
     )
-    model_name: str = Field(
-        default="fashion-mnist-vit",
+    models: str = Field(
+        default="",
+        description=(
+            "Comma-separated names of the models to serve; empty serves every model in the repository."
+        ),
+    )
+    model_name: str | None = Field(
+        default=None,
         min_length=1,
-        description="Name of the model to serve: a directory inside the model repository.",
+        description=(
+            "The default model, served by /predict and /attention; unset: the only model, or the "
+            "first by name."
+        ),
     )
     model_version: int | None = Field(
         default=None,
         ge=1,
-        description="Version to serve (a numbered directory); unset serves the highest version.",
+        description=(
+            "Pin the default model to this version (overrides its version_policy); unset follows "
+            "the policy (by default the highest version)."
+        ),
+    )
+    model_control: Literal["none", "poll", "explicit"] = Field(
+        default="none",
+        description=(
+            "Model control mode, as Triton's: 'none' loads at start-up only; 'poll' also follows the "
+            "repository (new, changed and removed versions) every repository_poll_s; 'explicit' loads "
+            "and unloads on POST /v2/repository/models/{name}/load|unload."
+        ),
+    )
+    repository_poll_s: float = Field(
+        default=5.0,
+        gt=0.0,
+        le=3600.0,
+        description="Seconds between two scans of the repository in 'poll' mode.",
     )
 
-    # Dynamic batching and queueing.
-    max_batch_size: int = Field(
-        default=32,
+    # Dynamic batching: overrides of every model's config.pbtxt (unset: the file decides).
+    max_batch_size: int | None = Field(
+        default=None,
         ge=1,
         le=1024,
-        description="Most images run through the model in one batch; warm-up covers every size up to it.",
+        description="Most images run through the model in one batch (config.pbtxt: max_batch_size).",
     )
-    max_queue_delay_ms: float = Field(
-        default=2.0,
+    max_queue_delay_ms: float | None = Field(
+        default=None,
         ge=0.0,
         le=10_000.0,
         description=(
             "Longest time the oldest queued image waits for a batch to fill before the batch runs anyway "
-            "(milliseconds)."
+            "(milliseconds; config.pbtxt: dynamic_batching.max_queue_delay_microseconds)."
         ),
     )
-    max_queue_size: int = Field(
-        default=512,
+    max_queue_size: int | None = Field(
+        default=None,
         ge=1,
         description=(
             "Most images waiting in the queue of a graph; a request that does not fit is answered 503 "
-            "with Retry-After at once."
+            "with Retry-After at once (config.pbtxt: default_queue_policy.max_queue_size)."
         ),
     )
-    request_timeout_s: float = Field(
-        default=30.0,
+    request_timeout_s: float | None = Field(
+        default=None,
         gt=0.0,
-        description="A request not answered within this many seconds of entering the queue gets 503.",
+        description=(
+            "A request not answered within this many seconds of entering the queue gets 503 "
+            "(config.pbtxt: default_queue_policy.default_timeout_microseconds)."
+        ),
+    )
+    instance_count: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description=(
+            "Model instances per graph: batches run concurrently, each on its own onnxruntime session "
+            "(config.pbtxt: instance_group count)."
+        ),
     )
     retry_after_s: int = Field(
         default=1,
@@ -100,7 +139,10 @@ class Settings(BaseSettings):
     intra_op_threads: int = Field(
         default=0,
         ge=0,
-        description="onnxruntime intra-op threads per session (0 lets onnxruntime choose).",
+        description=(
+            "onnxruntime intra-op threads per session (0: every core but one, shared out among the "
+            "instances; the one left runs the event loop)."
+        ),
     )
     inter_op_threads: int = Field(
         default=0,
@@ -151,6 +193,26 @@ class Settings(BaseSettings):
         description=(
             "Most requests decoding and preprocessing images at once; bounds the memory that large "
             "images take while decoding (decoding is CPU-bound, so more than the core count gains nothing)."
+        ),
+    )
+    max_decode_waiters: int = Field(
+        default=256,
+        ge=0,
+        description=(
+            "Most requests waiting for a decode slot; one more is answered 503 with Retry-After at once."
+        ),
+    )
+    decode_wait_timeout_s: float = Field(
+        default=10.0,
+        gt=0.0,
+        description="Longest wait for a decode slot before the request is answered 503 with Retry-After.",
+    )
+    max_pixels_per_request: int = Field(
+        default=4 * 4096 * 4096,
+        ge=1,
+        description=(
+            "Most pixels all images of one request may have together, so that one request cannot hold "
+            "a decode slot for long."
         ),
     )
 
@@ -218,12 +280,22 @@ class Settings(BaseSettings):
     graceful_shutdown_s: float = Field(
         default=60.0,
         gt=0.0,
-        description="Longest wait for queued and running requests on SIGTERM before they are cancelled.",
+        description=(
+            "Longest wait for queued and running requests on SIGTERM; what is still unanswered then "
+            "is answered 503."
+        ),
+    )
+    access_log: bool = Field(
+        default=False,
+        description=(
+            "uvicorn's access log, a line per request; off by default, as it costs a share of every "
+            "request's CPU (the metrics count every request by route and status)."
+        ),
     )
 
     @model_validator(mode="after")
     def _queue_holds_a_request(self) -> Settings:
-        if self.max_queue_size < self.max_images_per_request:
+        if self.max_queue_size is not None and self.max_queue_size < self.max_images_per_request:
             raise ValueError(
                 f"max_queue_size ({self.max_queue_size}) must be at least max_images_per_request "
                 f"({self.max_images_per_request}), or a full-sized request could never be queued"
@@ -253,5 +325,19 @@ class Settings(BaseSettings):
         return value
 
     @property
-    def max_queue_delay_s(self) -> float:
-        return self.max_queue_delay_ms / 1000.0
+    def model_list(self) -> list[str]:
+        """The names in ``models``, or an empty list for every model in the repository."""
+        return [name.strip() for name in self.models.split(",") if name.strip()]
+
+    def batching_overrides(self) -> dict[str, float | int]:
+        """The batching variables that are set, in the terms of service.model_config.serving_config."""
+        values = {
+            "max_batch_size": self.max_batch_size,
+            "max_queue_delay_s": None
+            if self.max_queue_delay_ms is None
+            else self.max_queue_delay_ms / 1000.0,
+            "max_queue_size": self.max_queue_size,
+            "request_timeout_s": self.request_timeout_s,
+            "instance_count": self.instance_count,
+        }
+        return {key: value for key, value in values.items() if value is not None}

@@ -23,6 +23,16 @@ from tests.support import MODEL_NAME, TINY, Reference, make_settings
 
 torch.set_num_threads(1)  # a training run may hold the other cores
 
+# pyproject's per-test timeout (120 s) fails a hang fast; a test marked slow (training runs, real
+# servers under load) gets this instead, unless it sets its own with @pytest.mark.timeout.
+SLOW_TIMEOUT_S = 600
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _clean_environment() -> Iterator[None]:
@@ -35,15 +45,30 @@ def _clean_environment() -> Iterator[None]:
         os.environ["PORT"] = saved_port
 
 
+# `make mutation` runs the tests once per mutant: it names a directory here so that the tiny model
+# is exported once per mutation run (before any mutant is active), not once per mutant.
+MODEL_CACHE_VARIABLE = "TESTS_MODEL_CACHE"
+
+
 @pytest.fixture(scope="session")
 def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model repository holding ``tiny-vit`` version 1, written by the export stage."""
+    cache = os.environ.get(MODEL_CACHE_VARIABLE)
+    if not cache:
+        return export_tiny_model(tmp_path_factory.mktemp("export"))
+    repository = Path(cache) / "models"
+    if not (repository / MODEL_NAME / "1" / "attention.onnx").is_file():
+        export_tiny_model(Path(cache))
+    return repository
+
+
+def export_tiny_model(work: Path) -> Path:
+    """Exports the tiny model into ``work``/models and returns that repository."""
     from export.checkpoint import save_checkpoint
     from export.data import FASHION_MNIST_LABELS
     from export.model import VisionTransformer
     from export.onnx import export_model
 
-    work = tmp_path_factory.mktemp("export")
     torch.manual_seed(0)
     model = VisionTransformer(TINY).eval()
     with torch.no_grad():  # the head starts at zero: give it weights so that classes differ
@@ -52,7 +77,7 @@ def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     checkpoint = work / "tiny.safetensors"
     save_checkpoint(model, checkpoint, "fashion-mnist", FASHION_MNIST_LABELS)
     repository = work / "models"
-    export_model(checkpoint, MODEL_NAME, 1, repository, measure=False)
+    export_model(checkpoint, MODEL_NAME, 1, repository, measure=False, overwrite=True)
     return repository
 
 

@@ -277,14 +277,14 @@ def running_server(
 ) -> Iterator[Server]:
     """A real service process on a free port of the suite's range ('{port}' in ``command`` is
     replaced); waits until ready; always stopped (SIGTERM) after."""
-    port = free_port(suite.ports)
-    command = [part.format(port=port) for part in command]
-    process = start_process(command, server_env(repository, port, suite, **settings), log)
-    server = Server(process, f"http://127.0.0.1:{port}", port, log)
-    try:
-        server_process.wait_ready(
-            process, server.url, log, timeout_s=suite.ready_within_s, poll_s=0.1, name="server"
-        )
-        yield server
-    finally:
-        stop_process(process)
+    with server_process.running(
+        ["nice", "-n", "10", sys.executable, *command],
+        lambda port: server_env(repository, port, suite, **settings),
+        log,
+        ports=suite.ports,
+        start=os.getpid() * 7 + int(time.monotonic() * 1000),
+        ready_timeout_s=suite.ready_within_s,
+        poll_s=0.1,
+        name="server",
+    ) as live:
+        yield Server(live.process, live.url, live.port, log)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,18 +37,62 @@ def test_save_and_load_give_the_same_model(tmp_path, tiny_config, position_embed
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_a_pickle_is_refused_without_being_unpickled(tmp_path):
+class Payload:
+    """Unpickling it creates ``marker``: proof that a file was unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def write_pickle(path: Path, marker: Path) -> None:
+    path.write_bytes(pickle.dumps({"weights": Payload(marker)}))
+
+
+def write_torch_save(path: Path, marker: Path) -> None:
+    """What ``torch.save`` writes: a zip archive around a pickle, which ``torch.load`` opens."""
+    torch.save({"weights": Payload(marker)}, path)
+
+
+# Every name under which a checkpoint reaches ``load_checkpoint``: the run directory (its
+# model.safetensors), a resume directory's file, the names other tools give their weights, and none.
+NAMES = [
+    "model.safetensors",
+    "run-directory",
+    "last/model.safetensors",
+    "model.pt",
+    "model.pth",
+    "checkpoint.pt",
+    "model.ckpt",
+    "pytorch_model.bin",
+    "weights.pkl",
+    "model",
+]
+
+
+@pytest.mark.parametrize("write", [write_pickle, write_torch_save], ids=["pickle", "torch-save"])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_pickle_is_refused_under_any_name_without_being_unpickled(tmp_path, name, write):
     marker = tmp_path / "unpickled"
-
-    class Payload:
-        def __reduce__(self):
-            return open, (str(marker), "w")
-
-    path = tmp_path / "model.safetensors"
-    path.write_bytes(pickle.dumps({"weights": Payload()}))
+    if name == "run-directory":
+        argument = tmp_path / "run"
+        path = argument / "model.safetensors"
+    else:
+        argument = path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write(path, marker)
     with pytest.raises(CheckpointError, match=rf"{path}: not a safetensors file .*never unpickled"):
-        load_checkpoint(path)
-    assert not marker.exists()
+        load_checkpoint(argument)
+    assert not marker.exists(), f"{name} was unpickled"
+    # the same bytes do run the payload when unpickled, so the check above can fail (a copy named
+    # .pt: torch.load hands a file named .safetensors to safetensors, whatever it holds)
+    probe = tmp_path / "probe.pt"
+    shutil.copyfile(path, probe)
+    with contextlib.suppress(RuntimeError):  # a bare pickle is no torch file, once unpickled
+        torch.load(probe, weights_only=False)
+    assert marker.exists()
 
 
 def test_a_torch_save_file_is_refused(tmp_path):

@@ -95,8 +95,8 @@ def faulty_client(model_repository: Path, monkeypatch: pytest.MonkeyPatch, **set
         raise_server_exceptions=False,
     )
     client.__enter__()
-    runtime = client.app.state.service.runtime
-    monkeypatch.setattr(runtime, "classifier", FailingSession(runtime.classifier))
+    runtime = client.app.state.service.manager.resolve().runtime
+    monkeypatch.setattr(runtime, "classifiers", [FailingSession(s) for s in runtime.classifiers])
     monkeypatch.setattr(runtime, "attention", FailingSession(runtime.attention))
     return client
 
@@ -240,7 +240,7 @@ BAD_MODELS = {
         "expected 'classifier'",
     ),
     "labels.txt disagrees": (
-        lambda v: (v.parent / "labels.txt").write_text("cat\ndog\n"),
+        lambda v: (v / "labels.txt").write_text("cat\ndog\n"),
         "labels.txt",
         "does not match",
     ),

@@ -252,9 +252,9 @@ def test_api_key(model_repository, fashion_images):
 
 
 def test_a_failing_model_run_is_500_with_the_request_id(client, monkeypatch, fashion_images):
-    runtime = client.app.state.service.runtime
+    runtime = client.app.state.service.manager.resolve().runtime
 
-    def broken(images):
+    def broken(images, instance=0):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(runtime, "classify", broken)
@@ -266,7 +266,7 @@ def test_a_failing_model_run_is_500_with_the_request_id(client, monkeypatch, fas
     monkeypatch.undo()
     assert client.post("/predict", json=body).status_code == 200
     failures = client.app.state.metrics.registry.get_sample_value(
-        "vitserve_inference_failures_total", {"graph": "classifier"}
+        "vitserve_inference_failures_total", {"model": "tiny-vit", "graph": "classifier"}
     )
     assert failures >= 1
 

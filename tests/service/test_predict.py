@@ -130,12 +130,12 @@ def test_metrics_count_requests_batches_and_queue_time(client, fashion_images):
     for line in (
         'vitserve_http_requests_total{method="POST",route="/predict",status="200"}',
         'vitserve_http_request_duration_seconds_count{method="POST",route="/predict"}',
-        'vitserve_queue_wait_seconds_count{graph="classifier"}',
-        'vitserve_compute_seconds_count{graph="classifier"}',
-        'vitserve_batch_size_count{graph="classifier"}',
-        'vitserve_queue_depth{graph="classifier"} 0.0',
+        'vitserve_queue_wait_seconds_count{graph="classifier",model="tiny-vit"}',
+        'vitserve_compute_seconds_count{graph="classifier",model="tiny-vit"}',
+        'vitserve_batch_size_count{graph="classifier",model="tiny-vit"}',
+        'vitserve_queue_depth{graph="classifier",model="tiny-vit"} 0.0',
         "vitserve_ready 1.0",
-        f'vitserve_model_info{{name="{MODEL_NAME}",provider="CPUExecutionProvider",version="1"}} 1.0',
+        f'vitserve_model_info{{model="{MODEL_NAME}",precision="fp32",provider="CPUExecutionProvider",version="1"}} 1.0',
     ):
         assert line in text, line
 

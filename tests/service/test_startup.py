@@ -98,9 +98,15 @@ def test_bad_metadata_stops_startup(model_repository, tmp_path, change, pattern)
 
 
 def test_labels_file_must_match_the_metadata(model_repository, tmp_path):
+    """The version's labels.txt; a model-level one (the layout before labels moved into the
+    version) only where the version has none."""
     repository = copy_entry(model_repository, tmp_path)
-    (repository / MODEL_NAME / "labels.txt").write_text("a\nb\n")
-    with pytest.raises(ModelLoadError, match=r"labels\.txt \(2 labels\) does not match"):
+    (repository / MODEL_NAME / "1" / "labels.txt").write_text("a\nb\n")
+    with pytest.raises(ModelLoadError, match=r"1/labels\.txt \(2 labels\) does not match"):
+        start(make_settings(repository))
+    (repository / MODEL_NAME / "1" / "labels.txt").unlink()
+    (repository / MODEL_NAME / "labels.txt").write_text("a\nb\nc\n")
+    with pytest.raises(ModelLoadError, match=r"tiny-vit/labels\.txt \(3 labels\) does not match"):
         start(make_settings(repository))
 
 
