@@ -2,9 +2,10 @@
 
 FastAPI's own pages load Swagger UI and ReDoc from a public CDN, unpinned and without integrity checks:
 broken on an offline host, and an API key typed into "Authorize" would be readable by a third-party
-script. The assets here come from the pinned ``fastapi-offline`` package (Swagger UI 5 and ReDoc 2,
-as files in its wheel), are served from ``/docs/assets/``, and the pages carry a Content-Security-Policy
-that lets them load nothing from anywhere else. ``VITSERVE_DOCS=false`` turns the pages off.
+script. The assets here come from the pinned ``fastapi-offline`` package (Swagger UI 5.32.6 and
+ReDoc's standalone bundle, as files in its wheel), are served from ``/docs/assets/``, and the pages
+carry a Content-Security-Policy that lets them load nothing from anywhere else. ``VITSERVE_DOCS=false``
+turns the pages off.
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -119,31 +121,39 @@ def measure(url: str, pid: int, poll_s: float = 0.05) -> dict[str, Any]:
     }
 
 
+@contextmanager
+def served(model_repository: str, **settings: object) -> Iterator[tuple[str, int]]:
+    """``python -m service`` on a free port of 18250-18299 with ``settings`` (VITSERVE_*) over the
+    defaults; yields (url, pid) once it is ready, and stops it after."""
+    port = server_process.free_port(PORTS)
+    env = {
+        "VITSERVE_MODEL_REPOSITORY": model_repository,
+        "VITSERVE_PORT": str(port),
+        "VITSERVE_INTRA_OP_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "VITSERVE_LOG_LEVEL": "warning",
+        **{f"VITSERVE_{key.upper()}": str(value) for key, value in settings.items()},
+    }
+    url = f"http://{server_process.HOST}:{port}"
+    with tempfile.TemporaryDirectory() as folder:
+        log = Path(folder) / "service.log"
+        argv = [sys.executable, "-m", "service"]
+        process = server_process.spawn(argv, server_process.clean_env(env), log)
+        try:
+            server_process.wait_ready(process, url, log, timeout_s=120, poll_s=0.1, name="server")
+            yield url, process.pid
+        finally:
+            server_process.stop_process(process)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--model-repository", default="models")
     parser.add_argument("--max-json-values", type=int, default=None)
     args = parser.parse_args(argv)
-    port = server_process.free_port(PORTS)
-    env = {
-        "VITSERVE_MODEL_REPOSITORY": args.model_repository,
-        "VITSERVE_PORT": str(port),
-        "VITSERVE_INTRA_OP_THREADS": "1",
-        "OMP_NUM_THREADS": "1",
-        "VITSERVE_LOG_LEVEL": "warning",
-    }
-    if args.max_json_values is not None:
-        env["VITSERVE_MAX_JSON_VALUES"] = str(args.max_json_values)
-    url = f"http://{server_process.HOST}:{port}"
-    with tempfile.TemporaryDirectory() as folder:
-        log = Path(folder) / "service.log"
-        argv_ = [sys.executable, "-m", "service"]
-        process = server_process.spawn(argv_, server_process.clean_env(env), log)
-        try:
-            server_process.wait_ready(process, url, log, timeout_s=120, poll_s=0.1, name="server")
-            result = measure(url, process.pid)
-        finally:
-            server_process.stop_process(process)
+    settings = {} if args.max_json_values is None else {"max_json_values": args.max_json_values}
+    with served(args.model_repository, **settings) as (url, pid):
+        result = measure(url, pid)
     print(json.dumps({"max_json_values": args.max_json_values, **result}, indent=2))
     return 0
 

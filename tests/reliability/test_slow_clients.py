@@ -105,6 +105,20 @@ def test_a_trickled_body_is_cut_off_at_its_deadline(server):
     assert all(count(after, s) == 0 for s in ("500", "503")), after
 
 
+def test_a_client_hanging_up_mid_body_is_a_499_not_a_500(server):
+    before = httpx.get(f"{server.url}/metrics").text
+    sock = connect(server)
+    sock.sendall(post_head(1000) + b'{"images": [')
+    time.sleep(0.3)
+    sock.close()
+    time.sleep(0.5)
+    after = httpx.get(f"{server.url}/metrics").text
+    gone = metric(after, "vitserve_http_requests_total", status="499")
+    assert gone == metric(before, "vitserve_http_requests_total", status="499") + 1
+    assert metric(after, "vitserve_http_requests_total", status="500") == 0
+    assert "Traceback" not in server.output()
+
+
 def test_a_slow_but_steady_upload_is_served(server, fashion_images, reference):
     """Faster than body_min_bytes_per_s (20 kB/s against 1 kB/s), and longer than body_timeout_s."""
     image = fashion_images[2]
