@@ -87,11 +87,14 @@ CMD ["python", "-m", "service"]
 # --- export: train and export to ONNX -----------------------------------------------------------
 # PyPI's torch 2.13.0 for Linux brings its own CUDA libraries, so this image trains on a GPU when
 # one is reserved for it and on the CPU otherwise.
+# The export stage imports the model contract from service/ (metadata, config.pbtxt, preprocessing,
+# rollout), so it gets the serving requirements too.
 FROM ${PYTHON_IMAGE} AS builder-export
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
-COPY requirements/export.txt /tmp/requirements.txt
+COPY requirements/serve.txt requirements/export.txt /tmp/
 RUN python -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir --only-binary=:all: -r /tmp/requirements.txt
+    && /opt/venv/bin/pip install --no-cache-dir --only-binary=:all: \
+        -r /tmp/serve.txt -r /tmp/export.txt
 
 FROM ${PYTHON_IMAGE} AS export
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -109,6 +112,7 @@ RUN apt-get update \
 WORKDIR /app
 COPY --from=builder-export /opt/venv /opt/venv
 COPY export/ /app/export/
+COPY service/ /app/service/
 RUN mkdir -p /app/models /app/runs && chown 10001:10001 /app/models /app/runs
 USER 10001:10001
 CMD ["python", "-m", "export.pipeline", "--preset", "fashion-small", "--dataset", "fashion-mnist", \

@@ -14,12 +14,17 @@ from service.errors import InvalidInput
 from service.schemas import Prediction
 
 
-def check_top_k(top_k: int, labels: list[str]) -> None:
+def check_top_k(top_k: int, labels: list[str], given: bool = True) -> int:
+    """The top_k to answer: the default is capped at the model's classes; one asked for beyond
+    them is a 422."""
+    if not given:
+        return min(top_k, len(labels))
     if top_k > len(labels):
         raise InvalidInput(
             f"top_k: {top_k} is more than the model's {len(labels)} classes; the limit is {len(labels)}",
             field="top_k",
         )
+    return top_k
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:

@@ -28,10 +28,10 @@ class Settings(BaseSettings):
         default=Path("models"),
         description="Directory of the model repository (layout of docs/model-repository.md).",
     )
-    models: str = Field(
-        default="",
+    models: str | None = Field(
+        default=None,
         description=(
-            "Comma-separated names of the models to serve; empty serves every model in the repository."
+            "Comma-separated names of the models to serve; unset serves every model in the repository."
         ),
     )
     model_name: str | None = Field(
@@ -327,7 +327,7 @@ class Settings(BaseSettings):
     @property
     def model_list(self) -> list[str]:
         """The names in ``models``, or an empty list for every model in the repository."""
-        return [name.strip() for name in self.models.split(",") if name.strip()]
+        return [name.strip() for name in (self.models or "").split(",") if name.strip()]
 
     def batching_overrides(self) -> dict[str, float | int]:
         """The batching variables that are set, in the terms of service.model_config.serving_config."""

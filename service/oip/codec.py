@@ -29,6 +29,7 @@ from fastapi import Response
 from pydantic import ValidationError
 
 from service.errors import InvalidInput, validation_details, validation_message
+from service.json_guard import check_infer_json, parse_header_length
 from service.model_repository import ModelMetadata
 from service.oip.schemas import HEADER_LENGTH, PROBABILITIES, InferRequest
 from service.predictions import softmax
@@ -119,19 +120,26 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     """The JSON header and the binary tensor data after it (binary_tensor_data extension)."""
     if header_length is None:
         return body, b""
-    if not header_length.strip().isdigit() or int(header_length) > len(body):
-        raise OipError(
-            f"{HEADER_LENGTH}: {header_length!r} is not a byte count within the {len(body)}-byte body"
-        )
-    length = int(header_length)
+    length = parse_header_length(header_length, len(body))
     return body[:length], body[length:]
 
 
 def decode_request(
-    body: bytes, header_length: str | None, meta: ModelMetadata, max_images: int
+    body: bytes,
+    header_length: str | None,
+    meta: ModelMetadata,
+    max_images: int,
+    max_values: int | None = None,
 ) -> tuple[InferRequest, Decoded]:
     """Parse and validate the whole request against the model's metadata (blocking: a thread)."""
     header, binary = _split_body(body, header_length)
+    spec = meta.input
+    check_infer_json(
+        header,
+        max_images=max_images,
+        image_elements=spec.channels * spec.height * spec.width,
+        max_values=max_values,
+    )
     try:
         infer = InferRequest.model_validate_json(header)
     except ValidationError as error:

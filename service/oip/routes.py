@@ -144,7 +144,11 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
         decoded: list = []
 
         def decode() -> Any:
-            decoded.extend(decode_request(body, header_length, pipeline.metadata, limit))
+            decoded.extend(
+                decode_request(
+                    body, header_length, pipeline.metadata, limit, pipeline.settings.max_json_values
+                )
+            )
             return decoded[1].batch
 
         logits = await pipeline.infer(decode, request)

@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.attention_maps import attention_map, overlay_png
 from service.errors import InvalidInput
-from service.inputs import MULTIPART, image_from_json, parse_json, read_multipart, require_body_type
+from service.inputs import MULTIPART, image_from_json, read_json, read_multipart, require_body_type
 from service.pipeline import ModelPipeline
 from service.predictions import check_top_k, prediction
 from service.routers._openapi import ERROR_RESPONSES, request_body
@@ -61,7 +61,7 @@ async def attention(request: Request, pipeline: ModelPipeline) -> Response | Att
             )
         image = images[0]
     else:
-        body = parse_json(await request.body(), AttentionRequest)
+        body = await read_json(request, AttentionRequest)
         image, options = image_from_json(body.image, "image"), body
     meta = pipeline.metadata
     layer = meta.depth - 1 if options.layer is None else options.layer
@@ -82,9 +82,9 @@ async def attention(request: Request, pipeline: ModelPipeline) -> Response | Att
                 f"(0 to {meta.heads - 1})",
                 field="head",
             )
-    check_top_k(options.top_k, meta.labels)
+    top_k = check_top_k(options.top_k, meta.labels, given="top_k" in options.model_fields_set)
     prepared, logits, maps = await pipeline.attend(image, options.invert, request)
-    best = prediction(logits, meta.labels, options.top_k)
+    best = prediction(logits, meta.labels, top_k)
     grid = meta.grid
     heatmap = await run_in_threadpool(
         attention_map,

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from pydantic_core import to_json
 
 from service.errors import InvalidInput
-from service.inputs import MULTIPART, image_from_json, parse_json, read_multipart, require_body_type
+from service.inputs import MULTIPART, image_from_json, read_json, read_multipart, require_body_type
 from service.pipeline import ModelPipeline
 from service.predictions import check_top_k, predictions
 from service.routers._openapi import ERROR_RESPONSES, request_body
@@ -54,7 +54,7 @@ async def predict(request: Request, pipeline: ModelPipeline) -> Response:
                 "files: no file part; send one or more parts named 'files'", field="files"
             )
     else:
-        body = parse_json(await request.body(), PredictRequest)
+        body = await read_json(request, PredictRequest)
         if len(body.images) > limit:
             raise InvalidInput(
                 f"images: {len(body.images)} images; the limit is max_images_per_request={limit}",
@@ -70,13 +70,13 @@ async def predict(request: Request, pipeline: ModelPipeline) -> Response:
             code="too_many_images",
         )
     labels = pipeline.metadata.labels
-    check_top_k(options.top_k, labels)
+    top_k = check_top_k(options.top_k, labels, given="top_k" in options.model_fields_set)
     logits = await pipeline.classify(images, options.invert, request)
     # built as JSON directly: the dicts have PredictResponse's shape (tests check it against the
     # schema), without a second validation of every number by the response model
     body = {
         "model": {"name": pipeline.name, "version": pipeline.version},
-        "predictions": predictions(np.stack(logits), labels, options.top_k),
+        "predictions": predictions(np.stack(logits), labels, top_k),
     }
     return Response(to_json(body), media_type="application/json")
 

@@ -149,3 +149,16 @@ def test_models_health_and_openapi(client, settings):
     assert "PredictRequest" in document["components"]["schemas"]
     assert "ImageInput" in document["components"]["schemas"]
     assert "422" in document["paths"]["/predict"]["post"]["responses"]
+
+
+def test_the_default_top_k_fits_a_model_with_fewer_classes():
+    """A three-class model answers the default request (top_k 5 unless asked) with its three
+    classes; asking for more classes than it has is still a 422."""
+    from service.errors import InvalidInput
+    from service.predictions import check_top_k
+
+    labels = ["circle", "square", "triangle"]
+    assert check_top_k(5, labels, given=False) == 3
+    assert check_top_k(2, labels, given=True) == 2
+    with pytest.raises(InvalidInput, match="top_k: 5 is more than the model's 3 classes"):
+        check_top_k(5, labels, given=True)
