@@ -80,6 +80,8 @@ class ModelMetadataResponse(BaseModel):
 
 
 class RepositoryIndexRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     ready: bool = Field(default=False, description="Only the model versions that are ready.")
 
 

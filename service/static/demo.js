@@ -160,7 +160,8 @@
     const form = new FormData();
     form.append(path === "/predict" ? "files" : "file", blob, filename);
     for (const [key, value] of Object.entries(fields)) form.append(key, value);
-    const route = `/models/${encodeURIComponent(modelSelect.value)}${path}`;
+    // before /models has answered (say, for want of the API key) the default model's route
+    const route = modelSelect.value ? `/models/${encodeURIComponent(modelSelect.value)}${path}` : path;
     return fetch(route, { method: "POST", headers: authHeaders(), body: form });
   }
 
