@@ -8,6 +8,7 @@ from types import FrameType
 
 import uvicorn
 
+from service.logs import uvicorn_log_config
 from service.main import create_app
 from service.settings import Settings
 from service.state import ServiceState
@@ -33,6 +34,7 @@ def main() -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=uvicorn_log_config(settings.log_format),
         lifespan="on",
         timeout_graceful_shutdown=settings.graceful_shutdown_s,
         proxy_headers=False,
