@@ -9,6 +9,7 @@ reach inside (a failing model run, shutdown) use an in-process app with a real g
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from service.logs import ContextFilter
 from tests.interop.eco_support import eco_app, eco_server, reference_logits, softmax
 from tests.interop.interop_support import predict_probabilities
 from tests.support import MAX_IMAGES, MODEL_NAME, Reference, Server
@@ -279,22 +281,43 @@ def test_errors_are_grpc_statuses_with_the_http_message(client, http, served):
     assert client.is_server_ready()  # and it keeps serving
 
 
+class Records(logging.Handler):
+    """vitserve's log records, with the request and trace ids its JSON lines carry."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.addFilter(ContextFilter())
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def test_a_failing_model_run_is_internal_and_names_the_request(model_repository):
-    with eco_app(model_repository) as app_client:
-        pipeline = app_client.app.state.service.manager.resolve(MODEL_NAME)
+    records = Records()
+    logging.getLogger("vitserve").addHandler(records)
+    try:
+        with eco_app(model_repository) as app_client:
+            pipeline = app_client.app.state.service.manager.resolve(MODEL_NAME)
 
-        def broken(images: np.ndarray) -> list[np.ndarray]:
-            raise RuntimeError("injected: onnxruntime failed")
+            def broken(images: np.ndarray) -> list[np.ndarray]:
+                raise RuntimeError("injected: onnxruntime failed")
 
-        pipeline.classifier._instances[0].run = broken
-        port = app_client.app.state.settings.grpc_port
-        with triton.InferenceServerClient(f"127.0.0.1:{port}") as grpc_client:
-            tensor = np.zeros((1, 1, 28, 28), np.float32)
-            with pytest.raises(InferenceServerException) as error:
-                grpc_client.infer(
-                    MODEL_NAME, [fp32_input(tensor)], headers={"x-request-id": "fault-42"}
-                )
+            pipeline.classifier._instances[0].run = broken
+            port = app_client.app.state.settings.grpc_port
+            with triton.InferenceServerClient(f"127.0.0.1:{port}") as grpc_client:
+                tensor = np.zeros((1, 1, 28, 28), np.float32)
+                with pytest.raises(InferenceServerException) as error:
+                    grpc_client.infer(
+                        MODEL_NAME, [fp32_input(tensor)], headers={"x-request-id": "fault-42"}
+                    )
+    finally:
+        logging.getLogger("vitserve").removeHandler(records)
     assert_status(error, grpc.StatusCode.INTERNAL, "the model failed", "RuntimeError")
+    # the call's own log line carries its request id (a field of every JSON log line)
+    assert any(
+        r.request_id == "fault-42" and "inference_failed" in r.getMessage() for r in records.records
+    ), [(r.request_id, r.getMessage()) for r in records.records]
 
 
 def test_api_key_is_bearer_metadata(model_repository, fashion_images):
