@@ -17,6 +17,7 @@ import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from service.logs import uvicorn_log_config
 from service.server import guarded_protocol
 from service.settings import Settings
 from service.state import ServiceState
@@ -81,6 +82,7 @@ def main() -> None:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=uvicorn_log_config(settings.log_format),
         lifespan="on",
         timeout_graceful_shutdown=settings.graceful_shutdown_s + ANSWER_MARGIN_S,
         access_log=settings.access_log,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from service import tracing
 from service.errors import ClientDisconnected, InferenceFailed, ServiceUnavailable
 from service.metrics import Metrics
+from service.statistics import BatchTimes, ModelStatistics
 
 logger = logging.getLogger("vitserve")
 
@@ -38,12 +41,24 @@ class _Item:
     future: asyncio.Future
     enqueued: float
     request_id: str | None = field(default=None)
+    # statistics and tracing: when its batch started, what the batch took, the request's queue span
+    started: float = 0.0
+    batch: BatchTimes | None = None
+    wait: tracing.QueueTrace | None = None
 
 
 @dataclass(eq=False)
 class _Instance:
     run: RunBatch
     executor: ThreadPoolExecutor
+    index: int = 0
+
+
+def _timed(run: RunBatch, images: np.ndarray) -> tuple[Sequence[np.ndarray], int]:
+    """``run(images)`` and the nanoseconds it took (in the instance's thread)."""
+    started = time.perf_counter_ns()
+    outputs = run(images)
+    return outputs, time.perf_counter_ns() - started
 
 
 class DynamicBatcher:
@@ -60,6 +75,7 @@ class DynamicBatcher:
         metrics: Metrics,
         model: str = "",
         preferred_batch_sizes: Sequence[int] = (),
+        statistics: ModelStatistics | None = None,
     ) -> None:
         self.graph = graph
         self.model = model
@@ -72,10 +88,11 @@ class DynamicBatcher:
             {size for size in preferred_batch_sizes if 1 <= size <= max_batch_size}
         )
         self._metrics = metrics
+        self.statistics = statistics if statistics is not None else ModelStatistics()
         self._labels = (model, graph)
         runs = [run] if callable(run) else list(run)
         self._instances = [
-            _Instance(fn, ThreadPoolExecutor(1, thread_name_prefix=f"vitserve-{graph}-{i}"))
+            _Instance(fn, ThreadPoolExecutor(1, thread_name_prefix=f"vitserve-{graph}-{i}"), i)
             for i, fn in enumerate(runs)
         ]
         self._idle: list[_Instance] = list(self._instances)
@@ -157,7 +174,10 @@ class DynamicBatcher:
         self.admit(count)
         loop = asyncio.get_running_loop()
         now = loop.time()
-        items = [_Item(rows[i], loop.create_future(), now, request_id) for i in range(count)]
+        wait = tracing.enter_queue(count)
+        items = [
+            _Item(rows[i], loop.create_future(), now, request_id, wait=wait) for i in range(count)
+        ]
         self._pending.extend(items)
         self._set_depth()
         self._wakeup.set()
@@ -190,8 +210,14 @@ class DynamicBatcher:
             failures = [f.exception() for f in futures if f.exception() is not None]
             if failures:
                 raise failures[0]
+            self.statistics.record_request(
+                max(round((item.started - item.enqueued) * 1e9) for item in items),
+                {id(item.batch): item.batch for item in items if item.batch}.values(),
+            )
             return [future.result() for future in futures]
         finally:
+            if wait is not None:
+                wait.end()  # a request given up before its batch started
             if watch is not None:
                 watch.cancel()
             abandoned = [future for future in futures if not future.done()]
@@ -266,19 +292,32 @@ class DynamicBatcher:
     async def _run(
         self, batch: list[_Item], instance: _Instance, loop: asyncio.AbstractEventLoop
     ) -> None:
+        with tracing.batch_span(
+            self.model, self.graph, instance.index, (item.wait for item in batch)
+        ):
+            await self._run_traced(batch, instance, loop)
+
+    async def _run_traced(
+        self, batch: list[_Item], instance: _Instance, loop: asyncio.AbstractEventLoop
+    ) -> None:
         started = loop.time()
         queue_wait = self._metrics.queue_wait.labels(*self._labels)
         for item in batch:
             queue_wait.observe(started - item.enqueued)
         try:
+            stacking = time.perf_counter_ns()
             images = np.stack([item.row for item in batch])
-            outputs = await loop.run_in_executor(instance.executor, instance.run, images)
+            stacked = time.perf_counter_ns()
+            outputs, infer_ns = await loop.run_in_executor(
+                instance.executor, _timed, instance.run, images
+            )
             for output in outputs:
                 if len(output) != len(batch):
                     raise RuntimeError(
                         f"the model returned {len(output)} rows for a batch of {len(batch)}"
                     )
         except Exception as error:
+            tracing.record_failure(error)
             self._metrics.inference_failures.labels(*self._labels).inc()
             request_ids = sorted({item.request_id for item in batch if item.request_id})
             logger.exception(
@@ -298,9 +337,14 @@ class DynamicBatcher:
             return
         self._metrics.compute.labels(*self._labels).observe(loop.time() - started)
         self._metrics.batch_size.labels(*self._labels).observe(len(batch))
-        for index, item in enumerate(batch):
+        splitting = time.perf_counter_ns()
+        rows = [tuple(output[index] for output in outputs) for index in range(len(batch))]
+        times = BatchTimes(stacked - stacking, infer_ns, time.perf_counter_ns() - splitting)
+        self.statistics.record_batch(len(batch), times)
+        for item, row in zip(batch, rows, strict=True):
+            item.started, item.batch = started, times
             if not item.future.done():
-                item.future.set_result(tuple(output[index] for output in outputs))
+                item.future.set_result(row)
 
     def fail_all(self, message: str, code: str = "shutting_down") -> int:
         """Fail every queued image and every image of a running batch (503); how many were failed."""

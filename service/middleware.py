@@ -9,19 +9,16 @@ published for ``service.inputs.parse_json`` while the request runs.
 from __future__ import annotations
 
 import json
-import re
 import time
-import uuid
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service import logs
 from service.errors import PayloadTooLarge, error_body, is_protocol_path
 from service.inputs import current_json_limits
 from service.json_guard import ImageJsonLimits
 from service.metrics import Metrics
-
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 def _route_template(scope: Scope, static_paths: frozenset[str]) -> str:
@@ -69,9 +66,11 @@ class RequestContextMiddleware:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        incoming = headers.get("x-request-id", "")
-        request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        request_id = logs.request_id(headers.get("x-request-id"))
         scope.setdefault("state", {})["request_id"] = request_id
+        # for every log line of this request; not reset: each request runs in a task of its own,
+        # and the error handlers outside this middleware still log for it
+        logs.REQUEST_ID.set(request_id)
         started = time.perf_counter()
         status = 500
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from service import tracing
 from service.batcher import DynamicBatcher
 from service.errors import InvalidInput, NotFound, ServiceUnavailable, request_id_of
 from service.inputs import RawImage
@@ -27,6 +29,7 @@ from service.model_config import ServingConfig
 from service.preprocessing import Invert, Prepared, Preprocessor, decode_image, shrink
 from service.runtime import Runtime
 from service.settings import Settings
+from service.statistics import ModelStatistics
 
 logger = logging.getLogger("vitserve")
 
@@ -167,7 +170,9 @@ class ModelPipeline:
         self.settings = settings
         self.gate = gate
         self.preprocessor = Preprocessor(runtime.metadata, settings.max_pixels_per_image)
+        self.statistics = ModelStatistics()  # Triton's statistics of this version, every graph
         common: dict[str, Any] = {
+            "statistics": self.statistics,
             "max_queue_delay_s": serving.max_queue_delay_s,
             "max_queue_size": serving.max_queue_size,
             "timeout_s": serving.request_timeout_s,
@@ -230,13 +235,20 @@ class ModelPipeline:
     ) -> list[tuple[np.ndarray, ...]]:
         """Admit, prepare the rows (on the event loop when ``inline``, else in a thread under a
         decode slot), queue them, and answer when they have run."""
-        batcher.admit(admit)
-        if inline:
-            rows = prepare()
-        else:
-            async with self.gate.slot():
-                rows = await run_in_threadpool(prepare)
-        return await batcher.submit(rows, request_id_of(request), client_gone(request))
+        entered, answered = time.perf_counter_ns(), False
+        try:
+            batcher.admit(admit)
+            with tracing.span("vitserve.decode"):
+                if inline:
+                    rows = prepare()
+                else:
+                    async with self.gate.slot():
+                        rows = await run_in_threadpool(prepare)
+            result = await batcher.submit(rows, request_id_of(request), client_gone(request))
+            answered = True
+            return result
+        finally:
+            self.statistics.record_outcome(answered, time.perf_counter_ns() - entered)
 
     async def classify(
         self, images: list[RawImage], invert: Invert, request: Request

@@ -277,6 +277,29 @@ class Settings(BaseSettings):
             "with the service (no CDN); /openapi.json is served either way."
         ),
     )
+    grpc_port: int = Field(
+        default=8001,
+        ge=0,
+        le=65535,
+        description=(
+            "Port of the gRPC Open Inference Protocol (Triton's GRPCInferenceService, as "
+            "tritonclient.grpc speaks it) on the same host; 0 turns gRPC off."
+        ),
+    )
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description=(
+            "'json' writes one JSON object per log line (the service's and uvicorn's, access log "
+            "included) with the request id and, when tracing, the trace id."
+        ),
+    )
+    cors_origins: str = Field(
+        default="",
+        description=(
+            "Comma-separated origins that browsers may call the API from (CORS), e.g. "
+            "'https://app.example.com'; '*' allows any; empty (the default) sends no CORS headers."
+        ),
+    )
     graceful_shutdown_s: float = Field(
         default=60.0,
         gt=0.0,
@@ -328,6 +351,10 @@ class Settings(BaseSettings):
     def model_list(self) -> list[str]:
         """The names in ``models``, or an empty list for every model in the repository."""
         return [name.strip() for name in (self.models or "").split(",") if name.strip()]
+
+    @property
+    def cors_origin_list(self) -> list[str]:
+        return [origin.strip() for origin in self.cors_origins.split(",") if origin.strip()]
 
     def batching_overrides(self) -> dict[str, float | int]:
         """The batching variables that are set, in the terms of service.model_config.serving_config."""

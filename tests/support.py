@@ -97,6 +97,7 @@ BASE_SETTINGS: Mapping[str, object] = {
     "inter_op_threads": 1,
     "provider": "cpu",
     "log_level": "warning",
+    "grpc_port": 0,  # no gRPC listener unless a test asks for one on its own ports
 }
 
 
@@ -297,6 +298,7 @@ def server_env(
             "VITSERVE_MAX_BODY_BYTES": str(max_body_bytes),
             "VITSERVE_LOG_LEVEL": "info",
             "VITSERVE_HOST": "127.0.0.1",
+            "VITSERVE_GRPC_PORT": "0",  # not 8001: tests pass a port of their range to have gRPC
             "PORT": str(port),
             **{f"VITSERVE_{key.upper()}": str(value) for key, value in settings.items()},
         }

@@ -75,25 +75,39 @@ def _from_json(values: list[Any], datatype: str, where: str) -> np.ndarray:
                 f"{where}.data: element {index} is {json.dumps(value)[:40]}, not a number "
                 f"(datatype {datatype})"
             )
-    if datatype == "UINT8":
-        for index, value in enumerate(values):
-            if not (isinstance(value, int) or float(value).is_integer()) or not 0 <= value <= 255:
-                raise OipError(
-                    f"{where}.data: element {index} is {value}; UINT8 elements are integers from 0 "
-                    "to 255"
-                )
-        return np.asarray(values, dtype=np.uint8)
     try:
-        array = np.asarray(values, dtype=np.float64)
+        return checked_values(np.asarray(values, dtype=np.float64), datatype, f"{where}.data")
     except OverflowError:
         raise OipError(f"{where}.data: an element is too large for FP32") from None
-    finite = np.isfinite(array) & (np.abs(array) <= np.finfo(np.float32).max)
+
+
+def checked_values(values: np.ndarray, datatype: str, where: str) -> np.ndarray:
+    """Numbers of any numeric dtype -> the datatype's array, once every element is in its range:
+    UINT8 integers from 0 to 255, FP32 finite numbers."""
+    if datatype == "UINT8":
+        if values.dtype == np.uint8:
+            return values
+        valid = (values >= 0) & (values <= 255) & (np.floor(values) == values)
+        if not valid.all():
+            index = int(np.argmin(valid))
+            shown = values[index].item()
+            shown = int(shown) if float(shown).is_integer() else shown
+            raise OipError(
+                f"{where}: element {index} is {shown}; UINT8 elements are integers from 0 to 255"
+            )
+        return values.astype(np.uint8)
+    finite = np.isfinite(values) & (np.abs(values) <= np.finfo(np.float32).max)
     if not finite.all():
         index = int(np.argmin(finite))
         raise OipError(
-            f"{where}.data: element {index} is {values[index]}; FP32 elements must be finite"
+            f"{where}: element {index} is {values[index].item()}; FP32 elements must be finite"
         )
-    return array.astype(np.float32)
+    return values.astype(np.float32)
+
+
+def values_from_bytes(raw: bytes, datatype: str, where: str) -> np.ndarray:
+    """A tensor's little-endian bytes (binary_tensor_data, gRPC's raw contents) -> its elements."""
+    return checked_values(np.frombuffer(raw, dtype=_NUMPY[datatype]), datatype, where)
 
 
 @dataclass(frozen=True)
@@ -109,6 +123,20 @@ class Decoded:
     outputs: list[_Output]
 
 
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    datatype: str  # FP32, or BYTES for the classification extension
+    values: np.ndarray  # float32, or object (str) for BYTES
+
+    def to_bytes(self) -> bytes:
+        """The protocol's raw form: little-endian FP32, or BYTES as 4-byte-length-prefixed UTF-8."""
+        if self.datatype == "BYTES":
+            encoded = [s.encode("utf-8") for s in self.values.reshape(-1)]
+            return b"".join(len(e).to_bytes(4, "little") + e for e in encoded)
+        return self.values.astype("<f4").tobytes()
+
+
 def _bool_parameter(parameters: dict[str, Any] | None, key: str, where: str) -> bool | None:
     value = (parameters or {}).get(key)
     if value is not None and not isinstance(value, bool):
@@ -122,6 +150,58 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
         return body, b""
     length = parse_header_length(header_length, len(body))
     return body[:length], body[length:]
+
+
+def check_input(
+    names: list[str], datatype: str, shape: list[int], meta: ModelMetadata, max_images: int
+) -> tuple[str, int]:
+    """The request's input names, and its one tensor's datatype and shape, against the model (every
+    transport); returns how to name the tensor in a message, and its element count."""
+    spec = meta.input
+    unexpected = [name for name in names if name != spec.name]
+    if unexpected:
+        raise OipError(
+            f"unexpected inference input '{unexpected[0]}' for model '{meta.name}': its only input "
+            f"is '{spec.name}'"
+        )
+    if len(names) > 1:
+        raise OipError(f"input '{spec.name}' is given {len(names)} times; give it once")
+    where = f"input '{spec.name}'"
+    if datatype not in INPUT_DATATYPES:
+        raise OipError(
+            f"{where}: datatype {datatype} is not accepted; send FP32 (normalised, as the model "
+            "takes it) or UINT8 (raw 0-255 pixels, normalised here)"
+        )
+    model_dims = [spec.channels, spec.height, spec.width]
+    allowed = [[-1, *model_dims]]
+    if datatype == "UINT8" and spec.channels == 1:
+        allowed.append([-1, spec.height, spec.width])
+    if len(shape) not in (len(s) for s in allowed) or not any(
+        shape[1:] == s[1:] for s in allowed if len(s) == len(shape)
+    ):
+        shown = " or ".join(str(s).replace("-1", "N") for s in allowed)
+        raise OipError(
+            f"{where}: shape {shape} does not match the model's {shown} for datatype {datatype}"
+        )
+    if not 1 <= shape[0] <= max_images:
+        raise OipError(
+            f"{where}: batch size {shape[0]} (shape[0]) must be from 1 to "
+            f"max_images_per_request={max_images}"
+        )
+    return where, math.prod(shape)
+
+
+def byte_count(datatype: str, elements: int) -> int:
+    return elements * _ITEMSIZE[datatype]
+
+
+def to_batch(values: np.ndarray, datatype: str, meta: ModelMetadata) -> np.ndarray:
+    """Checked elements -> the float32 ``[N, C, H, W]`` the graph takes (UINT8 normalised here)."""
+    spec = meta.input
+    batch = values.reshape(-1, spec.channels, spec.height, spec.width)
+    if datatype == "UINT8":
+        batch = normalise(batch, meta.preprocessing)
+    return np.ascontiguousarray(batch, dtype=np.float32)
 
 
 def decode_request(
@@ -145,47 +225,15 @@ def decode_request(
     except ValidationError as error:
         details = validation_details(error.errors(include_url=False))
         raise OipError(f"invalid inference request: {validation_message(details)}") from None
-    spec = meta.input
-    model_dims = [spec.channels, spec.height, spec.width]
-    names = [tensor.name for tensor in infer.inputs]
-    unexpected = [name for name in names if name != spec.name]
-    if unexpected:
-        raise OipError(
-            f"unexpected inference input '{unexpected[0]}' for model '{meta.name}': its only input "
-            f"is '{spec.name}'"
-        )
-    if len(names) > 1:
-        raise OipError(f"input '{spec.name}' is given {len(names)} times; give it once")
     tensor = infer.inputs[0]
-    where = f"input '{spec.name}'"
-    if tensor.datatype not in INPUT_DATATYPES:
-        raise OipError(
-            f"{where}: datatype {tensor.datatype} is not accepted; send FP32 (normalised, as the model "
-            "takes it) or UINT8 (raw 0-255 pixels, normalised here)"
-        )
+    names = [t.name for t in infer.inputs]
+    where, elements = check_input(names, tensor.datatype, tensor.shape, meta, max_images)
     shape = tensor.shape
-    allowed = [[-1, *model_dims]]
-    if tensor.datatype == "UINT8" and spec.channels == 1:
-        allowed.append([-1, spec.height, spec.width])
-    if len(shape) not in (len(s) for s in allowed) or not any(
-        shape[1:] == s[1:] for s in allowed if len(s) == len(shape)
-    ):
-        shown = " or ".join(str(s).replace("-1", "N") for s in allowed)
-        raise OipError(
-            f"{where}: shape {shape} does not match the model's {shown} for datatype {tensor.datatype}"
-        )
-    count_limit = max_images
-    if not 1 <= shape[0] <= count_limit:
-        raise OipError(
-            f"{where}: batch size {shape[0]} (shape[0]) must be from 1 to "
-            f"max_images_per_request={count_limit}"
-        )
-    elements = math.prod(shape)
     binary_size = (tensor.parameters or {}).get("binary_data_size")
     if binary_size is not None:
         if tensor.data is not None:
             raise OipError(f"{where}: give either 'data' or parameters.binary_data_size, not both")
-        expected = elements * _ITEMSIZE[tensor.datatype]
+        expected = byte_count(tensor.datatype, elements)
         if not isinstance(binary_size, int) or binary_size != expected:
             raise OipError(
                 f"{where}: parameters.binary_data_size is {binary_size}; shape {shape} of "
@@ -196,12 +244,7 @@ def decode_request(
                 f"{where}: the body holds {len(binary)} bytes of binary tensor data after the "
                 f"{len(header)}-byte JSON header; binary_data_size says {binary_size}"
             )
-        values = np.frombuffer(binary, dtype=_NUMPY[tensor.datatype])
-        if tensor.datatype == "FP32" and not np.isfinite(values).all():
-            raise OipError(
-                f"{where}: element {int(np.argmin(np.isfinite(values)))} is not finite; FP32 "
-                "elements must be finite"
-            )
+        values = values_from_bytes(binary, tensor.datatype, where)
     else:
         if binary:
             raise OipError(
@@ -216,43 +259,54 @@ def decode_request(
                 f"{where}: 'data' holds {len(flat)} elements; shape {shape} needs {elements}"
             )
         values = _from_json(flat, tensor.datatype, where)
-    batch = values.reshape(shape[0], *model_dims)
-    if tensor.datatype == "UINT8":
-        batch = normalise(batch, meta.preprocessing)
-    batch = np.ascontiguousarray(batch, dtype=np.float32)
-    return infer, Decoded(batch, _requested_outputs(infer, meta))
-
-
-def _requested_outputs(infer: InferRequest, meta: ModelMetadata) -> list[_Output]:
     default_binary = bool(_bool_parameter(infer.parameters, "binary_data_output", "request"))
-    known = [meta.outputs.logits, PROBABILITIES]
     if infer.outputs is None:
-        return [_Output(name, default_binary, None) for name in known]
-    outputs: list[_Output] = []
-    for requested in infer.outputs:
-        where = f"output '{requested.name}'"
-        if requested.name not in known:
-            raise OipError(
-                f"unexpected inference output '{requested.name}' for model '{meta.name}': its "
-                f"outputs are {', '.join(repr(n) for n in known)}"
+        outputs = all_outputs(meta, default_binary)
+    else:
+        outputs = []
+        for requested in infer.outputs:
+            where = f"output '{requested.name}'"
+            binary_output = _bool_parameter(requested.parameters, "binary_data", where)
+            outputs.append(
+                requested_output(
+                    requested.name,
+                    default_binary if binary_output is None else binary_output,
+                    (requested.parameters or {}).get("classification"),
+                    meta,
+                    outputs,
+                )
             )
-        if any(output.name == requested.name for output in outputs):
-            raise OipError(f"{where} is requested more than once")
-        binary = _bool_parameter(requested.parameters, "binary_data", where)
-        classification = (requested.parameters or {}).get("classification")
-        if classification is not None and (
-            isinstance(classification, bool)
-            or not isinstance(classification, int)
-            or not 1 <= classification <= meta.num_classes
-        ):
-            raise OipError(
-                f"{where}: parameters.classification is {json.dumps(classification)}; it must be "
-                f"a count from 1 to the model's {meta.num_classes} classes"
-            )
-        outputs.append(
-            _Output(requested.name, default_binary if binary is None else binary, classification)
+    return infer, Decoded(to_batch(values, tensor.datatype, meta), outputs)
+
+
+def all_outputs(meta: ModelMetadata, binary: bool) -> list[_Output]:
+    """Every output, as answered when the request names none."""
+    return [_Output(name, binary, None) for name in (meta.outputs.logits, PROBABILITIES)]
+
+
+def requested_output(
+    name: str, binary: bool, classification: Any, meta: ModelMetadata, earlier: list[_Output]
+) -> _Output:
+    """One requested output, checked against the model and the outputs requested before it."""
+    known = [meta.outputs.logits, PROBABILITIES]
+    where = f"output '{name}'"
+    if name not in known:
+        raise OipError(
+            f"unexpected inference output '{name}' for model '{meta.name}': its outputs are "
+            f"{', '.join(repr(n) for n in known)}"
         )
-    return outputs
+    if any(output.name == name for output in earlier):
+        raise OipError(f"{where} is requested more than once")
+    if classification is not None and (
+        isinstance(classification, bool)
+        or not isinstance(classification, int)
+        or not 1 <= classification <= meta.num_classes
+    ):
+        raise OipError(
+            f"{where}: parameters.classification is {json.dumps(classification)}; it must be "
+            f"a count from 1 to the model's {meta.num_classes} classes"
+        )
+    return _Output(name, binary, classification)
 
 
 # --- response encoding ------------------------------------------------------------------------------
@@ -271,6 +325,24 @@ def _classify(values: np.ndarray, count: int, labels: list[str]) -> np.ndarray:
     )
 
 
+def output_tensors(
+    decoded: Decoded, logits: np.ndarray, meta: ModelMetadata
+) -> list[tuple[_Output, OutputTensor]]:
+    """The requested outputs of a batch's logits, in the order requested (every transport)."""
+    tensors = {meta.outputs.logits: logits.astype(np.float32)}
+    if any(output.name == PROBABILITIES for output in decoded.outputs):
+        tensors[PROBABILITIES] = softmax(logits).astype(np.float32)
+    answered = []
+    for requested in decoded.outputs:
+        values = tensors[requested.name]
+        if requested.classification is not None:
+            strings = _classify(values, requested.classification, meta.labels)
+            answered.append((requested, OutputTensor(requested.name, "BYTES", strings)))
+        else:
+            answered.append((requested, OutputTensor(requested.name, "FP32", values)))
+    return answered
+
+
 def encode_response(
     infer: InferRequest,
     decoded: Decoded,
@@ -279,34 +351,23 @@ def encode_response(
     name: str,
     version: str,
 ) -> Response:
-    tensors = {meta.outputs.logits: logits.astype(np.float32)}
-    if any(output.name == PROBABILITIES for output in decoded.outputs):
-        tensors[PROBABILITIES] = softmax(logits).astype(np.float32)
     response: dict[str, Any] = {"model_name": name, "model_version": version}
     if infer.id is not None:
         response["id"] = infer.id
     outputs: list[dict[str, Any]] = []
     chunks: list[bytes] = []
-    for requested in decoded.outputs:
-        values = tensors[requested.name]
-        entry: dict[str, Any] = {"name": requested.name}
-        if requested.classification is not None:
-            strings = _classify(values, requested.classification, meta.labels)
-            entry.update(datatype="BYTES", shape=list(strings.shape))
-            if requested.binary:
-                encoded = [s.encode("utf-8") for s in strings.reshape(-1)]
-                chunk = b"".join(len(e).to_bytes(4, "little") + e for e in encoded)
-            else:
-                entry["data"] = strings.reshape(-1).tolist()
-        else:
-            entry.update(datatype="FP32", shape=list(values.shape))
-            if requested.binary:
-                chunk = values.astype("<f4").tobytes()
-            else:
-                entry["data"] = values.reshape(-1).tolist()
+    for requested, tensor in output_tensors(decoded, logits, meta):
+        entry: dict[str, Any] = {
+            "name": tensor.name,
+            "datatype": tensor.datatype,
+            "shape": list(tensor.values.shape),
+        }
         if requested.binary:
+            chunk = tensor.to_bytes()
             entry["parameters"] = {"binary_data_size": len(chunk)}
             chunks.append(chunk)
+        else:
+            entry["data"] = tensor.values.reshape(-1).tolist()
         outputs.append(entry)
     response["outputs"] = outputs
     header = json.dumps(response, separators=(",", ":")).encode("utf-8")

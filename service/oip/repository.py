@@ -4,18 +4,22 @@ load and unload (``VITSERVE_MODEL_CONTROL=explicit``; in the other modes they an
 - ``POST /v2/repository/index``: ``[{"name", "version", "state", "reason"}]``; ``{"ready": true}`` lists
   only the versions that are ready.
 - ``POST /v2/repository/models/{name}/load`` and ``/unload``: 200 with an empty body once done; a load that
-  fails answers 400 with the reason, and what was served keeps serving.
+  fails answers 400 with the reason, and what was served keeps serving. Triton's load parameters (a
+  config override, model files) are refused with 400: the repository's files are what is loaded.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from fastapi import APIRouter, Body, Request, Response
 
 from service.errors import ServiceError
 from service.model_repository import ModelLoadError
 from service.oip.routes import PROTECTED, RESPONSES
-from service.oip.schemas import RepositoryIndexRequest, RepositoryModel
-from service.state import service_state
+from service.oip.schemas import RepositoryIndexRequest, RepositoryLoadRequest, RepositoryModel
+from service.state import ServiceState, service_state
 
 router = APIRouter(prefix="/v2/repository", tags=["model repository"], dependencies=PROTECTED)
 
@@ -29,18 +33,51 @@ router = APIRouter(prefix="/v2/repository", tags=["model repository"], dependenc
 async def repository_index(
     request: Request, options: RepositoryIndexRequest | None = Body(default=None)
 ) -> list[RepositoryModel]:
-    only_ready = options is not None and options.ready
+    return index_of(service_state(request), options is not None and options.ready)
+
+
+def index_of(state: ServiceState, only_ready: bool) -> list[RepositoryModel]:
+    """The repository index (every transport)."""
     return [
         RepositoryModel(
-            name=name, version="" if version is None else str(version), state=state, reason=reason
+            name=name, version="" if version is None else str(version), state=status, reason=reason
         )
-        for name, version, state, reason in service_state(request).manager.index()
-        if not only_ready or state == "READY"
+        for name, version, status, reason in state.manager.index()
+        if not only_ready or status == "READY"
     ]
 
 
-def _explicit_only(request: Request, action: str) -> None:
-    mode = service_state(request).settings.model_control
+async def load_model(state: ServiceState, name: str) -> None:
+    """Explicit load (every transport): 400 with the reason when it fails or is not allowed."""
+    _explicit_only(state, "load")
+    try:
+        await state.manager.load(name)
+    except ModelLoadError as error:
+        raise ServiceError(
+            f"failed to load '{name}': {error}", status_code=400, code="load_failed"
+        ) from None
+
+
+async def unload_model(state: ServiceState, name: str) -> None:
+    """Explicit unload (every transport)."""
+    _explicit_only(state, "unload")
+    await state.manager.unload(name)
+
+
+def refuse_load_parameters(parameters: Mapping[str, Any] | None) -> None:
+    """Triton's load parameters (a config override, files) are not offered: 400 naming them."""
+    if parameters:
+        raise ServiceError(
+            f"load parameters are not supported (got {', '.join(sorted(parameters))}): vitserve "
+            "loads a model's files and config.pbtxt from the repository as they are; change them "
+            "there, then load",
+            status_code=400,
+            code="bad_request",
+        )
+
+
+def _explicit_only(state: ServiceState, action: str) -> None:
+    mode = state.settings.model_control
     if mode != "explicit":
         raise ServiceError(
             f"explicit model {action} is not allowed: the model control mode is '{mode}' "
@@ -56,14 +93,11 @@ def _explicit_only(request: Request, action: str) -> None:
     response_class=Response,
     responses=RESPONSES,
 )
-async def load(name: str, request: Request) -> Response:
-    _explicit_only(request, "load")
-    try:
-        await service_state(request).manager.load(name)
-    except ModelLoadError as error:
-        raise ServiceError(
-            f"failed to load '{name}': {error}", status_code=400, code="load_failed"
-        ) from None
+async def load(
+    name: str, request: Request, options: RepositoryLoadRequest | None = Body(default=None)
+) -> Response:
+    refuse_load_parameters(options.parameters if options is not None else None)
+    await load_model(service_state(request), name)
     return Response(status_code=200)
 
 
@@ -74,6 +108,5 @@ async def load(name: str, request: Request) -> Response:
     responses=RESPONSES,
 )
 async def unload(name: str, request: Request) -> Response:
-    _explicit_only(request, "unload")
-    await service_state(request).manager.unload(name)
+    await unload_model(service_state(request), name)
     return Response(status_code=200)

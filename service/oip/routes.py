@@ -2,12 +2,14 @@
 ``InferenceRESTClient``, plain ``curl``) talk to vitserve unchanged.
 
 - ``GET /v2``: server metadata ``{"name", "version", "extensions"}``.
-- ``GET /v2/health/live``, ``GET /v2/health/ready``: 200 when true, 400 when not.
+- ``GET /v2/health/live``, ``GET /v2/health/ready``: ``{"live": true}``, ``{"ready": true|false}`` (as
+  KServe's servers answer), 200 when true, 400 when not (as Triton's).
 - ``GET /v2/models/{name}[/versions/{version}]``: model metadata (inputs and outputs as named tensors).
 - ``GET /v2/models/{name}[/versions/{version}]/ready``: 200 when ready, 400 when not.
 - ``POST /v2/models/{name}[/versions/{version}]/infer``: named tensors in, named tensors out
   (service/oip/codec.py), through the model's pipeline like ``/predict``.
-- The model repository extension (service/oip/repository.py).
+- The model repository extension (service/oip/repository.py); the model configuration and statistics
+  extensions (service/oip/extensions.py). The same calls over gRPC: service/oip/grpc_service.py.
 
 Every error is ``{"error": "<message>"}`` (service/errors.py formats it): 400 for a bad request, 404 for an
 unknown model or version, 401 for a missing or wrong API key (when one is configured: it applies to
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
@@ -35,11 +38,13 @@ from service.oip.schemas import (
     InferRequest,
     MetadataTensor,
     ModelMetadataResponse,
+    ServerLive,
     ServerMetadata,
+    ServerReady,
 )
 from service.pipeline import ModelPipeline
 from service.security import require_api_key
-from service.state import service_state
+from service.state import ServiceState, service_state
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
 PROTECTED = [Depends(require_api_key)]
@@ -61,7 +66,7 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _version(version: str | None) -> int | None:
+def version_number(version: str | None) -> int | None:
     """A protocol version string as the repository's integer; 404 for anything else."""
     if version is None:
         return None
@@ -71,7 +76,37 @@ def _version(version: str | None) -> int | None:
 
 
 def _pipeline(request: Request, name: str, version: str | None) -> ModelPipeline:
-    return service_state(request).manager.resolve(name, _version(version))
+    return service_state(request).manager.resolve(name, version_number(version))
+
+
+def metadata_of(state: ServiceState, name: str, version: str | None) -> ModelMetadataResponse:
+    """A model's metadata (every transport): the inputs and outputs of the version asked for."""
+    pipeline = state.manager.resolve(name, version_number(version))
+    meta, spec = pipeline.metadata, pipeline.metadata.input
+    classes = meta.num_classes
+    return ModelMetadataResponse(
+        name=name,
+        versions=[str(v) for v in state.manager.model(name).ready_versions()],
+        platform=PLATFORM,
+        inputs=[
+            MetadataTensor(
+                name=spec.name, datatype="FP32", shape=[-1, spec.channels, spec.height, spec.width]
+            )
+        ],
+        outputs=[
+            MetadataTensor(name=meta.outputs.logits, datatype="FP32", shape=[-1, classes]),
+            MetadataTensor(name=PROBABILITIES, datatype="FP32", shape=[-1, classes]),
+        ],
+    )
+
+
+def model_is_ready(state: ServiceState, name: str, version: str | None) -> bool:
+    """Whether a model (version) takes requests now; 404 for an unknown model or version."""
+    model = state.manager.model(name)
+    wanted = version_number(version)
+    if wanted is not None and wanted not in model.versions:
+        raise NotFound(f"unknown version '{version}' of model '{name}'")
+    return state.phase == "ready" and model.pipeline(wanted) is not None
 
 
 def _versioned(path: str, register: Callable[[str], Callable], endpoint: Callable) -> None:
@@ -86,52 +121,31 @@ async def server_metadata(request: Request) -> ServerMetadata:
     return ServerMetadata(name=SERVER_NAME, version=request.app.version, extensions=EXTENSIONS)
 
 
-@router.get("/health/live", summary="Live: 200 (empty body)", response_class=Response)
-async def live() -> Response:
-    return Response(status_code=200)
+@router.get("/health/live", response_model=ServerLive, summary='Live: 200, {"live": true}')
+async def live() -> ServerLive:
+    return ServerLive(live=True)
 
 
 @router.get(
     "/health/ready",
+    response_model=ServerReady,
     summary="Ready: 200 once the default model is loaded and warmed up, 400 while starting or "
     "shutting down",
-    response_class=Response,
-    responses={400: {"description": "Not ready: starting or shutting down (empty body)"}},
+    responses={400: {"model": ServerReady, "description": "Not ready: starting or shutting down"}},
 )
-async def ready(request: Request) -> Response:
-    return Response(status_code=200 if service_state(request).ready else 400)
+async def ready(request: Request) -> JSONResponse:
+    ready = service_state(request).ready
+    return JSONResponse(ServerReady(ready=ready).model_dump(), status_code=200 if ready else 400)
 
 
 async def model_metadata(
     request: Request, name: str, version: str | None = None
 ) -> ModelMetadataResponse:
-    pipeline = _pipeline(request, name, version)
-    meta, spec = pipeline.metadata, pipeline.metadata.input
-    classes = meta.num_classes
-    model = service_state(request).manager.model(name)
-    return ModelMetadataResponse(
-        name=name,
-        versions=[str(v) for v in model.ready_versions()],
-        platform=PLATFORM,
-        inputs=[
-            MetadataTensor(
-                name=spec.name, datatype="FP32", shape=[-1, spec.channels, spec.height, spec.width]
-            )
-        ],
-        outputs=[
-            MetadataTensor(name=meta.outputs.logits, datatype="FP32", shape=[-1, classes]),
-            MetadataTensor(name=PROBABILITIES, datatype="FP32", shape=[-1, classes]),
-        ],
-    )
+    return metadata_of(service_state(request), name, version)
 
 
 async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
-    state = service_state(request)
-    model = state.manager.model(name)
-    wanted = _version(version)
-    if wanted is not None and wanted not in model.versions:
-        raise NotFound(f"unknown version '{version}' of model '{name}'")
-    ready = state.phase == "ready" and model.pipeline(wanted) is not None
+    ready = model_is_ready(service_state(request), name, version)
     return Response(status_code=200 if ready else 400)
 
 
@@ -235,8 +249,8 @@ def not_in_protocol_route(routers: list[APIRouter]) -> APIRouter:
                 )
         raise NotFound(
             f"/v2/{path} is not served: vitserve implements the Open Inference Protocol's health, "
-            "metadata, ready and infer routes and the model repository extension "
-            f"(extensions: {', '.join(EXTENSIONS)})"
+            "metadata, ready and infer routes and the extensions "
+            f"{', '.join(EXTENSIONS)}"
         )
 
     return catch_all

@@ -8,7 +8,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 SERVER_NAME = "vitserve"
 PLATFORM = "onnxruntime_onnx"
-EXTENSIONS = ["binary_tensor_data", "classification", "model_repository"]
+EXTENSIONS = [
+    "binary_tensor_data",
+    "classification",
+    "model_repository",
+    "model_configuration",
+    "statistics",
+]
 HEADER_LENGTH = "Inference-Header-Content-Length"
 PROBABILITIES = "probabilities"
 
@@ -65,6 +71,14 @@ class MetadataTensor(BaseModel):
     shape: list[int]
 
 
+class ServerLive(BaseModel):
+    live: bool
+
+
+class ServerReady(BaseModel):
+    ready: bool
+
+
 class ServerMetadata(BaseModel):
     name: str
     version: str
@@ -83,6 +97,12 @@ class RepositoryIndexRequest(BaseModel):
     model_config = ConfigDict(strict=True)
 
     ready: bool = Field(default=False, description="Only the model versions that are ready.")
+
+
+class RepositoryLoadRequest(_Lenient):
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="Triton's config and file overrides: not supported (400)."
+    )
 
 
 class RepositoryModel(BaseModel):
