@@ -140,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         "",
         table(["", ""], machine_rows(PACKAGES)),
         *(line for section in sections for line in ("", section)),
+        "",
+        "## On a GPU",
+        "",
+        "Not measured: no GPU was available. What we would do on one (I/O binding, CUDA graphs, "
+        "bucketed batch sizes, instances) and why: [docs/gpu.md](docs/gpu.md).",
     ]
     output.write_text("\n".join(document) + "\n")
     print(f"== wrote {output} in {(time.monotonic() - began) / 60:.1f} min", flush=True)
