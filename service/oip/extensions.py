@@ -18,7 +18,8 @@ from google.protobuf import json_format
 
 from service.errors import NotFound
 from service.model_config import CONFIG_FILE, DataType, ModelConfig, read_model_config
-from service.model_manager import ModelManager, _default_config
+from service.model_manager import ModelManager
+from service.model_versions import default_config
 from service.oip.routes import PLATFORM, PROTECTED, RESPONSES, version_number
 from service.pipeline import ModelPipeline
 from service.state import service_state
@@ -38,7 +39,7 @@ def served_config(manager: ModelManager, name: str, version: int | None = None) 
     _named_version(manager, name, version)
     model = manager.model(name)
     path = manager.repository / name / CONFIG_FILE
-    config = read_model_config(path) if path.is_file() else _default_config(name)
+    config = read_model_config(path) if path.is_file() else default_config(name)
     config.name = name
     if not config.platform and not config.backend:
         config.platform = PLATFORM

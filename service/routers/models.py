@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from service.model_manager import ManagedModel
+from service.model_versions import ManagedModel
 from service.preprocessing import ACCEPTED_FORMATS
 from service.routers._openapi import ERROR_RESPONSES
 from service.schemas import (
