@@ -154,7 +154,7 @@ class ModelManager:
         model = self.models.get(name)
         if model is None:
             served = ", ".join(sorted(self.models)) or "none"
-            raise NotFound(f"model {name!r} is not served; served models: {served}", field="model")
+            raise NotFound(f"unknown model '{name}': served models: {served}", field="model")
         return model
 
     def resolve(self, name: str | None = None, version: int | None = None) -> ModelPipeline:

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from service.errors import InvalidInput, PayloadTooLarge, ServiceError, install_error_handlers
-from service.inputs import read_json
+from service.inputs import INLINE_JSON_BYTES, read_json
 from service.json_guard import (
     ImageJsonLimits,
     check_image_json,
@@ -251,7 +251,8 @@ def test_a_bomb_under_the_body_limit_is_refused_unparsed(client, route, no_parsi
 
 
 def test_read_json_guards_and_parses_off_the_event_loop(settings, monkeypatch):
-    """``inputs.read_json``, what the routes are to call: the app's limits, parsing in a worker."""
+    """``inputs.read_json``, what the routes call: the app's limits; a small body parsed on the event
+    loop (cheaper than a thread hop), a large one in a worker."""
     threads: list[str] = []
     real = PredictRequest.model_validate_json
 
@@ -272,7 +273,10 @@ def test_read_json_guards_and_parses_off_the_event_loop(settings, monkeypatch):
     with TestClient(app) as client:
         good = client.post("/echo", json={"images": [{"pixels": [[0, 1]]}] * 2})
         assert good.status_code == 200 and good.json()["images"] == 2
-        assert threads and threads[0] != good.json()["loop"]
+        assert threads == [good.json()["loop"]]
+        large = {"images": [{"b64": "A" * (INLINE_JSON_BYTES + 4)}]}
+        big = client.post("/echo", json=large)
+        assert big.status_code == 200 and threads[-1] != big.json()["loop"]
         bomb = client.post("/echo", json={"images": [{"pixels": [[]] * 3000}]})
         assert bomb.status_code == 413, bomb.text  # a bare app: no request ids
         assert "max_json_values=2048" in bomb.json()["error"]["message"]
