@@ -406,7 +406,14 @@ def test_repository_index_load_and_unload(model_repository, fashion_images):
         assert_status(error, grpc.StatusCode.UNAVAILABLE, "not ready")
         with pytest.raises(InferenceServerException) as error:
             grpc_client.load_model(MODEL_NAME, config='{"max_batch_size": 2}')
-        assert_status(error, grpc.StatusCode.INVALID_ARGUMENT, "load parameters", "config")
+        message = assert_status(
+            error, grpc.StatusCode.INVALID_ARGUMENT, "load parameters", "config"
+        )
+        over_http = app_client.post(
+            f"/v2/repository/models/{MODEL_NAME}/load",
+            json={"parameters": {"config": '{"max_batch_size": 2}'}},
+        )
+        assert (over_http.status_code, over_http.json()) == (400, {"error": message})
         with pytest.raises(InferenceServerException) as error:
             grpc_client.load_model("no-such-model")
         assert_status(error, grpc.StatusCode.NOT_FOUND, "no-such-model")
