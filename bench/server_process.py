@@ -73,7 +73,8 @@ def clean_env(overrides: Mapping[str, str]) -> dict[str, str]:
 def service_env(port: int, **settings: object) -> dict[str, str]:
     """The environment of ``python -m service`` on ``port``: ``settings`` as VITSERVE_* variables."""
     env = {k: os.environ[k] for k in PASS_THROUGH if k in os.environ}
-    env.update({"VITSERVE_HOST": HOST, "VITSERVE_PORT": str(port)})
+    # no gRPC listener unless asked: two servers on one machine would both want its default 8001
+    env.update({"VITSERVE_HOST": HOST, "VITSERVE_PORT": str(port), "VITSERVE_GRPC_PORT": "0"})
     env.update({f"VITSERVE_{k.upper()}": str(v) for k, v in settings.items() if v is not None})
     return clean_env(env)
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import numpy as np
 from fastapi.testclient import TestClient
 
@@ -73,3 +74,21 @@ def reference_logits(reference: Reference, tensor: np.ndarray) -> np.ndarray:
 def softmax(logits: np.ndarray) -> np.ndarray:
     shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
     return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def predict_probabilities(http: httpx.Client, images: np.ndarray) -> np.ndarray:
+    """``/predict`` on uint8 [N, H, W] images (as pixels, never inverted): probabilities [N, classes],
+    sent 8 at a time (the test servers' max_images_per_request)."""
+    rows = []
+    for start in range(0, len(images), 8):
+        body = {
+            "images": [{"pixels": image.tolist()} for image in images[start : start + 8]],
+            "top_k": 10,
+            "invert": "never",
+        }
+        response = http.post("/predict", json=body)
+        assert response.status_code == 200, response.text
+        for prediction in response.json()["predictions"]:
+            scores = {entry["index"]: entry["score"] for entry in prediction["top_k"]}
+            rows.append([scores[i] for i in range(len(scores))])
+    return np.asarray(rows)

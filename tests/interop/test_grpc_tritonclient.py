@@ -26,8 +26,13 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from service.logs import ContextFilter
-from tests.interop.eco_support import eco_app, eco_server, reference_logits, softmax
-from tests.interop.interop_support import predict_probabilities
+from tests.interop.eco_support import (
+    eco_app,
+    eco_server,
+    predict_probabilities,
+    reference_logits,
+    softmax,
+)
 from tests.support import MAX_IMAGES, MODEL_NAME, Reference, Server
 
 pytestmark = pytest.mark.timeout(300)
@@ -248,7 +253,7 @@ def test_errors_are_grpc_statuses_with_the_http_message(client, http, served):
     assert_status(error, grpc.StatusCode.NOT_FOUND, "'resnet50' is not served", MODEL_NAME)
     with pytest.raises(InferenceServerException) as error:
         client.infer(MODEL_NAME, [fp32_input(tensor)], model_version="2")
-    assert_status(error, grpc.StatusCode.NOT_FOUND, "version 2")
+    assert_status(error, grpc.StatusCode.NOT_FOUND, "unknown version '2'")
 
     wrong_shape = np.zeros((2, 1, 27, 28), np.float32)
     with pytest.raises(InferenceServerException) as error:
@@ -406,7 +411,14 @@ def test_repository_index_load_and_unload(model_repository, fashion_images):
         assert_status(error, grpc.StatusCode.UNAVAILABLE, "not ready")
         with pytest.raises(InferenceServerException) as error:
             grpc_client.load_model(MODEL_NAME, config='{"max_batch_size": 2}')
-        assert_status(error, grpc.StatusCode.INVALID_ARGUMENT, "load parameters", "config")
+        message = assert_status(
+            error, grpc.StatusCode.INVALID_ARGUMENT, "load parameters", "config"
+        )
+        over_http = app_client.post(
+            f"/v2/repository/models/{MODEL_NAME}/load",
+            json={"parameters": {"config": '{"max_batch_size": 2}'}},
+        )
+        assert (over_http.status_code, over_http.json()) == (400, {"error": message})
         with pytest.raises(InferenceServerException) as error:
             grpc_client.load_model("no-such-model")
         assert_status(error, grpc.StatusCode.NOT_FOUND, "no-such-model")

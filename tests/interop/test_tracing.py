@@ -272,7 +272,10 @@ def test_otlp_export_and_json_logs_share_the_trace_id(model_repository, tmp_path
         "OTEL_SERVICE_NAME": "vitserve-under-test",
     }
     log = tmp_path / "service.log"
-    with eco_server(model_repository, log, env=env, log_format="json") as (server, _):
+    with eco_server(model_repository, log, env=env, log_format="json", access_log="true") as (
+        server,
+        _,
+    ):
         response = httpx.post(
             f"{server.url}/predict",
             json={"images": [{"pixels": [[0] * 28] * 28}]},
