@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 Invert = Literal["auto", "always", "never"]
-_NUMBERS = frozenset((int, float))
+_NUMBERS = frozenset((int,))  # pixels are integers: 12.5 is refused as "12" is
 
 # A 1x1 black PNG, used in the examples.
 EXAMPLE_PNG_B64 = (
@@ -42,8 +42,8 @@ class ImageInput(BaseModel):
     pixels: list[Any] | None = Field(
         default=None,
         description=(
-            "Nested list H x W (grayscale) or C x H x W (C = 1 or 3) of numbers from 0 to 255 "
-            "(JSON numbers: strings and booleans are refused)."
+            "Nested list H x W (grayscale) or C x H x W (C = 1 or 3) of integers from 0 to 255 "
+            "(JSON integers: fractions, strings and booleans are refused)."
         ),
         json_schema_extra={"items": {"type": "array", "items": {}}},
     )
@@ -54,6 +54,13 @@ class ImageInput(BaseModel):
         found = None if pixels is None else first_non_number(pixels)
         if found is not None:
             position, value = found
+            if type(value) is float:
+                raise PydanticCustomError(
+                    "invalid_pixels",
+                    "values must be integers from 0 to 255; found {value} at {position}: not an "
+                    "integer",
+                    {"value": json.dumps(value)[:40], "position": str(position)},
+                )
             raise PydanticCustomError(
                 "invalid_pixels",
                 "values must be numbers from 0 to 255; found {value} at {position}: not a "
@@ -71,7 +78,7 @@ class ImageInput(BaseModel):
 
 def first_non_number(pixels: list[Any]) -> tuple[list[int], Any] | None:
     """The position and value of the first element of a nested list that is neither a list nor a
-    JSON number (int or float; a boolean is not one), in reading order; None when there is none.
+    JSON integer (a boolean is not one, nor a fraction), in reading order; None when there is none.
 
     Each level of nesting is checked at once at C speed (the elements' types as a set); only when a
     culprit is there is the list walked in Python to find where."""

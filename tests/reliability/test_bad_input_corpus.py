@@ -473,6 +473,13 @@ CORPUS: list[Bad] = [
         "images[0].pixels",
     ),
     Bad(
+        "pixels fractions",
+        pixels([[0, 0], [12.5, 0]]),
+        422,
+        ("images[0].pixels", "12.5 at [1, 0]", "not an integer"),
+        "images[0].pixels",
+    ),
+    Bad(
         "pixels null",
         pixels([[0, 1], [None, 2]]),
         422,
