@@ -24,15 +24,18 @@ from service.metrics import Metrics
 class Model:
     """Each row's sum; records the thread it ran on; can be held at a gate, or return too few rows."""
 
-    def __init__(self, short: bool = False) -> None:
+    def __init__(self, short: bool = False, held: int = 0) -> None:
         self.gate = threading.Event()
         self.gate.set()
+        self.gates = [threading.Event() for _ in range(held)]  # batch i waits for gates[i]
         self.threads: list[str] = []
         self.batches: list[int] = []
         self.short = short
 
     def __call__(self, images: np.ndarray) -> tuple[np.ndarray]:
         self.gate.wait(30)
+        if len(self.batches) < len(self.gates):
+            self.gates[len(self.batches)].wait(30)
         self.threads.append(threading.current_thread().name)
         self.batches.append(len(images))
         sums = images.reshape(len(images), -1).sum(axis=1)
@@ -140,24 +143,49 @@ def test_metrics_are_recorded_under_the_graphs_label():
 
 def test_the_queue_depth_gauge_follows_the_queue():
     async def scenario():
-        model = Model()
-        model.gate.clear()
+        model = Model(held=2)
         b = make(model, max_batch_size=2)
         b.start()
-        running = asyncio.create_task(b.submit(rows(1, 2)))  # taken, held at the gate
-        await asyncio.sleep(0.2)
-        queued = asyncio.create_task(b.submit(rows(3, 4, 5)))
-        await asyncio.sleep(0.05)
-        waiting = sample(b, "vitserve_queue_depth", graph="classifier")
-        model.gate.set()
-        await asyncio.gather(running, queued)
-        await asyncio.sleep(0.05)
-        drained = sample(b, "vitserve_queue_depth", graph="classifier")
-        await b.stop(5)
-        return waiting, drained
+        depth = []
 
-    waiting, drained = asyncio.run(scenario())
-    assert (waiting, drained) == (3.0, 0.0)
+        async def settle_and_read() -> None:
+            await asyncio.sleep(0.2)
+            depth.append(sample(b, "vitserve_queue_depth", graph="classifier"))
+
+        first = asyncio.create_task(b.submit(rows(1, 2)))  # taken at once, held
+        await settle_and_read()
+        rest = asyncio.create_task(b.submit(rows(3, 4, 5)))  # waits behind it
+        await settle_and_read()
+        model.gates[0].set()  # the next batch takes two of the three and is held
+        await settle_and_read()
+        model.gates[1].set()
+        await asyncio.gather(first, rest)
+        await settle_and_read()
+        await b.stop(5)
+        return depth
+
+    assert asyncio.run(scenario()) == [0.0, 3.0, 1.0, 0.0]
+
+
+def test_a_timed_out_request_leaves_the_others_queued():
+    async def scenario():
+        model = Model(held=1)
+        b = make(model, max_batch_size=2, timeout_s=2.0)
+        b.start()
+        running = asyncio.create_task(b.submit(rows(1, 2)))  # taken, held; times out at 2 s
+        await asyncio.sleep(0.1)
+        early = asyncio.create_task(b.submit(rows(3)))  # queued; times out at 2.1 s
+        await asyncio.sleep(0.9)
+        late = asyncio.create_task(b.submit(rows(4)))  # queued; would time out at 3 s
+        await asyncio.sleep(1.5)
+        model.gates[0].set()  # at 2.5 s: the first two have timed out, `late` has not
+        results = await asyncio.gather(running, early, late, return_exceptions=True)
+        await b.stop(5)
+        return results
+
+    running, early, late = asyncio.run(scenario())
+    assert isinstance(running, ServiceUnavailable) and isinstance(early, ServiceUnavailable)
+    assert [float(row[0]) for row in late] == [4.0]  # still queued, and served
 
 
 def test_a_failed_batch_is_logged_with_its_graph_request_ids_and_cause(caplog):
