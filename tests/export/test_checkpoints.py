@@ -46,6 +46,9 @@ def test_save_and_load_give_the_same_model(tmp_path, tiny_config, position_embed
     images = torch.randn(2, 1, 28, 28)
     torch.testing.assert_close(loaded(images), model.eval()(images), atol=0, rtol=0)
     assert [p.name for p in run.iterdir()] == ["model.safetensors"]  # no temporary file left
+    # a later epoch saves into the same directory, over the same file
+    save_checkpoint(model, path, "fashion-mnist", FASHION_MNIST_LABELS, epoch="4")
+    assert load_checkpoint(run)[1]["epoch"] == "4"
 
 
 class Payload:
@@ -167,8 +170,9 @@ def test_file_sha256_is_the_sha256_of_the_whole_file(tmp_path):
     assert file_sha256(empty) == hashlib.sha256(b"").hexdigest()
 
 
-def test_the_optimizer_state_survives_a_save_and_load(tmp_path, tiny_config):
+def test_the_optimizer_state_survives_a_save_and_load(tmp_path, tiny_config, monkeypatch):
     """AdamW's moments, step counts and parameter groups, as a resumed run needs them."""
+    monkeypatch.chdir(tmp_path)  # a file written anywhere but the path given shows up below
     torch.manual_seed(0)
     model = VisionTransformer(tiny_config)
     groups = [
