@@ -10,6 +10,7 @@ VENV ?= .venv
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 # make train / make export
 PRESET ?= fashion-small
@@ -31,14 +32,19 @@ req_hash = $(shell cat $(1) | sha256sum | cut -c1-16)
 SERVE_STAMP := $(VENV)/.installed-serve-$(call req_hash,$(SERVE_REQS))
 TEST_STAMP := $(VENV)/.installed-test-$(call req_hash,$(TEST_REQS))
 
+# The Kubernetes version the manifests in deploy/kubernetes/ are validated against (kubernetes-validate
+# ships its schemas, so the check needs no cluster and no network).
+K8S_VERSION := 1.35.0
+K8S_MANIFESTS := $(sort $(shell find deploy/kubernetes -name '*.yaml' -o -name '*.yml'))
+
 DATASET_DIR := /usr/share/datasets/fashion-mnist
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help serve test lint format hadolint compose-check pytest dataset chromium train export bench \
-	mutation docker-build clean
+.PHONY: help serve test lint format hadolint compose-check k8s-check pytest dataset chromium train \
+	export bench mutation docker-build clean
 
 help: ## List the targets.
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
 $(VPY):
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), f"Python 3.11 or newer needed, found {sys.version}"'
@@ -58,7 +64,7 @@ serve: $(SERVE_STAMP) ## Serve the shipped model at http://127.0.0.1:PORT (PORT=
 	@echo "vitserve: http://$(HOST):$(PORT)  (OpenAPI docs: http://$(HOST):$(PORT)/docs)"
 	VITSERVE_HOST=$(HOST) VITSERVE_PORT=$(PORT) exec $(VPY) -m service
 
-test: lint hadolint compose-check pytest ## Lint, check the Dockerfile and compose file, run every test.
+test: lint hadolint compose-check k8s-check pytest ## Lint, check the Dockerfile, compose file and Kubernetes manifests, run every test.
 
 lint: $(TEST_STAMP) ## ruff check and ruff format --check.
 	$(BIN)/ruff check .
@@ -73,6 +79,11 @@ hadolint: $(TEST_STAMP) ## Lint the Dockerfile (rules in .hadolint.yaml).
 
 compose-check: $(TEST_STAMP) ## Validate docker-compose.yml (no Docker engine needed).
 	$(BIN)/docker-compose -f docker-compose.yml --profile cpu --profile export config --quiet
+
+# Every file there holds complete resources of the core API; deploy/kserve/'s InferenceService is a
+# CRD, which kubernetes-validate has no schema for: tests/delivery/test_kubernetes.py checks it.
+k8s-check: $(TEST_STAMP) ## Validate deploy/kubernetes/ offline (kubernetes-validate --strict, K8S_VERSION).
+	$(BIN)/kubernetes-validate --strict --kubernetes-version $(K8S_VERSION) $(K8S_MANIFESTS)
 
 # pytest exits 5 when it collected no test: that fails here like any other non-zero status.
 pytest: $(TEST_STAMP) dataset chromium ## Run the test suite.
@@ -106,9 +117,13 @@ train: $(TEST_STAMP) dataset ## Train a ViT: PRESET=fashion-small RUN=runs/fashi
 export: $(TEST_STAMP) dataset ## Export RUN to ONNX as models/MODEL/VERSION.
 	$(VPY) -m export.onnx $(RUN) --name $(MODEL) --version $(VERSION) --repo $(REPO)
 
-bench: $(TEST_STAMP) ## Run the benchmarks (results: BENCHMARKS.md).
-	@test -d bench || { echo "no bench/ directory yet" >&2; exit 1; }
-	$(VPY) -m bench
+bench: $(TEST_STAMP) ## Run the benchmarks on a quiet machine (BENCH_ARGS=--quick: a smoke run); writes BENCHMARKS.md.
+	@if ! command -v hey >/dev/null; then \
+		export DEBIAN_FRONTEND=noninteractive; \
+		$(SUDO) apt-get install -y --no-install-recommends hey \
+		|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends hey; }; \
+	fi
+	$(VPY) -m bench $(BENCH_ARGS)
 
 # make mutation: every mutant of the core modules ([tool.mutmut] in pyproject.toml), or those whose
 # name matches MUTATE (e.g. MUTATE='service.security*'); niced, and stopped after MUTATION_LIMIT.
@@ -121,9 +136,9 @@ mutation: $(TEST_STAMP) dataset ## Mutation testing of the core modules (docs/te
 		nice -n 10 $(BIN)/mutmut run --max-children $(MUTATION_CHILDREN) $(MUTATE)
 	$(BIN)/mutmut results
 
-docker-build: ## Build the three images (needs a Docker engine).
-	docker build --target service-cpu -t vitserve:cpu .
-	docker build --target service-gpu -t vitserve:gpu .
+docker-build: ## Build the three images (needs a Docker engine with BuildKit).
+	docker build --target service --build-arg VARIANT=cpu -t vitserve:cpu .
+	docker build --target service --build-arg VARIANT=gpu -t vitserve:gpu .
 	docker build --target export -t vitserve:export .
 
 clean: ## Remove the virtual environment, caches and test artifacts (never runs/ or models/).

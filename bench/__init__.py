@@ -1,4 +1,3 @@
-"""Benchmarks of vitserve: engine (onnxruntime vs PyTorch), in-process micro-benchmarks, and the HTTP
-service under load against a PyTorch-eager baseline. ``python -m bench`` runs them all and writes
-BENCHMARKS.md; see bench/run_all.py.
+"""Benchmarks of vitserve: ``python -m bench`` (bench/run.py) measures it against the servers a user
+would write instead, finds where its time goes, and swaps a model under load; it writes BENCHMARKS.md.
 """

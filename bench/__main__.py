@@ -1,7 +1,7 @@
-"""``python -m bench``: every benchmark, then BENCHMARKS.md (see bench/run_all.py)."""
+"""``python -m bench``: every benchmark, then BENCHMARKS.md (see bench/run.py)."""
 
 import sys
 
-from bench.run_all import main
+from bench.run import main
 
 sys.exit(main())

@@ -1,32 +1,34 @@
 """Run Debian's ``hey`` (github.com/rakyll/hey, 0.1.4) and parse its summary.
 
-hey's summary counts every answered request in ``Requests/sec`` (errors included) and computes its
-latency percentiles over every answered request whatever its status (503s included); transport errors
-(refused, reset, timed out) are only in the error distribution. So the figures we keep are computed
-from the counts: ``ok_rps`` is the 200 answers per second of the run's total time.
+hey counts every answered request in ``Requests/sec`` (errors too) and computes its percentiles over
+every answer whatever its status (503s included); transport errors (refused, reset, timed out) are only
+in its error distribution. So ``ok_rps`` is recomputed: 200 answers per second of the run's total time.
+A percentile hey has too few answers for is printed as ``0% in 0.0000 secs``: missing, not 0 ms.
+
+hey runs with ``GOMAXPROCS=1`` (one OS thread, as ``wrk -t1``), so that on a small machine the load
+generator takes at most one core from the server under test.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-PERCENTILES = (10, 25, 50, 75, 90, 95, 99)
+ENV = {"GOMAXPROCS": "1"}
 
 
 class HeyError(RuntimeError):
     pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class HeyResult:
     total_s: float
     rps: float  # hey's own: every answered request and every error, per second
-    slowest_s: float | None
-    fastest_s: float | None
     average_s: float | None
     percentiles_s: dict[int, float] = field(default_factory=dict)
     status_codes: dict[int, int] = field(default_factory=dict)
@@ -37,12 +39,8 @@ class HeyResult:
         return self.status_codes.get(200, 0)
 
     @property
-    def answered(self) -> int:
-        return sum(self.status_codes.values())
-
-    @property
     def not_ok(self) -> int:
-        return self.answered - self.ok
+        return sum(self.status_codes.values()) - self.ok
 
     @property
     def error_count(self) -> int:
@@ -52,31 +50,18 @@ class HeyResult:
     def ok_rps(self) -> float:
         return self.ok / self.total_s if self.total_s > 0 else 0.0
 
-    def to_dict(self) -> dict:
-        data = asdict(self)
-        data.update(
-            ok=self.ok,
-            not_ok=self.not_ok,
-            error_count=self.error_count,
-            ok_rps=self.ok_rps,
-            percentiles_s={str(k): v for k, v in self.percentiles_s.items()},
-            status_codes={str(k): v for k, v in self.status_codes.items()},
-        )
-        return data
-
-
-_SECS = r"([0-9.]+|NaN)\s+secs"
+    def ms(self, percentile: int) -> float | None:
+        seconds = self.percentiles_s.get(percentile)
+        return None if seconds is None else seconds * 1000
 
 
 def _number(pattern: str, text: str) -> float | None:
-    match = re.search(pattern, text)
-    if not match or match.group(1) == "NaN":
-        return None
-    return float(match.group(1))
+    match = re.search(pattern + r"\s+([0-9.]+|NaN)", text)
+    return None if not match or match.group(1) == "NaN" else float(match.group(1))
 
 
 def _section(text: str, title: str) -> list[str]:
-    """The indented lines under ``title:`` up to the next blank line."""
+    """The lines under ``title:`` up to the next blank line."""
     lines = text.splitlines()
     for index, line in enumerate(lines):
         if line.strip() == f"{title}:":
@@ -90,44 +75,24 @@ def _section(text: str, title: str) -> list[str]:
 
 
 def parse_summary(text: str) -> HeyResult:
-    """Parse hey's default (non-CSV) output."""
-    total = _number(r"Total:\s+" + _SECS, text)
-    rps = _number(r"Requests/sec:\s+([0-9.]+|NaN)", text)
+    """Parse hey's default (not CSV) output."""
+    total, rps = _number(r"Total:", text), _number(r"Requests/sec:", text)
     if total is None or rps is None:
         raise HeyError(f"not a hey summary (no Total / Requests/sec):\n{text[:2000]}")
     percentiles = {}
     for line in _section(text, "Latency distribution"):
-        match = re.match(r"([0-9]+)(?:\.[0-9]+)?%\s+in\s+([0-9.]+)\s+secs", line)
-        if match:
+        match = re.fullmatch(r"([0-9]+)%\s+in\s+([0-9.]+)\s+secs", line)
+        if match and int(match.group(1)) > 0:  # "0% in 0.0000 secs": too few answers for it
             percentiles[int(match.group(1))] = float(match.group(2))
     status_codes = {}
     for line in _section(text, "Status code distribution"):
-        match = re.match(r"\[([0-9]+)\]\s+([0-9]+)\s+responses", line)
-        if match:
+        if match := re.fullmatch(r"\[([0-9]+)\]\s+([0-9]+)\s+responses", line):
             status_codes[int(match.group(1))] = int(match.group(2))
-    errors = {}
+    errors: dict[str, int] = {}
     for line in _section(text, "Error distribution"):
-        match = re.match(r"\[([0-9]+)\]\s+(.*)", line)
-        if match:
-            message = match.group(2).strip()
-            errors[message] = errors.get(message, 0) + int(match.group(1))
-    return HeyResult(
-        total_s=total,
-        rps=rps,
-        slowest_s=_number(r"Slowest:\s+" + _SECS, text),
-        fastest_s=_number(r"Fastest:\s+" + _SECS, text),
-        average_s=_number(r"Average:\s+" + _SECS, text),
-        percentiles_s=percentiles,
-        status_codes=status_codes,
-        errors=errors,
-    )
-
-
-def hey_binary() -> str:
-    path = shutil.which("hey")
-    if path is None:
-        raise HeyError("hey is not installed (Debian: apt-get install hey)")
-    return path
+        if match := re.fullmatch(r"\[([0-9]+)\]\s+(.*)", line):
+            errors[match.group(2)] = errors.get(match.group(2), 0) + int(match.group(1))
+    return HeyResult(total, rps, _number(r"Average:", text), percentiles, status_codes, errors)
 
 
 def command(
@@ -138,38 +103,47 @@ def command(
     duration_s: float | None = None,
     requests: int | None = None,
     timeout_s: int = 30,
-    binary: str = "hey",
 ) -> list[str]:
-    """A fixed-duration (``-z``) or fixed-count (``-n``) POST of a JSON body."""
+    """A fixed-duration (``-z``) or fixed-count (``-n``) POST of a JSON file."""
     if (duration_s is None) == (requests is None):
         raise ValueError("give exactly one of duration_s or requests")
     amount = ["-z", f"{duration_s:g}s"] if duration_s is not None else ["-n", str(requests)]
     return [
-        binary,
-        *amount,
-        "-c",
-        str(concurrency),
-        "-t",
-        str(timeout_s),
-        "-m",
-        "POST",
-        "-T",
-        "application/json",
-        "-D",
-        str(body),
-        url,
+        *("hey", *amount, "-c", str(concurrency), "-t", str(timeout_s)),
+        *("-m", "POST", "-T", "application/json", "-D", str(body), url),
     ]
 
 
-def run(argv: list[str], wall_limit_s: float) -> tuple[HeyResult, str]:
-    """Run hey; returns the parsed summary and the raw text."""
+def start(argv: list[str]) -> subprocess.Popen:
+    """hey in the background (its summary on stdout), for runs something else happens during."""
+    if shutil.which(argv[0]) is None:
+        raise HeyError("hey is not installed (Debian: apt-get install hey)")
+    env = {**os.environ, **ENV}
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+def finish(process: subprocess.Popen, wall_limit_s: float) -> HeyResult:
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=wall_limit_s)
+        out, err = process.communicate(timeout=wall_limit_s)
     except subprocess.TimeoutExpired as error:
-        raise HeyError(f"hey ran past {wall_limit_s:.0f} s: {' '.join(argv)}") from error
-    if done.returncode != 0:
-        raise HeyError(f"hey exited {done.returncode}: {done.stderr.strip()[:500]}")
-    return parse_summary(done.stdout), done.stdout
+        process.kill()
+        process.communicate()
+        raise HeyError(f"hey ran past {wall_limit_s:.0f} s: {' '.join(process.args)}") from error
+    if process.returncode != 0:
+        raise HeyError(f"hey exited {process.returncode}: {err.strip()[:500]}")
+    return parse_summary(out)
+
+
+def run(argv: list[str], wall_limit_s: float) -> HeyResult:
+    return finish(start(argv), wall_limit_s)
+
+
+def shown(argv: list[str]) -> str:
+    """The command line as a reader would type it: environment first, the body file by its name."""
+    parts = [Path(a).name if a.endswith(".json") else a for a in argv]
+    return " ".join([*(f"{k}={v}" for k, v in ENV.items()), *parts])
 
 
 def version() -> str:
@@ -178,6 +152,6 @@ def version() -> str:
         done = subprocess.run(
             ["dpkg-query", "-W", "-f=${Version}", "hey"], capture_output=True, text=True, timeout=10
         )
-        return done.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    return done.stdout.strip() or "unknown"

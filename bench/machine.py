@@ -1,8 +1,8 @@
 """What machine the numbers come from, and whether something else was using it.
 
-The busy check samples /proc/stat and every /proc/PID/stat over one second: how many cores were busy in
-total, and which processes used them. Run it while the servers under test are idle (between load runs);
-then anything busy is someone else.
+The busy check samples /proc/stat and every /proc/PID/stat twice: how many cores were busy in total,
+and which processes used them. Run it while the servers under test are idle (between load runs); then
+anything busy that is not ours is someone else.
 """
 
 from __future__ import annotations
@@ -12,57 +12,114 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from export.hardware import cpu_model
 
-# More than this many cores busy while nothing of ours runs means the machine was not quiet.
+# More than this many cores used by other processes while ours are idle: the machine was not quiet.
 BUSY_CORES_THRESHOLD = 0.25
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def parse_cpu_line(stat_text: str) -> tuple[int, int]:
     """(busy jiffies, total jiffies) from the aggregate ``cpu`` line of /proc/stat."""
     for line in stat_text.splitlines():
         if line.startswith("cpu "):
-            values = [int(v) for v in line.split()[1:]]
-            # user nice system idle iowait irq softirq steal guest guest_nice; guest is in user already.
-            fields = values[:8]
-            idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-            total = sum(fields)
-            return total - idle, total
+            # user nice system idle iowait irq softirq steal; guest is counted in user already.
+            fields = [int(v) for v in line.split()[1:9]]
+            return sum(fields) - fields[3] - fields[4], sum(fields)
     raise ValueError("no aggregate 'cpu' line in /proc/stat")
 
 
-def busy_cores(before: tuple[int, int], after: tuple[int, int], cpus: int) -> float:
-    """Average number of busy cores between two ``parse_cpu_line`` samples."""
-    busy = after[0] - before[0]
-    total = after[1] - before[1]
-    if total <= 0:
-        return 0.0
-    return cpus * busy / total
-
-
 def parse_pid_stat(text: str) -> tuple[str, int]:
-    """(command name, utime + stime in clock ticks) from /proc/PID/stat; the name may hold spaces and ')'."""
+    """(command name, utime + stime in clock ticks) of /proc/PID/stat; the name may hold ') '."""
     start, end = text.index("("), text.rindex(")")
-    name = text[start + 1 : end]
-    rest = text[end + 2 :].split()
-    # rest[0] is field 3 (state); utime and stime are fields 14 and 15.
-    return name, int(rest[11]) + int(rest[12])
+    rest = text[end + 2 :].split()  # rest[0] is field 3 (state); utime, stime are fields 14, 15
+    return text[start + 1 : end], int(rest[11]) + int(rest[12])
 
 
-def _pid_times() -> dict[int, tuple[str, int]]:
-    times = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            times[int(entry.name)] = parse_pid_stat(Path(entry.path, "stat").read_text())
-        except (OSError, ValueError, IndexError):
-            continue
-    return times
+def _stats(directory: str) -> dict[int, tuple[str, int]]:
+    found = {}
+    for entry in os.scandir(directory):
+        if entry.name.isdigit():
+            try:
+                found[int(entry.name)] = parse_pid_stat(Path(entry.path, "stat").read_text())
+            except (OSError, ValueError, IndexError):
+                continue
+    return found
+
+
+def thread_ticks(pid: int) -> dict[int, int]:
+    """CPU clock ticks used so far by each thread of ``pid``, by thread id."""
+    return {tid: ticks for tid, (_, ticks) in _stats(f"/proc/{pid}/task").items()}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    at: float
+    cpu: tuple[int, int]
+    processes: dict[int, tuple[str, int]]
+
+    @classmethod
+    def take(cls) -> Snapshot:
+        return cls(
+            time.monotonic(), parse_cpu_line(Path("/proc/stat").read_text()), _stats("/proc")
+        )
+
+
+@dataclass(frozen=True)
+class User:
+    pid: int
+    name: str
+    cores: float
+    ours: bool
+    cmd: str = ""
+
+
+@dataclass(frozen=True)
+class BusyCheck:
+    busy_cores: float  # every process, ours included
+    other_cores: float  # processes that are not ours
+    busy: bool
+    top: list[User] = field(default_factory=list)
+
+    def describe(self) -> str:
+        users = ", ".join(
+            f"{u.cmd or u.name} ({u.cores:.2f} cores{', ours' if u.ours else ''})" for u in self.top
+        )
+        return f"{self.busy_cores:.2f} cores busy, {self.other_cores:.2f} not ours; top: {users or '-'}"
+
+
+def usage(before: Snapshot, after: Snapshot, own_pids: set[int]) -> list[User]:
+    """Cores each process used between the snapshots, most first (a pid whose name changed in
+    between is a new process and is left out)."""
+    seconds = max(after.at - before.at, 1e-9)
+    users = []
+    for pid, (name, ticks) in after.processes.items():
+        if pid in before.processes and before.processes[pid][0] == name:
+            cores = (ticks - before.processes[pid][1]) / CLOCK_TICKS / seconds
+            if cores > 0.005:
+                users.append(User(pid, name, round(cores, 3), pid in own_pids))
+    return sorted(users, key=lambda user: -user.cores)
+
+
+def judge(
+    before: Snapshot,
+    after: Snapshot,
+    own_pids: set[int],
+    cpus: int,
+    threshold: float = BUSY_CORES_THRESHOLD,
+    cmdline: Callable[[int], str] = lambda pid: "",
+) -> BusyCheck:
+    """Busy when processes other than ``own_pids`` used more than ``threshold`` cores."""
+    jiffies = after.cpu[1] - before.cpu[1]
+    total = cpus * (after.cpu[0] - before.cpu[0]) / jiffies if jiffies > 0 else 0.0
+    users = usage(before, after, own_pids)
+    others = max(0.0, total - sum(user.cores for user in users if user.ours))
+    top = [User(u.pid, u.name, u.cores, u.ours, cmdline(u.pid)) for u in users[:3]]
+    return BusyCheck(round(total, 3), round(others, 3), others > threshold, top)
 
 
 def _cmdline(pid: int) -> str:
@@ -70,25 +127,7 @@ def _cmdline(pid: int) -> str:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return ""
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:120]
-
-
-@dataclass
-class BusyCheck:
-    busy_cores: float
-    loadavg_1m: float
-    busy: bool
-    top: list[dict] = field(default_factory=list)  # [{"pid", "name", "cores", "ours"}]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def describe(self) -> str:
-        names = ", ".join(
-            f"{p['cmd'] or p['name']} ({p['cores']:.2f} cores{', ours' if p['ours'] else ''})"
-            for p in self.top
-        )
-        return f"{self.busy_cores:.2f} cores busy over 1 s; top: {names or 'nothing'}"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:100]
 
 
 def busy_check(
@@ -96,81 +135,11 @@ def busy_check(
     interval_s: float = 1.0,
     threshold: float = BUSY_CORES_THRESHOLD,
 ) -> BusyCheck:
-    """Sample the machine for ``interval_s``; ``busy`` when other processes used over ``threshold`` cores."""
-    own_pids = set(own_pids or ()) | {os.getpid()}
-    cpus = os.cpu_count() or 1
-    stat = Path("/proc/stat")
-    cpu_before, pids_before = parse_cpu_line(stat.read_text()), _pid_times()
+    """Sample the machine for ``interval_s``; this process always counts as ours."""
+    before = Snapshot.take()
     time.sleep(interval_s)
-    cpu_after, pids_after = parse_cpu_line(stat.read_text()), _pid_times()
-    total = busy_cores(cpu_before, cpu_after, cpus)
-    usage = []
-    for pid, (name, ticks) in pids_after.items():
-        if pid in pids_before and pids_before[pid][0] == name:
-            used = (ticks - pids_before[pid][1]) / CLOCK_TICKS / interval_s
-            if used > 0.005:
-                usage.append((used, pid, name))
-    usage.sort(reverse=True)
-    ours = sum(used for used, pid, _ in usage if pid in own_pids)
-    top = [
-        {
-            "pid": pid,
-            "name": name,
-            "cmd": _cmdline(pid),
-            "cores": round(used, 3),
-            "ours": pid in own_pids,
-        }
-        for used, pid, name in usage[:3]
-    ]
-    others = max(0.0, total - ours)
-    return BusyCheck(
-        busy_cores=round(total, 3),
-        loadavg_1m=os.getloadavg()[0],
-        busy=others > threshold,
-        top=top,
-    )
-
-
-def _memory_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 1024 / 1024
-    except OSError:
-        pass
-    return None
-
-
-def machine_info() -> dict:
-    return {
-        "cpu_model": cpu_model(),
-        "logical_cpus": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "memory_gib": _memory_gib(),
-        "kernel": platform.release(),
-        "os": _os_release(),
-        "niceness": os.nice(0),
-    }
-
-
-def _os_release() -> str:
-    try:
-        for line in Path("/etc/os-release").read_text().splitlines():
-            if line.startswith("PRETTY_NAME="):
-                return line.split("=", 1)[1].strip('"')
-    except OSError:
-        pass
-    return platform.platform()
-
-
-def package_versions(names: tuple[str, ...]) -> dict[str, str]:
-    versions = {"python": sys.version.split()[0]}
-    for name in names:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
+    own = set(own_pids or ()) | {os.getpid()}
+    return judge(before, Snapshot.take(), own, os.cpu_count() or 1, threshold, _cmdline)
 
 
 def process_memory_kib(pid: int) -> dict[str, int | None]:
@@ -184,3 +153,36 @@ def process_memory_kib(pid: int) -> dict[str, int | None]:
     except OSError:
         pass
     return values
+
+
+def _first_line(path: str, prefix: str) -> str | None:
+    try:
+        return next(
+            (line for line in Path(path).read_text().splitlines() if line.startswith(prefix)),
+            None,
+        )
+    except OSError:
+        return None
+
+
+def machine_rows(packages: tuple[str, ...]) -> list[list[str]]:
+    """The machine and the versions of what was measured, as rows of a two-column table."""
+    memory = _first_line("/proc/meminfo", "MemTotal:")
+    os_name = _first_line("/etc/os-release", "PRETTY_NAME=")
+    versions = {"python": sys.version.split()[0]}
+    for name in packages:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    usable = len(os.sched_getaffinity(0))
+    return [
+        ["CPU", f"{cpu_model()} ({os.cpu_count()} logical CPUs, {usable} usable)"],
+        ["memory", f"{int(memory.split()[1]) / 2**20:.1f} GiB" if memory else "-"],
+        [
+            "OS",
+            f"{os_name.split('=', 1)[1].strip(chr(34)) if os_name else platform.platform()}, "
+            f"kernel {platform.release()}",
+        ],
+        ["versions", ", ".join(f"{k} {v}" for k, v in versions.items())],
+    ]

@@ -49,20 +49,3 @@ def b64_pngs(count: int) -> tuple[list[str], str]:
 
 def predict_body(encoded: list[str], top_k: int = 5) -> bytes:
     return json.dumps({"images": [{"b64": e} for e in encoded], "top_k": top_k}).encode()
-
-
-def attention_body(encoded: str, output: str) -> bytes:
-    return json.dumps({"image": {"b64": encoded}, "format": output}).encode()
-
-
-def photo_jpeg(width: int = 640, height: int = 480) -> bytes:
-    """A photo-like RGB JPEG: a dark garment-shaped blob on a light, noisy background."""
-    rng = np.random.default_rng(1)
-    y, x = np.mgrid[0:height, 0:width]
-    background = 200 + 30 * (x / width) + rng.normal(0, 6, (height, width))
-    blob = ((x - width / 2) / (width / 4)) ** 2 + ((y - height / 2) / (height / 3)) ** 2 < 1
-    gray = np.where(blob, 60 + rng.normal(0, 10, (height, width)), background)
-    rgb = np.clip(np.stack([gray, gray * 0.95, gray * 0.9], axis=-1), 0, 255).astype(np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(rgb).save(buffer, format="JPEG", quality=90)
-    return buffer.getvalue()

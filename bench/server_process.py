@@ -1,7 +1,8 @@
 """A server process that a benchmark or a test starts, waits for, and always stops.
 
-Shared by the load driver (bench/service.py), the reliability benches (bench/reliability/) and the
-tests that run real servers (tests/support.py). Standard library only.
+``running`` is the one way the benches (bench/), the reliability benches (bench/reliability/) and the
+tests that run real servers (tests/support.py) start one: environment, free port, spawn, wait until
+ready, stop. Standard library only.
 
 Each process runs in its own session, so that stopping it signals its whole process group (uvicorn
 workers included), and with PR_SET_PDEATHSIG, so that it gets SIGTERM should the thread that started
@@ -16,14 +17,25 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
+SERVICE = (sys.executable, "-m", "service")
+# Every other VITSERVE_* variable of the caller is dropped, so that a server runs exactly the settings
+# it is given; these pass through, so that `VITSERVE_PROVIDER=cuda python -m bench` measures a GPU.
+PASS_THROUGH = (
+    "VITSERVE_PROVIDER",
+    "VITSERVE_CUDA_DEVICE_ID",
+    "VITSERVE_CUDNN_CONV_ALGO_SEARCH",
+    "VITSERVE_CUDA_MEM_LIMIT_BYTES",
+)
 
 
 class ServerStartError(RuntimeError):
@@ -56,6 +68,15 @@ def clean_env(overrides: Mapping[str, str]) -> dict[str, str]:
     env.update(overrides)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def service_env(port: int, **settings: object) -> dict[str, str]:
+    """The environment of ``python -m service`` on ``port``: ``settings`` as VITSERVE_* variables."""
+    env = {k: os.environ[k] for k in PASS_THROUGH if k in os.environ}
+    # no gRPC listener unless asked: two servers on one machine would both want its default 8001
+    env.update({"VITSERVE_HOST": HOST, "VITSERVE_PORT": str(port), "VITSERVE_GRPC_PORT": "0"})
+    env.update({f"VITSERVE_{k.upper()}": str(v) for k, v in settings.items() if v is not None})
+    return clean_env(env)
 
 
 PR_SET_PDEATHSIG = 1
@@ -138,3 +159,54 @@ def stop_process(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
+
+
+def http_get(url: str, timeout_s: float = 5.0) -> str | None:
+    """The body of a GET, or None when the server did not answer 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as answer:
+            return answer.read().decode()
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen
+    url: str
+    port: int
+    log: Path
+    ready_s: float  # from spawn to the first 200 of /health/ready
+
+
+@contextlib.contextmanager
+def running(
+    argv: Sequence[str],
+    env: Callable[[int], Mapping[str, str]],
+    log: Path,
+    *,
+    ports: range,
+    start: int = 0,
+    ready_timeout_s: float = 120.0,
+    poll_s: float = 0.01,
+    stop_timeout_s: float = 30.0,
+    name: str = "the server",
+) -> Iterator[RunningServer]:
+    """A server on the first free port of ``ports`` (looking from index ``start``), ready; always
+    stopped (SIGTERM to its group, SIGKILL after ``stop_timeout_s``) when the block ends.
+    ``{port}`` in ``argv`` is replaced; ``env(port)`` is its whole environment."""
+    port = free_port(ports, start)
+    process = spawn([part.format(port=port) for part in argv], env(port), log)
+    url = f"http://{HOST}:{port}"
+    try:
+        ready_s = wait_ready(process, url, log, timeout_s=ready_timeout_s, poll_s=poll_s, name=name)
+        yield RunningServer(process, url, port, log, ready_s)
+    finally:
+        stop_process(process, timeout_s=stop_timeout_s)
+
+
+def running_service(
+    log: Path, *, ports: range, **settings: object
+) -> contextlib.AbstractContextManager[RunningServer]:
+    """``python -m service`` with ``settings`` as its VITSERVE_* variables, under :func:`running`."""
+    return running(SERVICE, lambda port: service_env(port, **settings), log, ports=ports)

@@ -1,23 +1,43 @@
-"""Medians with their spread, and the timing loop every in-process benchmark uses."""
+"""Medians with their spread, the timing loop of in-process measurements, and numbers for tables."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 
-def summarize(values: Sequence[float]) -> dict[str, float | int | None]:
-    """Median, min and max of the repeats (None everywhere when there are none)."""
-    values = [float(v) for v in values if v is not None]
-    if not values:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    return {
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-        "n": len(values),
-    }
+@dataclass(frozen=True)
+class Spread:
+    """The median of repeated measurements, with their minimum, maximum and count."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Iterable[float | None]) -> Spread | None:
+        """None when no value was measured (missing values are dropped)."""
+        kept = [float(v) for v in values if v is not None]
+        if not kept:
+            return None
+        return cls(statistics.median(kept), min(kept), max(kept), len(kept))
+
+    def text(self, digits: int = 0) -> str:
+        """``median (low-high)``, or the median alone for a single measurement."""
+        if self.n < 2:
+            return fmt(self.median, digits)
+        return f"{fmt(self.median, digits)} ({fmt(self.low, digits)}-{fmt(self.high, digits)})"
+
+
+def spread_text(spread: Spread | None, digits: int = 0) -> str:
+    return spread.text(digits) if spread else "-"
+
+
+def median(spread: Spread | None) -> float | None:
+    return spread.median if spread else None
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -26,10 +46,15 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
+def fmt(value: float | None, digits: int = 0) -> str:
+    """Thousands separators; a dash for a value not measured."""
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
 def rate(
     run: Callable[[], object], items_per_call: int, min_time_s: float, min_calls: int = 3
 ) -> float:
-    """Items per second of ``run``, calling it until both ``min_time_s`` and ``min_calls`` are met."""
+    """Items per second of ``run``, called until both ``min_time_s`` and ``min_calls`` are met."""
     calls = 0
     started = time.perf_counter()
     while True:
@@ -40,26 +65,6 @@ def rate(
             return items_per_call * calls / elapsed
 
 
-def per_call_us(run: Callable[[], object], min_time_s: float, min_calls: int = 20) -> float:
-    """Microseconds per call of ``run`` (same loop as ``rate``)."""
-    return 1e6 / rate(run, 1, min_time_s, min_calls)
-
-
-def fmt(value: float | None, digits: int = 0) -> str:
-    """A number for a table: thousands separators, a dash for missing."""
-    if value is None:
-        return "-"
-    if digits == 0:
-        return f"{value:,.0f}"
-    return f"{value:,.{digits}f}"
-
-
-def fmt_spread(summary: dict | None, digits: int = 0, scale: float = 1.0) -> str:
-    """``median (min-max)``, or the median alone when there was a single repeat."""
-    if not summary or summary.get("median") is None:
-        return "-"
-    median = summary["median"] * scale
-    if summary.get("n", 0) < 2:
-        return fmt(median, digits)
-    low, high = summary["min"] * scale, summary["max"] * scale
-    return f"{fmt(median, digits)} ({fmt(low, digits)}-{fmt(high, digits)})"
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])

@@ -9,6 +9,7 @@ from typing import Literal
 
 Pooling = Literal["token", "mean"]
 PositionEmbedding = Literal["learned", "sinusoidal"]
+PatchEmbeddingKind = Literal["conv", "linear"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class ViTConfig:
     mlp_dim: int = 256
     pooling: Pooling = "mean"
     position_embedding: PositionEmbedding = "learned"
+    # "conv": a Conv2d with kernel = stride = patch; "linear": reshape into patches, then a Linear
+    # (seed 001's patchify). The same function of the same weights, laid out differently.
+    patch_embedding: PatchEmbeddingKind = "conv"
     representation_size: int | None = None
     dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -42,9 +46,14 @@ class ViTConfig:
             "heads",
             "mlp_dim",
         ):
-            if getattr(self, name) < 1:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.representation_size is not None and self.representation_size < 1:
+        if self.representation_size is not None and (
+            not isinstance(self.representation_size, int) or self.representation_size < 1
+        ):
             raise ValueError(
                 f"representation_size must be at least 1 or None, got {self.representation_size}"
             )
@@ -64,8 +73,13 @@ class ViTConfig:
             raise ValueError(
                 f"position_embedding must be 'learned' or 'sinusoidal', got {self.position_embedding!r}"
             )
+        if self.patch_embedding not in ("conv", "linear"):
+            raise ValueError(
+                f"patch_embedding must be 'conv' or 'linear', got {self.patch_embedding!r}"
+            )
         for name in ("dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not 0.0 <= value < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
     @property

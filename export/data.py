@@ -6,10 +6,13 @@ missing. Images are kept as uint8 tensors (N, C, H, W); normalisation and augmen
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
+import json
 import pickle
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +112,11 @@ DATASETS: dict[str, DatasetSpec] = {
 }
 
 
+# A user's folder of images (export/folder.py): its spec is made from the folder and the model.
+FOLDER = "folder"
+DATASET_CHOICES = (*DATASETS, FOLDER)
+
+
 def get_dataset_spec(name: str) -> DatasetSpec:
     try:
         return DATASETS[name]
@@ -116,6 +124,33 @@ def get_dataset_spec(name: str) -> DatasetSpec:
         raise ValueError(
             f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}"
         ) from None
+
+
+def spec_to_json(spec: DatasetSpec) -> str:
+    return json.dumps(dataclasses.asdict(spec), sort_keys=True)
+
+
+def spec_from_json(text: str) -> DatasetSpec:
+    return spec_from_dict(json.loads(text))
+
+
+def spec_from_dict(values: dict) -> DatasetSpec:
+    values = dict(values)
+    for key in ("labels", "mean", "std"):
+        values[key] = tuple(values[key])
+    values["files"] = {k: tuple(v) for k, v in values.get("files", {}).items()}
+    return DatasetSpec(**values)
+
+
+def spec_from_metadata(metadata: Mapping[str, str]) -> DatasetSpec:
+    """The dataset a checkpoint was trained on. A folder dataset's spec (classes, measured mean and
+    std, directory) travels in the checkpoint as ``dataset_spec``; a built-in one is named."""
+    if "dataset_spec" in metadata:
+        try:
+            return spec_from_json(metadata["dataset_spec"])
+        except (ValueError, TypeError, KeyError) as error:
+            raise DatasetError(f"the checkpoint's dataset_spec is malformed ({error})") from error
+    return get_dataset_spec(metadata["dataset"])
 
 
 @dataclass(frozen=True)
@@ -208,36 +243,86 @@ class _CifarUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a CIFAR-10 batch")
 
 
+def _cifar_array(value: object, key: str, path: Path, spec: DatasetSpec) -> np.ndarray:
+    """An array of integers from a batch entry; never lets numpy's OverflowError escape."""
+    try:
+        array = np.asarray(value)
+    except (OverflowError, ValueError, TypeError) as error:
+        raise DatasetError(f"{path}: {key} is not a rectangular array ({error})") from error
+    if array.dtype.kind not in "iu":
+        raise DatasetError(
+            f"{path}: {key} must hold integers, got {array.dtype} values; {spec.how_to_get}"
+        )
+    return array
+
+
 def load_cifar_batch(path: Path, spec: DatasetSpec) -> Split:
     if not path.is_file():
         raise DatasetError(f"{spec.name}: {path} does not exist; {spec.how_to_get}")
     try:
         batch = _CifarUnpickler(io.BytesIO(path.read_bytes()), encoding="bytes").load()
-        data = np.asarray(batch[b"data"], dtype=np.uint8)
-        labels = np.asarray(batch[b"labels"], dtype=np.int64)
+        raw_data, raw_labels = batch[b"data"], batch[b"labels"]
     except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError) as error:
         raise DatasetError(
             f"{path}: not a CIFAR-10 python batch ({error}); {spec.how_to_get}"
         ) from error
-    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(labels) != len(data):
-        raise DatasetError(f"{path}: expected (N, 3072) data and N labels, got {data.shape}")
-    return Split(torch.from_numpy(data.reshape(-1, 3, 32, 32).copy()), torch.from_numpy(labels))
+    data = _cifar_array(raw_data, "data", path, spec)
+    labels = _cifar_array(raw_labels, "labels", path, spec)
+    if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or labels.ndim != 1:
+        raise DatasetError(
+            f"{path}: expected (N, 3072) data and N labels, got data {data.shape} and labels "
+            f"{labels.shape}"
+        )
+    if len(labels) != len(data):
+        raise DatasetError(f"{path}: {len(labels)} labels for {len(data)} images")
+    if data.size and (data.min() < 0 or data.max() > 255):
+        raise DatasetError(
+            f"{path}: pixel values must be 0 to 255, found {data.min()} to {data.max()}"
+        )
+    bad = np.flatnonzero((labels < 0) | (labels >= len(spec.labels)))
+    if len(bad):
+        raise DatasetError(
+            f"{path}: label {labels[bad[0]]} of image {bad[0]} is out of range: "
+            f"{spec.name} has labels 0 to {len(spec.labels) - 1}"
+        )
+    images = data.astype(np.uint8).reshape(-1, 3, 32, 32)
+    return Split(torch.from_numpy(images), torch.from_numpy(labels.astype(np.int64)))
 
 
-def load_dataset(name: str, data_dir: str | Path | None = None) -> tuple[Split, Split]:
+def load_dataset(
+    dataset: str | DatasetSpec, data_dir: str | Path | None = None
+) -> tuple[Split, Split]:
     """(train, test) for a dataset, read from ``data_dir`` or the dataset's default directory."""
-    spec = get_dataset_spec(name)
+    spec = dataset if isinstance(dataset, DatasetSpec) else get_dataset_spec(dataset)
     directory = Path(data_dir or spec.default_dir)
+    if spec.name == FOLDER:
+        from export.folder import load_folder
+
+        return load_folder(directory, spec)
     if not directory.is_dir():
         raise DatasetError(f"{spec.name}: directory {directory} does not exist; {spec.how_to_get}")
-    if name == "cifar10":
+    if spec.name == "cifar10":
         parts = [load_cifar_batch(directory / f"data_batch_{i}", spec) for i in range(1, 6)]
         train = Split(torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts]))
         return train, load_cifar_batch(directory / "test_batch", spec)
     return load_idx_split(directory, "train", spec), load_idx_split(directory, "t10k", spec)
 
 
-def train_validation_split(train: Split, validation_size: int, seed: int) -> tuple[Split, Split]:
+def load_test_split(spec: DatasetSpec, data_dir: str | Path | None = None) -> Split:
+    """The test split alone (a folder dataset then decodes only its test images)."""
+    if spec.name == FOLDER:
+        from export.folder import load_folder
+
+        return load_folder(Path(data_dir or spec.default_dir), spec, splits=("test",))[1]
+    return load_dataset(spec, data_dir)[1]
+
+
+def train_validation_split(
+    train: Split, validation_size: int | float, seed: int
+) -> tuple[Split, Split]:
+    """A seeded random split; ``validation_size`` is a count, or a fraction when below 1."""
+    if isinstance(validation_size, float) and 0 < validation_size < 1:
+        validation_size = max(1, round(validation_size * len(train)))
     if not 0 < validation_size < len(train):
         raise ValueError(f"validation_size must be in (0, {len(train)}), got {validation_size}")
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))

@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,16 +23,25 @@ import torch
 
 from export.checkpoint import CheckpointError, file_sha256, load_checkpoint, resolve_checkpoint
 from export.data import (
-    DATASETS,
+    DATASET_CHOICES,
+    FOLDER,
     DatasetError,
     DatasetSpec,
     Split,
     get_dataset_spec,
-    load_dataset,
+    load_test_split,
     normalize,
+    spec_from_metadata,
 )
-
-METADATA_KEY = "vitserve"
+from service.model_repository import (
+    ATTENTION_FILE,
+    METADATA_KEY,
+    ModelLoadError,
+    ModelMetadata,
+    parse_metadata,
+    version_numbers,
+)
+from service.preprocessing import normalise
 
 
 class EvaluationError(RuntimeError):
@@ -87,8 +97,59 @@ def _check_fits(
 
 
 def _test_split(spec: DatasetSpec, data_dir: str | Path | None) -> Split:
-    _, test = load_dataset(spec.name, data_dir)
-    return test
+    return load_test_split(spec, data_dir)
+
+
+def _onnx_folder_spec(metadata: dict, data_dir: str | Path | None, path: Path) -> DatasetSpec:
+    """A folder dataset as an ONNX model describes it (no paths are exported: --data-dir says where)."""
+    from export.folder import folder_spec
+
+    if data_dir is None:
+        raise EvaluationError(f"{path} was trained on a folder of images; pass --data-dir DIR")
+    shape, pre = metadata["input"], metadata["preprocessing"]
+    return folder_spec(
+        data_dir,
+        tuple(metadata["labels"]),
+        shape["channels"],
+        shape["height"],
+        shape["width"],
+        tuple(pre["mean"]),
+        tuple(pre["std"]),
+    )
+
+
+def dataset_logits(
+    run: Callable[[np.ndarray], np.ndarray],
+    images: np.ndarray,
+    prepare: Callable[[np.ndarray], np.ndarray],
+    batch_size: int = 256,
+) -> np.ndarray:
+    """The logits of every image: ``run(prepare(batch))`` over ``images`` in batches, in order.
+
+    The one test-accuracy loop: checkpoints, ONNX files and the export stage's own check use it."""
+    outputs = [
+        run(prepare(images[start : start + batch_size]))
+        for start in range(0, len(images), batch_size)
+    ]
+    return np.concatenate(outputs)
+
+
+def onnx_runner(
+    session, input_name: str = "images", logits_name: str = "logits"
+) -> Callable[[np.ndarray], np.ndarray]:
+    """``run`` for :func:`dataset_logits`; a graph with a fixed batch axis gets its last batch padded."""
+    (fixed,) = [i.shape[0] for i in session.get_inputs() if i.name == input_name] or [None]
+    fixed = fixed if isinstance(fixed, int) and fixed > 0 else None
+
+    def run(batch: np.ndarray) -> np.ndarray:
+        count = len(batch)
+        if fixed and count < fixed:
+            batch = np.concatenate(
+                [batch, np.zeros((fixed - count, *batch.shape[1:]), batch.dtype)]
+            )
+        return session.run([logits_name], {input_name: batch})[0][:count]
+
+    return run
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
@@ -103,11 +164,12 @@ def checkpoint_logits(
     """float32 logits of a model on a split, in float32 (no autocast: the numbers ONNX must match)."""
     device = device or next(model.parameters()).device
     model.eval()
-    outputs = []
-    for start in range(0, len(split), batch_size):
-        images = normalize(split.images[start : start + batch_size], spec).to(device)
-        outputs.append(model(images).float().cpu().numpy())
-    return np.concatenate(outputs)
+    return dataset_logits(
+        lambda batch: model(torch.from_numpy(batch).to(device)).float().cpu().numpy(),
+        split.images.numpy(),
+        lambda pixels: normalize(torch.from_numpy(pixels), spec).numpy(),
+        batch_size,
+    )
 
 
 def evaluate_checkpoint(
@@ -120,7 +182,8 @@ def evaluate_checkpoint(
     """Metrics of a checkpoint (file or run directory) on the test split of its dataset."""
     path = resolve_checkpoint(path)
     model, metadata = load_checkpoint(path)
-    spec = get_dataset_spec(dataset or metadata["dataset"])
+    known = dataset is None or dataset == FOLDER  # a folder's spec travels in the checkpoint
+    spec = spec_from_metadata(metadata) if known else get_dataset_spec(dataset)
     config = model.config
     _check_fits(
         spec, config.in_channels, config.image_height, config.image_width, config.num_classes, path
@@ -144,7 +207,7 @@ def evaluate_checkpoint(
 
 
 # -- ONNX ------------------------------------------------------------------------------------------
-def _onnx_session(path: Path, threads: int | None):
+def onnx_session(path: Path, threads: int | None):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -156,38 +219,13 @@ def _onnx_session(path: Path, threads: int | None):
         raise EvaluationError(f"{path}: onnxruntime cannot load it ({error})") from error
 
 
-def read_onnx_metadata(session, path: Path) -> dict:
-    """The model's ``vitserve`` metadata (see docs/model-repository.md) as a dict."""
-    props = session.get_modelmeta().custom_metadata_map
-    if METADATA_KEY not in props:
-        raise EvaluationError(
-            f"{path}: no {METADATA_KEY!r} entry in the ONNX metadata_props, so its preprocessing is "
-            "unknown; export it with `python -m export.onnx`"
-        )
+def read_onnx_metadata(session, path: Path) -> ModelMetadata:
+    """The model's ``vitserve`` metadata, read and checked by the service's own reader."""
+    graph = "attention" if path.name == ATTENTION_FILE else "classifier"
     try:
-        metadata = json.loads(props[METADATA_KEY])
-    except json.JSONDecodeError as error:
-        raise EvaluationError(f"{path}: {METADATA_KEY!r} metadata is not JSON ({error})") from error
-    for key in ("labels", "input", "preprocessing"):
-        if key not in metadata:
-            raise EvaluationError(f"{path}: {METADATA_KEY!r} metadata lacks {key!r}")
-    for key in ("mean", "std"):
-        if key not in metadata["preprocessing"]:
-            raise EvaluationError(f"{path}: {METADATA_KEY!r} metadata lacks preprocessing.{key}")
-    return metadata
-
-
-def preprocess(images: np.ndarray, preprocessing: dict) -> np.ndarray:
-    """uint8 (N, C, H, W) -> float32, ``x * scale`` then ``(x - mean) / std`` per channel."""
-    scale = np.float32(preprocessing.get("scale", 1.0 / 255.0))
-    mean = np.asarray(preprocessing["mean"], dtype=np.float32).reshape(1, -1, 1, 1)
-    std = np.asarray(preprocessing["std"], dtype=np.float32).reshape(1, -1, 1, 1)
-    if mean.shape[1] != images.shape[1] or std.shape[1] != images.shape[1]:
-        raise EvaluationError(
-            f"preprocessing has {mean.shape[1]} means and {std.shape[1]} stds "
-            f"for {images.shape[1]} channels"
-        )
-    return (images.astype(np.float32) * scale - mean) / std
+        return parse_metadata(session.get_modelmeta().custom_metadata_map, path, graph)
+    except ModelLoadError as error:
+        raise EvaluationError(str(error)) from error
 
 
 def evaluate_onnx(
@@ -201,53 +239,47 @@ def evaluate_onnx(
     path = Path(path)
     if not path.is_file():
         raise EvaluationError(f"{path}: no such ONNX file")
-    session = _onnx_session(path, threads)
+    session = onnx_session(path, threads)
     metadata = read_onnx_metadata(session, path)
-    name = dataset or metadata.get("dataset")
+    name = dataset or metadata.dataset
     if not name:
         raise EvaluationError(f"{path}: the metadata names no dataset; pass --dataset")
-    spec = get_dataset_spec(name)
-    shape = metadata["input"]
-    _check_fits(
-        spec, shape["channels"], shape["height"], shape["width"], len(metadata["labels"]), path
-    )
-    polarity = metadata["preprocessing"].get("polarity", spec.polarity)
+    if name == FOLDER:
+        spec = _onnx_folder_spec(metadata.model_dump(), data_dir, path)
+    else:
+        spec = get_dataset_spec(name)
+    shape = metadata.input
+    _check_fits(spec, shape.channels, shape.height, shape.width, metadata.num_classes, path)
+    polarity = metadata.preprocessing.polarity
     if polarity != spec.polarity:
         raise EvaluationError(
             f"{path}: the model expects {polarity} images, {spec.name} holds {spec.polarity} ones"
         )
-    inputs = {i.name: i for i in session.get_inputs()}
-    input_name = shape.get("name", next(iter(inputs)))
-    if input_name not in inputs:
+    inputs = [i.name for i in session.get_inputs()]
+    if shape.name not in inputs:
         raise EvaluationError(
-            f"{path}: the metadata names input {input_name!r}, the graph has {list(inputs)}"
+            f"{path}: the metadata names input {shape.name!r}, the graph has {inputs}"
         )
     outputs = [o.name for o in session.get_outputs()]
-    logits_name = metadata.get("outputs", {}).get("logits", outputs[0])
-    if logits_name not in outputs:
+    if metadata.outputs.logits not in outputs:
         raise EvaluationError(
-            f"{path}: the metadata names output {logits_name!r}, the graph has {outputs}"
+            f"{path}: the metadata names output {metadata.outputs.logits!r}, the graph has {outputs}"
         )
-    fixed_batch = inputs[input_name].shape[0]
-    pad = isinstance(fixed_batch, int) and fixed_batch > 0
-    if pad:
-        batch_size = fixed_batch  # a graph without a dynamic batch axis: pad the last batch
+    run = onnx_runner(session, shape.name, metadata.outputs.logits)
+    fixed = session.get_inputs()[inputs.index(shape.name)].shape[0]
+    if isinstance(fixed, int) and fixed > 0:
+        batch_size = fixed  # a graph without a dynamic batch axis: its last batch is padded
 
     test = _test_split(spec, data_dir)
-    images = test.images.numpy()
     started = time.perf_counter()
-    logits = []
-    for start in range(0, len(images), batch_size):
-        batch = preprocess(images[start : start + batch_size], metadata["preprocessing"])
-        count = len(batch)
-        if pad and count < batch_size:
-            batch = np.concatenate(
-                [batch, np.zeros((batch_size - count, *batch.shape[1:]), np.float32)]
-            )
-        logits.append(session.run([logits_name], {input_name: batch})[0][:count])
-    results = classification_metrics(
-        np.concatenate(logits), test.labels.numpy(), metadata["labels"]
+    logits = dataset_logits(
+        run,
+        test.images.numpy(),
+        lambda pixels: normalise(pixels, metadata.preprocessing),
+        batch_size,
     )
+    results = classification_metrics(logits, test.labels.numpy(), metadata.labels)
+    provenance = json.loads(session.get_modelmeta().custom_metadata_map[METADATA_KEY])
     return {
         "source": str(path),
         "format": "onnx",
@@ -255,8 +287,12 @@ def evaluate_onnx(
         "dataset": spec.name,
         "split": "test",
         "seconds": round(time.perf_counter() - started, 3),
-        "metadata_test_accuracy": metadata.get("test_accuracy"),
-        "checkpoint_sha256": metadata.get("checkpoint_sha256"),
+        "metadata_test_accuracy": metadata.test_accuracy,
+        "checkpoint_sha256": provenance.get("checkpoint_sha256"),
+        "precision": provenance.get("precision", "float32"),
+        "quantization": provenance.get("quantization"),
+        "calibration_images": provenance.get("calibration_images"),
+        "float_test_accuracy": provenance.get("float_test_accuracy"),
         **results,
     }
 
@@ -270,13 +306,9 @@ def resolve_source(source: str | Path) -> tuple[str, Path]:
             return "checkpoint", source / "model.safetensors"
         if (source / "model.onnx").is_file():
             return "onnx", source / "model.onnx"
-        versions = sorted(
-            (
-                int(p.name)
-                for p in source.iterdir()
-                if p.name.isdigit() and (p / "model.onnx").is_file()
-            ),
-        )
+        versions = [
+            v for v in version_numbers(source) if (source / str(v) / "model.onnx").is_file()
+        ]
         if versions:
             return "onnx", source / str(versions[-1]) / "model.onnx"
         raise EvaluationError(
@@ -334,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("source", help="checkpoint (.safetensors or run directory) or ONNX model")
     parser.add_argument(
         "--dataset",
-        choices=sorted(DATASETS),
+        choices=sorted(DATASET_CHOICES),
         default=None,
         help="dataset to evaluate on (default: the one the model names)",
     )

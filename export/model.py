@@ -1,4 +1,4 @@
-"""A Vision Transformer: conv patch embedding, pre-norm encoder, token or mean pooling.
+"""A Vision Transformer: conv or linear patch embedding, pre-norm encoder, token or mean pooling.
 
 Attention runs fused (``scaled_dot_product_attention``) unless the caller asks for the attention
 probabilities, in which case the same weights run through the explicit ``softmax(q k^T / sqrt(d))``.
@@ -28,14 +28,22 @@ def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
 
 
 class PatchEmbedding(nn.Module):
-    """Cuts the image into non-overlapping patches and projects each to ``dim`` (conv, kernel = stride)."""
+    """Cuts the image into non-overlapping patches and projects each to ``dim``.
+
+    ``conv``: a Conv2d with kernel = stride = patch size. ``linear`` (seed 001's manual patchify):
+    reshape into (batch, patches, channels * patch * patch), then a Linear. Both flatten a patch in
+    (channel, row, column) order and number patches row by row, so a conv weight reshaped to
+    (dim, channels * patch * patch) is the Linear weight of the same function.
+    """
 
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
         self.config = config
-        self.projection = nn.Conv2d(
-            config.in_channels, config.dim, kernel_size=config.patch_size, stride=config.patch_size
-        )
+        p = config.patch_size
+        if config.patch_embedding == "linear":
+            self.projection = nn.Linear(config.in_channels * p * p, config.dim)
+        else:
+            self.projection = nn.Conv2d(config.in_channels, config.dim, kernel_size=p, stride=p)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -44,7 +52,19 @@ class PatchEmbedding(nn.Module):
                 f"expected images of shape (batch, {c.in_channels}, {c.image_height}, {c.image_width}), "
                 f"got {tuple(images.shape)}"
             )
+        if c.patch_embedding == "linear":
+            return self.projection(patchify(images, c.patch_size))  # (B, patches, dim)
         return self.projection(images).flatten(2).transpose(1, 2)  # (B, patches, dim)
+
+
+def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, patches, C * p * p), patches row by row; one reshape, no Python loop
+    (seed 001 looped over every image and patch)."""
+    batch, channels, height, width = images.shape
+    p = patch_size
+    grid = images.reshape(batch, channels, height // p, p, width // p, p)
+    # (B, rows, cols, C, p, p): each patch's values in (channel, row, column) order.
+    return grid.permute(0, 2, 4, 1, 3, 5).reshape(batch, -1, channels * p * p)
 
 
 class Attention(nn.Module):
@@ -144,10 +164,10 @@ class VisionTransformer(nn.Module):
 
     def reset_parameters(self) -> None:
         """torchvision's ViT init."""
-        conv = self.patch_embedding.projection
-        fan_in = conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1]
-        nn.init.trunc_normal_(conv.weight, std=math.sqrt(1.0 / fan_in))
-        nn.init.zeros_(conv.bias)
+        projection = self.patch_embedding.projection
+        fan_in = projection.weight[0].numel()  # channels * patch * patch, conv or linear
+        nn.init.trunc_normal_(projection.weight, std=math.sqrt(1.0 / fan_in))
+        nn.init.zeros_(projection.bias)
         if isinstance(self.position_embedding, nn.Parameter):
             nn.init.normal_(self.position_embedding, std=0.02)
         for block in self.blocks:

@@ -9,21 +9,28 @@ ONNX file (the accuracy the service will deliver).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from export.checkpoint import CheckpointError, file_sha256, read_metadata, resolve_checkpoint
-from export.data import DatasetError
-from export.evaluate import evaluate_onnx
+from export.cli import command_parser, exit_status
+from export.data import load_dataset
+from export.evaluate import (
+    dataset_logits,
+    evaluate_onnx,
+    onnx_runner,
+    onnx_session,
+    read_onnx_metadata,
+)
 from export.hardware import cpu_model
 from export.report import plot_curves, read_metrics, write_report
-from export.train import TrainSettings
+from export.train_settings import TrainSettings, architecture_flags
+from service.model_repository import version_numbers
+from service.preprocessing import normalise
 
 REPO = Path(__file__).resolve().parents[1]
 CARD_PLOTS = ("curves.png", "confusion_matrix.png", "attention_gallery.png")
@@ -59,6 +66,7 @@ def train_command(settings: dict, out: str = "runs/NAME", init_from: str | None 
         value = settings.get(key)
         if key in ("preset", "dataset") or (value is not None and value != getattr(defaults, key)):
             parts.append(f"{flag} {value}")
+    parts += architecture_flags(settings)
     if settings.get("compile"):
         parts.append("--compile")
     if settings.get("augment") is False:
@@ -160,12 +168,47 @@ def plot_all_stages(stages: list[Stage], path: Path) -> None:
 
 
 def newest_version(entry: Path) -> Path:
-    versions = sorted(
-        (p for p in entry.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
-    )
+    versions = version_numbers(entry)
     if not versions:
         raise FileNotFoundError(f"{entry}: no version directories")
-    return versions[-1]
+    return entry / str(versions[-1])
+
+
+def batch_dependence(path: Path, data_dir: str | Path | None = None) -> tuple[int, int]:
+    """(test images classified differently at batch 1 and at batch 32, test images): a graph that
+    quantizes activations with one scale per batch lets an image's neighbours change its class."""
+    session = onnx_session(path, threads=None)
+    metadata = read_onnx_metadata(session, path)
+    _, test = load_dataset(metadata.dataset, data_dir)
+    run = onnx_runner(session, metadata.input.name, metadata.outputs.logits)
+    images = normalise(test.images.numpy(), metadata.preprocessing)
+    alone, batched = (dataset_logits(run, images, lambda x: x, size).argmax(1) for size in (1, 32))
+    return int((alone != batched).sum()), len(images)
+
+
+def quantization_lines(
+    run_dir: Path, entry: Path, version_dir: Path, onnx_results: dict
+) -> list[str]:
+    """What a quantized graph is, how it was made, and what it costs."""
+    method = onnx_results["quantization"]
+    how = f"`{method}` quantization by onnxruntime"
+    if onnx_results.get("calibration_images"):
+        how += f", calibrated on {onnx_results['calibration_images']} training images"
+    lines = [
+        f"- Precision: {onnx_results['precision']} ({how}), made from the float32 graph of the same "
+        f"checkpoint, which measured {percent(onnx_results['float_test_accuracy'])} on the same "
+        "split in the same export.",
+        f"- Made by: `python -m export.onnx {run_dir} --name {entry.name} --version "
+        f"{version_dir.name} --quantize int8 --quantization {method}`",
+    ]
+    if method == "dynamic":
+        changed, images = batch_dependence(version_dir / "model.onnx")
+        lines.append(
+            "- Its activations are quantized with one scale per batch, so a prediction can depend on "
+            f"the images batched with it: {changed} of {images} test images are classified "
+            "differently at batch 1 and at batch 32."
+        )
+    return lines
 
 
 def percent(value: float) -> str:
@@ -226,6 +269,11 @@ def render(
         f"- **Test accuracy of `{version_dir.name}/model.onnx`: "
         f"{percent(onnx_results['accuracy'])}** ({onnx_results['correct']} of "
         f"{onnx_results['images']} {onnx_results['dataset']} test images), measured with onnxruntime.",
+        *(
+            quantization_lines(stages[-1].run_dir, entry, version_dir, onnx_results)
+            if onnx_results.get("precision", "float32") != "float32"
+            else []
+        ),
         f"- PyTorch checkpoint on the same split: {percent(results['accuracy'])} "
         f"(cross-entropy {results['loss']:.4f}).",
         f"- Reproduce: `python -m export.evaluate {entry}/{version_dir.name}/model.onnx`",
@@ -319,22 +367,16 @@ def write_model_card(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m export.model_card",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("export.model_card", __doc__)
     parser.add_argument("run_dir", type=Path, help="the training run directory")
     parser.add_argument("--entry", required=True, type=Path, help="models/NAME")
     parser.add_argument("--version", type=int, default=None, help="default: the newest")
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args(argv)
-    try:
-        print(write_model_card(args.run_dir, args.entry, args.version, args.data_dir))
-    except (CheckpointError, DatasetError, ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(
+        lambda: print(write_model_card(args.run_dir, args.entry, args.version, args.data_dir)),
+        FileNotFoundError,
+    )
 
 
 if __name__ == "__main__":

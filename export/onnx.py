@@ -4,9 +4,10 @@
 
 Writes (Triton layout, see docs/model-repository.md)::
 
-    <repo>/<name>/config.pbtxt, labels.txt
+    <repo>/<name>/config.pbtxt               serving settings (kept if present)
     <repo>/<name>/<version>/model.onnx       classifier (logits only)
     <repo>/<name>/<version>/attention.onnx   same weights, logits + every layer's attention maps
+    <repo>/<name>/<version>/labels.txt       one class label per line
 
 Two graphs rather than one graph with two outputs, so that ``/predict`` never assembles and copies
 out attention maps it does not return (about 230 KiB an image; on the CPU the difference is within
@@ -22,9 +23,7 @@ import argparse
 import datetime as dt
 import json
 import logging
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,15 +33,23 @@ import onnxruntime as ort
 import torch
 
 from export.checkpoint import CheckpointError, file_sha256, load_checkpoint, resolve_checkpoint
-from export.data import DatasetError, DatasetSpec, get_dataset_spec, load_dataset, normalize
+from export.data import (
+    DatasetError,
+    DatasetSpec,
+    load_test_split,
+    normalize,
+    spec_from_metadata,
+)
+from export.evaluate import dataset_logits, onnx_runner
 from export.model import VisionTransformer, WithAttention
+from export.pixels import preprocessing_document
+from export.repository import RepositoryError, write_version
 
 OPSET = 18
 METADATA_KEY = "vitserve"
 VERIFY_BATCH_SIZES = (1, 7, 64)
 LOGITS_TOLERANCE = 1e-4
 ATTENTION_TOLERANCE = 1e-4
-TRITON_MAX_BATCH_SIZE = 64
 
 
 class VerificationError(RuntimeError):
@@ -120,12 +127,10 @@ def classifier_graph(model: VisionTransformer) -> onnx.ModelProto:
     """``model.onnx``: logits only, exported from the explicit softmax path.
 
     At opset 18 the exporter spells ``scaled_dot_product_attention`` as the same MatMul-Softmax-MatMul
-    plus extra Slice/Reshape/Shape/Concat nodes (253 nodes against 199 for the shipped model), and
-    onnxruntime ran that classifier at 0.92-0.97x of the explicit one at batch 1, 32 and 64 over 31
-    interleaved pairs (``python -m bench.engine --skip-large --repeats 31``; BENCHMARKS.md has a
-    15-pair run). Opset 23's ``Attention`` op was faster on the CPU (1.02-1.10x) but is not taken:
-    onnxruntime's CUDA kernel for it is recent, it could not be checked on a GPU here, and Triton
-    servers with an older onnxruntime cannot load opset 23.
+    plus extra Slice/Reshape/Shape/Concat nodes, which onnxruntime ran slower on the CPU than the
+    explicit graph (measured when this was chosen; see the git history of BENCHMARKS.md). Opset 23's
+    ``Attention`` op is not taken: onnxruntime's CUDA kernel for it is recent, it could not be checked
+    on a GPU here, and Triton servers with an older onnxruntime cannot load opset 23.
     """
     model.eval().set_fused_attention(False)
     try:
@@ -205,12 +210,9 @@ def verify(model: VisionTransformer, graphs: Graphs, images: torch.Tensor) -> di
 
 
 def measure_accuracy(graph: onnx.ModelProto, images: torch.Tensor, labels: torch.Tensor) -> float:
-    session = session_for(graph)
-    correct = 0
-    for start in range(0, len(images), 500):
-        (logits,) = session.run(["logits"], {"images": images[start : start + 500].numpy()})
-        correct += int((logits.argmax(1) == labels[start : start + 500].numpy()).sum())
-    return correct / len(images)
+    """Accuracy of ``graph`` on ``images``, already normalised."""
+    logits = dataset_logits(onnx_runner(session_for(graph)), images.numpy(), lambda x: x, 500)
+    return float((logits.argmax(1) == labels.numpy()).mean())
 
 
 def tool_versions() -> dict:
@@ -253,15 +255,7 @@ def describe(
             "width": c.image_width,
         },
         "outputs": {"logits": "logits", "attention": "attention"},
-        "preprocessing": {
-            "color": "grayscale" if c.in_channels == 1 else "rgb",
-            "resize": "fit-pad",
-            "pad_value": 0,
-            "polarity": spec.polarity,
-            "scale": 1.0 / 255.0,
-            "mean": list(spec.mean),
-            "std": list(spec.std),
-        },
+        "preprocessing": preprocessing_document(spec),
         "patch": {"size": c.patch_size, "grid": list(c.grid)},
         "pooling": c.pooling,
         "class_token": c.pooling == "token",
@@ -285,67 +279,6 @@ def with_metadata(model: onnx.ModelProto, document: dict) -> onnx.ModelProto:
     return model
 
 
-def triton_config(name: str, model: VisionTransformer, max_queue_delay_us: int = 2000) -> str:
-    c = model.config
-    return f"""name: "{name}"
-platform: "onnxruntime_onnx"
-max_batch_size: {TRITON_MAX_BATCH_SIZE}
-input [
-  {{
-    name: "images"
-    data_type: TYPE_FP32
-    dims: [ {c.in_channels}, {c.image_height}, {c.image_width} ]
-  }}
-]
-output [
-  {{
-    name: "logits"
-    data_type: TYPE_FP32
-    dims: [ {c.num_classes} ]
-    label_filename: "labels.txt"
-  }}
-]
-dynamic_batching {{
-  max_queue_delay_microseconds: {max_queue_delay_us}
-}}
-version_policy: {{ latest: {{ num_versions: 1 }} }}
-instance_group [ {{ kind: KIND_AUTO, count: 1 }} ]
-"""
-
-
-def write_entry(
-    repo: Path,
-    name: str,
-    version: int,
-    graphs: Graphs,
-    model: VisionTransformer,
-    labels: list[str],
-    overwrite: bool,
-) -> Path:
-    """Write into a temporary directory first and move into place, so a failure leaves nothing."""
-    entry = repo / name
-    version_dir = entry / str(version)
-    if version_dir.exists() and not overwrite:
-        raise FileExistsError(
-            f"{version_dir} already exists; pass --overwrite to replace it or choose another --version"
-        )
-    entry.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=entry))
-    try:
-        onnx.save_model(graphs.classifier, staging / "model.onnx")
-        onnx.save_model(graphs.attention, staging / "attention.onnx")
-        (entry / "config.pbtxt").write_text(triton_config(name, model))
-        (entry / "labels.txt").write_text("\n".join(labels) + "\n")
-        if version_dir.exists():
-            shutil.rmtree(version_dir)
-        # mkdtemp makes the directory private; the service may run as another user.
-        staging.chmod(0o755)
-        staging.rename(version_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return version_dir
-
-
 def export_model(
     checkpoint: str | Path,
     name: str,
@@ -358,17 +291,19 @@ def export_model(
     """Export, verify and write a checkpoint; returns the metadata document and the figures."""
     path = resolve_checkpoint(checkpoint)
     model, metadata = load_checkpoint(path)
-    spec = get_dataset_spec(metadata["dataset"])
+    spec = spec_from_metadata(metadata)
     labels = json.loads(metadata["labels"])
     version_dir = Path(repo) / name / str(version)
     if version_dir.exists() and not overwrite:
         raise FileExistsError(
             f"{version_dir} already exists; pass --overwrite to replace it or choose another --version"
         )
-    _, test = load_dataset(spec.name, data_dir)
+    test = load_test_split(spec, data_dir)
     images = normalize(test.images, spec)
     graphs = build_graphs(model)
-    figures = verify(model, graphs, images[: max(VERIFY_BATCH_SIZES)])
+    # A small folder dataset may hold fewer test images than the largest batch checked: repeat them.
+    repeats = -(-max(VERIFY_BATCH_SIZES) // max(1, len(images)))
+    figures = verify(model, graphs, images.repeat(repeats, 1, 1, 1)[: max(VERIFY_BATCH_SIZES)])
     accuracy = measure_accuracy(graphs.classifier, images, test.labels) if measure else None
     sha = file_sha256(path)
     for graph_name, proto in (("classifier", graphs.classifier), ("attention", graphs.attention)):
@@ -384,11 +319,16 @@ def export_model(
             sha,
         )
         with_metadata(proto, document)
-    written = write_entry(Path(repo), name, version, graphs, model, labels, overwrite)
+    c = model.config
+    files = {"model.onnx": graphs.classifier, "attention.onnx": graphs.attention}
+    dims = (c.in_channels, c.image_height, c.image_width)
+    written = write_version(Path(repo), name, version, files, labels, dims, overwrite)
     return {"path": str(written), "test_accuracy": accuracy, "verification": figures}
 
 
 def main(argv: list[str] | None = None) -> int:
+    from export import quantize  # it builds on this module
+
     parser = argparse.ArgumentParser(
         prog="python -m export.onnx",
         description=__doc__,
@@ -401,22 +341,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default=None, help="dataset directory (real test images)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing version")
     parser.add_argument("--skip-accuracy", action="store_true", help="do not measure test accuracy")
+    quantize.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.version < 1:
         parser.error(f"--version must be 1 or more, got {args.version}")
     if not args.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         parser.error(f"--name may hold letters, digits, '-', '_' and '.', got {args.name!r}")
     try:
-        result = export_model(
-            args.checkpoint,
-            args.name,
-            args.version,
-            args.repo,
-            args.data_dir,
-            args.overwrite,
-            measure=not args.skip_accuracy,
-        )
-    except (VerificationError, CheckpointError, DatasetError, FileExistsError) as error:
+        if args.quantize:
+            result = quantize.export_quantized(
+                *(args.checkpoint, args.name, args.version, args.repo, args.data_dir),
+                *(args.overwrite, args.quantization, args.calibration_images),
+            )
+        else:
+            result = export_model(
+                args.checkpoint,
+                args.name,
+                args.version,
+                args.repo,
+                args.data_dir,
+                args.overwrite,
+                measure=not args.skip_accuracy,
+            )
+    except (
+        VerificationError,
+        CheckpointError,
+        DatasetError,
+        FileExistsError,
+        RepositoryError,
+    ) as error:
         print(f"export failed, nothing written: {error}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2))

@@ -17,13 +17,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from export.cli import command_parser
+
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(
-        prog="python -m export.pipeline",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("export.pipeline", __doc__)
     parser.add_argument("--out", required=True, type=Path, help="run directory (train output)")
     parser.add_argument("--name", required=True, help="model name in the repository")
     parser.add_argument("--version", required=True, type=int, help="integer version, 1 or more")

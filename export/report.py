@@ -7,11 +7,15 @@ Reads ``RUN_DIR/model.safetensors`` (the best weights), ``RUN_DIR/metrics.csv`` 
 smoothing, per-class accuracy, confusion matrix), ``curves.png``,
 ``confusion_matrix.png`` and ``attention_gallery.png`` (test images with their attention rollout and
 the last layer's heads).
+
+    python -m export.report runs/fashion-small --attention-dir runs/fashion-small/attention --images 8
+
+also writes, for 8 test images, the attention of every layer and head and the rollout as PNG files
+(export/attention_images.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import sys
@@ -25,11 +29,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from export.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
-from export.data import DatasetError, Split, get_dataset_spec, load_dataset, normalize
+from export.checkpoint import load_checkpoint, resolve_checkpoint
+from export.cli import command_parser, exit_status
+from export.data import Split, load_test_split, normalize, spec_from_metadata
 from export.evaluate import checkpoint_logits, classification_metrics
 from export.model import VisionTransformer
-from export.rollout import attention_rollout, last_layer_heads, normalise_maps, to_grid
+from service.attention_maps import attention_map
 
 GALLERY_SIZE = 10
 
@@ -130,17 +135,9 @@ def plot_confusion(results: dict, path: Path) -> None:
 
 def gallery_indices(labels: torch.Tensor, count: int = GALLERY_SIZE) -> list[int]:
     """The first test image of each class in class order, then the next images, ``count`` in all."""
-    chosen: list[int] = []
-    for label in range(int(labels.max()) + 1):
-        hits = (labels == label).nonzero()
-        if len(hits) and len(chosen) < count:
-            chosen.append(int(hits[0]))
-    for index in range(len(labels)):
-        if len(chosen) >= count:
-            break
-        if index not in chosen:
-            chosen.append(index)
-    return chosen
+    from export.attention_images import pick_indices
+
+    return pick_indices(labels, count)
 
 
 @torch.inference_mode()
@@ -153,8 +150,18 @@ def plot_attention_gallery(
     logits, attention = model.forward_with_attention(normalize(images, spec).to(device))
     attention = attention.float().cpu().numpy()
     predicted = logits.argmax(dim=1).cpu().tolist()
-    rollout = normalise_maps(to_grid(attention_rollout(attention, config.pooling), config.grid))
-    heads = normalise_maps(to_grid(last_layer_heads(attention, config.pooling), config.grid))
+    last, pooling, grid = config.depth - 1, config.pooling, config.grid
+    rollout = [
+        attention_map(a, method="rollout", layer=last, head=None, pooling=pooling, grid=grid)
+        for a in attention
+    ]
+    heads = [
+        [
+            attention_map(a, method="raw", layer=last, head=h, pooling=pooling, grid=grid)
+            for h in range(config.heads)
+        ]
+        for a in attention
+    ]
 
     columns = 2 + config.heads
     figure, axes = plt.subplots(
@@ -175,7 +182,7 @@ def plot_attention_gallery(
             rollout[row], cmap="inferno", alpha=0.6, extent=extent, interpolation="bilinear"
         )
         for head in range(config.heads):
-            axes[row, 2 + head].imshow(heads[row, head], cmap="viridis", interpolation="nearest")
+            axes[row, 2 + head].imshow(heads[row][head], cmap="viridis", interpolation="nearest")
     titles = ["image", "rollout"] + [
         f"layer {config.depth} head {h + 1}" for h in range(config.heads)
     ]
@@ -191,11 +198,17 @@ def plot_attention_gallery(
     plt.close(figure)
 
 
-def write_report(run_dir: str | Path, data_dir: str | Path | None = None) -> dict:
+def write_report(
+    run_dir: str | Path,
+    data_dir: str | Path | None = None,
+    attention_dir: str | Path | None = None,
+    attention_images: int = GALLERY_SIZE,
+) -> dict:
     """Evaluate the run's best checkpoint on the test split and write results.json and the plots.
 
     ``data_dir`` defaults to the one the run was trained from (its settings.json), then to the
-    dataset's default directory.
+    dataset's default directory. With ``attention_dir``, the attention of every layer and head and
+    the rollout for ``attention_images`` test images are written there (export/attention_images.py).
     """
     run_dir = Path(run_dir)
     settings_path = run_dir / "settings.json"
@@ -204,10 +217,10 @@ def write_report(run_dir: str | Path, data_dir: str | Path | None = None) -> dic
         data_dir = settings.get("data_dir")
     checkpoint = resolve_checkpoint(run_dir / "model.safetensors")
     model, metadata = load_checkpoint(checkpoint)
-    spec = get_dataset_spec(metadata["dataset"])
+    spec = spec_from_metadata(metadata)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    _, test = load_dataset(spec.name, data_dir)
+    test = load_test_split(spec, data_dir)
 
     logits = checkpoint_logits(model, test, spec, device=device)
     results = {
@@ -231,6 +244,15 @@ def write_report(run_dir: str | Path, data_dir: str | Path | None = None) -> dic
     indices = gallery_indices(test.labels)
     plot_attention_gallery(model, test, indices, spec, run_dir / "attention_gallery.png")
     written += ["confusion_matrix.png", "attention_gallery.png"]
+    if attention_dir is not None:
+        # Imported here: the attention images use the service's maps (service/attention_maps.py).
+        from export.attention_images import write_attention_dir
+
+        chosen = gallery_indices(test.labels, attention_images)
+        write_attention_dir(model, test, chosen, spec, Path(attention_dir))
+        results["attention_dir"] = str(attention_dir)
+        results["attention_test_indices"] = chosen
+        print(f"wrote the attention of {len(chosen)} test images to {attention_dir}", flush=True)
     results["gallery_test_indices"] = indices
     results["plots"] = written
     (run_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -244,20 +266,24 @@ def write_report(run_dir: str | Path, data_dir: str | Path | None = None) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m export.report",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("export.report", __doc__)
     parser.add_argument("run_dir", type=Path, help="run directory holding model.safetensors")
     parser.add_argument("--data-dir", default=None, help="directory of the dataset's files")
+    parser.add_argument(
+        "--attention-dir",
+        type=Path,
+        default=None,
+        help="also write every layer's and head's attention and the rollout, per test image, here",
+    )
+    parser.add_argument(
+        "--images", type=int, default=GALLERY_SIZE, help="test images in --attention-dir"
+    )
     args = parser.parse_args(argv)
-    try:
-        write_report(args.run_dir, data_dir=args.data_dir)
-    except (CheckpointError, DatasetError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    if args.images < 1:
+        parser.error(f"--images must be at least 1, got {args.images}")
+    return exit_status(
+        lambda: write_report(args.run_dir, args.data_dir, args.attention_dir, args.images)
+    )
 
 
 if __name__ == "__main__":

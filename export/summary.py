@@ -1,6 +1,10 @@
-"""Model summary and the tensor shape after every stage, for any preset.
+"""Model summary and the tensor shape after every stage, for any preset or trained checkpoint.
 
     python -m export.summary --preset mnist-tiny [--batch 2] [--depth 4]
+    python -m export.summary runs/fashion-small [IMAGE]
+
+With an image file, the image is prepared as the service prepares an upload and the shape after every
+module of that real forward pass is printed (forward hooks), then the prediction.
 
 The shapes come from running a random batch through the model's own modules, stage by stage, and
 the walk checks itself against the model: its embedding must equal ``VisionTransformer.embed`` and
@@ -9,13 +13,17 @@ its logits the model's fused forward pass.
 
 from __future__ import annotations
 
-import argparse
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from export.checkpoint import load_checkpoint, resolve_checkpoint
+from export.cli import command_parser, exit_status
 from export.config import PRESETS, ViTConfig, get_preset
-from export.model import VisionTransformer
+from export.data import spec_from_metadata
+from export.model import VisionTransformer, patchify
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,12 @@ def _trace(model: VisionTransformer, images: torch.Tensor) -> list[tuple[str, tu
         stages.append((name, tuple(tensor.shape)))
 
     record("input", images)
-    record("patch projection (conv)", model.patch_embedding.projection(images))
+    if config.patch_embedding == "linear":
+        patches = patchify(images, config.patch_size)
+        record("patches (reshape)", patches)
+        record("patch projection (linear)", model.patch_embedding.projection(patches))
+    else:
+        record("patch projection (conv)", model.patch_embedding.projection(images))
     x = model.patch_embedding(images)
     record("patch embedding", x)
     if model.class_token is not None:
@@ -132,12 +145,48 @@ def _trace(model: VisionTransformer, images: torch.Tensor) -> list[tuple[str, tu
     return stages
 
 
-def format_summary(model: VisionTransformer, batch: int = 1, max_depth: int = 4) -> str:
+def _shapes(output: object) -> str:
+    if isinstance(output, torch.Tensor):
+        return str(tuple(output.shape))
+    if isinstance(output, tuple | list):
+        return ", ".join(_shapes(item) for item in output)
+    return repr(output)
+
+
+@torch.inference_mode()
+def module_shapes(model: VisionTransformer, images: torch.Tensor) -> list[tuple[str, str, str]]:
+    """(module, type, output shape) after every module of a forward pass, in the order each module
+    finished (forward hooks; seed 000's print_shapes). Attention runs unfused, so every block also
+    shows its attention probabilities, (batch, heads, tokens, tokens)."""
+    rows: list[tuple[str, str, str]] = []
+
+    def hook(name: str):
+        def record(module: torch.nn.Module, inputs: object, output: object) -> None:
+            rows.append((name or "(model)", type(module).__name__, _shapes(output)))
+
+        return record
+
+    handles = [module.register_forward_hook(hook(name)) for name, module in model.named_modules()]
+    was_training = model.training
+    model.eval().set_fused_attention(False)
+    try:
+        model(images)
+    finally:
+        model.set_fused_attention(True)
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    return rows
+
+
+def header_lines(model: VisionTransformer, max_depth: int = 4) -> list[str]:
+    """What the model is, and its modules down to ``max_depth`` with their parameter counts."""
     config = model.config
     rows_grid, cols_grid = config.grid
     lines = [
         f"{type(model).__name__}: {config.image_height}x{config.image_width}x{config.in_channels} "
-        f"images, patch {config.patch_size} -> {rows_grid}x{cols_grid} = {config.num_patches} patches"
+        f"images, patch {config.patch_size} -> {rows_grid}x{cols_grid} = {config.num_patches} "
+        f"patches ({config.patch_embedding} embedding)"
         + (" + class token" if config.pooling == "token" else "")
         + f", {config.num_tokens} tokens; dim {config.dim}, depth {config.depth}, heads "
         f"{config.heads} (head dim {config.head_dim}), mlp {config.mlp_dim}, pooling {config.pooling}",
@@ -153,33 +202,84 @@ def format_summary(model: VisionTransformer, batch: int = 1, max_depth: int = 4)
         "",
         f"total parameters: {total:,} ({trainable:,} trainable), "
         f"{4 * total / 2**20:.2f} MiB as float32",
-        "",
-        f"{'stage':<56} shape",
     ]
+    return lines
+
+
+def format_summary(model: VisionTransformer, batch: int = 1, max_depth: int = 4) -> str:
+    """The model, its modules, and the shape after every stage of a random batch."""
+    config = model.config
+    lines = [*header_lines(model, max_depth), "", f"{'stage':<56} shape"]
     images = torch.randn(batch, config.in_channels, config.image_height, config.image_width)
     for name, shape in trace_shapes(model, images):
         lines.append(f"{name:<56} {tuple(shape)}")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m export.summary",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def format_image_summary(
+    model: VisionTransformer, metadata: dict[str, str], image: Path, max_depth: int = 4
+) -> str:
+    """The model, and the shape after every module on a real forward pass of one image file,
+    prepared as the service would prepare an upload of it; then the prediction."""
+    from export.pixels import UnreadableImage, preprocessor_for, read_image
+
+    spec = spec_from_metadata(metadata)
+    try:
+        prepared = read_image(image, preprocessor_for(spec))
+    except UnreadableImage as error:
+        raise ValueError(f"{image}: {error}") from error
+    images = torch.from_numpy(prepared.tensor).unsqueeze(0)
+    lines = [*header_lines(model, max_depth), ""]
+    lines.append(
+        f"{image}: prepared as the service does ({spec.polarity} images, "
+        f"{'inverted' if prepared.inverted else 'not inverted'}) -> {tuple(images.shape)}"
     )
-    parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    parser.add_argument("--batch", type=int, default=1, help="batch size of the traced input")
+    lines += ["", f"{'module (forward hooks, in the order each finished)':<52} {'type':<20} output"]
+    for name, kind, shape in module_shapes(model, images):
+        lines.append(f"{name:<52} {kind:<20} {shape}")
+    with torch.inference_mode():
+        probabilities = model.eval()(images).softmax(dim=1)[0]
+    labels = json.loads(metadata["labels"])
+    top = probabilities.topk(min(3, len(labels)))
+    lines += ["", "prediction: " + ", ".join(
+        f"{labels[int(i)]} {100 * float(p):.1f}%" for p, i in zip(top.values, top.indices, strict=True)
+    )]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = command_parser("export.summary", __doc__)
+    parser.add_argument("source", nargs="?", help="a checkpoint (.safetensors) or run directory")
+    parser.add_argument("image", nargs="?", type=Path, help="an image file to run through it")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), help="a preset's model, random weights"
+    )
+    parser.add_argument("--batch", type=int, default=1, help="batch size of the random input")
     parser.add_argument("--depth", type=int, default=4, help="deepest module level listed")
     args = parser.parse_args(argv)
     if args.batch < 1:
         parser.error(f"--batch must be at least 1, got {args.batch}")
-    config: ViTConfig = get_preset(args.preset)
-    torch.manual_seed(0)
-    model = VisionTransformer(config)
-    print(f"preset {args.preset}")
-    print(format_summary(model, args.batch, args.depth))
-    return 0
+    if (args.preset is None) == (args.source is None):
+        parser.error("give either --preset NAME or a checkpoint / run directory")
+    if args.preset is not None:
+        if args.image is not None:
+            parser.error("an image runs through a trained checkpoint; give a run directory")
+        config: ViTConfig = get_preset(args.preset)
+        torch.manual_seed(0)
+        model = VisionTransformer(config)
+        print(f"preset {args.preset}")
+        print(format_summary(model, args.batch, args.depth))
+        return 0
+
+    def summarise_checkpoint() -> None:
+        model, metadata = load_checkpoint(args.source)
+        print(f"checkpoint {resolve_checkpoint(args.source)} ({metadata['dataset']})")
+        if args.image is None:
+            print(format_summary(model, args.batch, args.depth))
+        else:
+            print(format_image_summary(model, metadata, args.image, args.depth))
+
+    return exit_status(summarise_checkpoint)
 
 
 if __name__ == "__main__":

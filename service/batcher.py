@@ -1,11 +1,15 @@
-"""A dynamic batcher in the manner of Triton's: bounded queue, max batch size, max queue delay.
+"""A dynamic batcher in the manner of Triton's: bounded queue, max batch size, max queue delay, preferred
+batch sizes, and several model instances running batches at once.
 
 Every image is one queue item, so a request holding several images may be split across batches. A batch
-runs when it is full or when its oldest image has waited ``max_queue_delay``; it runs in a worker thread,
-off the event loop, one batch at a time per graph (the next batch fills while one runs). Each caller gets
-its own rows back. Admission is all-or-nothing and immediate: when a request's images do not fit in the
-queue it is answered 503 with ``Retry-After`` without waiting. A request not finished within its timeout
-gets 503. A failing model run fails only the requests in that batch. ``stop()`` drains the queue.
+runs when it reaches a preferred size (else the max batch size) or when its oldest image has waited
+``max_queue_delay``, and an instance is idle: each instance is a run function with its own worker thread
+(and, in the service, its own onnxruntime session), so up to ``instances`` batches run at once while the
+next one fills. Each caller gets its own rows back. Admission is all-or-nothing and immediate: when a
+request's images do not fit in the queue it is answered 503 with ``Retry-After`` without waiting. A
+request not finished within its timeout gets 503; one whose client went away is cancelled and its images
+never run. A failing model run fails only the requests in that batch. ``close()`` makes the queue run
+without waiting for the delay (shutdown); ``stop()`` drains it and says how many images it had to fail.
 """
 
 from __future__ import annotations
@@ -13,15 +17,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.errors import InferenceFailed, ServiceUnavailable
+from service import tracing
+from service.errors import ClientDisconnected, InferenceFailed, ServiceUnavailable
 from service.metrics import Metrics
+from service.statistics import BatchTimes, ModelStatistics
 
 logger = logging.getLogger("vitserve")
 
@@ -34,13 +41,31 @@ class _Item:
     future: asyncio.Future
     enqueued: float
     request_id: str | None = field(default=None)
+    # statistics and tracing: when its batch started, what the batch took, the request's queue span
+    started: float = 0.0
+    batch: BatchTimes | None = None
+    wait: tracing.QueueTrace | None = None
+
+
+@dataclass(eq=False)
+class _Instance:
+    run: RunBatch
+    executor: ThreadPoolExecutor
+    index: int = 0
+
+
+def _timed(run: RunBatch, images: np.ndarray) -> tuple[Sequence[np.ndarray], int]:
+    """``run(images)`` and the nanoseconds it took (in the instance's thread)."""
+    started = time.perf_counter_ns()
+    outputs = run(images)
+    return outputs, time.perf_counter_ns() - started
 
 
 class DynamicBatcher:
     def __init__(
         self,
         graph: str,
-        run: RunBatch,
+        run: RunBatch | Sequence[RunBatch],
         *,
         max_batch_size: int,
         max_queue_delay_s: float,
@@ -48,46 +73,79 @@ class DynamicBatcher:
         timeout_s: float,
         retry_after_s: int,
         metrics: Metrics,
+        model: str = "",
+        preferred_batch_sizes: Sequence[int] = (),
+        statistics: ModelStatistics | None = None,
     ) -> None:
         self.graph = graph
-        self._run_batch = run
+        self.model = model
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_s
         self.max_queue_size = max_queue_size
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
+        self.preferred_batch_sizes = sorted(
+            {size for size in preferred_batch_sizes if 1 <= size <= max_batch_size}
+        )
         self._metrics = metrics
+        self.statistics = statistics if statistics is not None else ModelStatistics()
+        self._labels = (model, graph)
+        runs = [run] if callable(run) else list(run)
+        self._instances = [
+            _Instance(fn, ThreadPoolExecutor(1, thread_name_prefix=f"vitserve-{graph}-{i}"), i)
+            for i, fn in enumerate(runs)
+        ]
+        self._idle: list[_Instance] = list(self._instances)
+        self._running: dict[asyncio.Task, list[_Item]] = {}
         self._pending: deque[_Item] = deque()
         self._wakeup = asyncio.Event()
         self._closing = False
+        self._flushing = False
         self._task: asyncio.Task | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vitserve-{graph}")
+        self.failure: BaseException | None = None
 
     @property
-    def queue_depth(self) -> int:
-        return len(self._pending)
+    def instances(self) -> int:
+        return len(self._instances)
+
+    @property
+    def healthy(self) -> bool:
+        """False once the batching loop has died; readiness reports it."""
+        return self._task is not None and self.failure is None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(
-            self._loop(), name=f"batcher-{self.graph}"
+            self._loop(), name=f"batcher-{self.model}-{self.graph}"
         )
+        self._task.add_done_callback(self._watch)
+
+    def _watch(self, task: asyncio.Task) -> None:
+        """The watchdog: a loop that dies fails what it held, at once, instead of letting every
+        caller wait for its timeout."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self.failure = task.exception()
+        logger.error(
+            "the %s batcher of %s stopped: %r", self.graph, self.model or "-", self.failure
+        )
+        self.fail_all("the batcher stopped; retry on another instance", "batcher_failed")
 
     def admit(self, count: int) -> None:
         """Raise the 503 that ``submit`` would raise for ``count`` images now.
 
-        Routes call it before decoding, so that an overloaded service refuses at once instead of
+        Callers check before decoding, so that an overloaded service refuses at once instead of
         decoding images it cannot queue; ``submit`` checks again, as the queue moves meanwhile.
         """
-        if self._task is None:
+        if self._task is None or self.failure is not None:
             raise ServiceUnavailable(
-                f"the {self.graph} batcher has not started; retry shortly",
+                f"the {self.graph} batcher is not running; retry shortly",
                 code="not_ready",
                 retry_after_s=self.retry_after_s,
             )
         if self._closing:
             self._reject("shutting_down")
             raise ServiceUnavailable(
-                "the service is shutting down and accepts no new work; retry on another instance",
+                "this model version is shutting down and accepts no new work; retry",
                 code="shutting_down",
                 retry_after_s=self.retry_after_s,
             )
@@ -102,20 +160,45 @@ class DynamicBatcher:
             )
 
     async def submit(
-        self, rows: np.ndarray, request_id: str | None = None
+        self,
+        rows: np.ndarray,
+        request_id: str | None = None,
+        disconnected: Awaitable[object] | None = None,
     ) -> list[tuple[np.ndarray, ...]]:
-        """Queue ``rows`` (one image each) and return each image's outputs, in order."""
+        """Queue ``rows`` (one image each) and return each image's outputs, in order.
+
+        ``disconnected`` completes when the client has gone: the images still queued are then
+        cancelled (they never run) and :class:`ClientDisconnected` is raised.
+        """
         count = len(rows)
         self.admit(count)
         loop = asyncio.get_running_loop()
         now = loop.time()
-        items = [_Item(rows[i], loop.create_future(), now, request_id) for i in range(count)]
+        wait = tracing.enter_queue(count)
+        items = [
+            _Item(rows[i], loop.create_future(), now, request_id, wait=wait) for i in range(count)
+        ]
         self._pending.extend(items)
-        self._metrics.queue_depth.labels(self.graph).set(len(self._pending))
+        self._set_depth()
         self._wakeup.set()
         futures = [item.future for item in items]
+        watch = asyncio.ensure_future(disconnected) if disconnected is not None else None
         try:
-            _, not_done = await asyncio.wait(futures, timeout=self.timeout_s)
+            deadline = now + self.timeout_s
+            while not all(future.done() for future in futures):
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                waiting = [f for f in futures if not f.done()] + ([watch] if watch else [])
+                await asyncio.wait(waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                if watch is not None and watch.done():
+                    break
+            not_done = [future for future in futures if not future.done()]
+            if not_done and watch is not None and watch.done():
+                self._metrics.cancelled.labels(*self._labels).inc(len(not_done))
+                raise ClientDisconnected(
+                    f"the client went away; {len(not_done)} of {count} images were not run"
+                )
             if not_done:
                 self._reject("timeout")
                 raise ServiceUnavailable(
@@ -127,63 +210,115 @@ class DynamicBatcher:
             failures = [f.exception() for f in futures if f.exception() is not None]
             if failures:
                 raise failures[0]
+            self.statistics.record_request(
+                max(round((item.started - item.enqueued) * 1e9) for item in items),
+                {id(item.batch): item.batch for item in items if item.batch}.values(),
+            )
             return [future.result() for future in futures]
         finally:
+            if wait is not None:
+                wait.end()  # a request given up before its batch started
+            if watch is not None:
+                watch.cancel()
             abandoned = [future for future in futures if not future.done()]
             for future in abandoned:
                 future.cancel()
             if abandoned:  # free their places in the queue now, not when the loop next looks
                 self._pending = deque(item for item in self._pending if not item.future.done())
-                self._metrics.queue_depth.labels(self.graph).set(len(self._pending))
+                self._set_depth()
 
     def _reject(self, reason: str) -> None:
-        self._metrics.rejections.labels(self.graph, reason).inc()
+        self._metrics.rejections.labels(*self._labels, reason).inc()
+
+    def _set_depth(self) -> None:
+        self._metrics.queue_depth.labels(*self._labels).set(len(self._pending))
 
     def _drop_abandoned(self) -> None:
         while self._pending and self._pending[0].future.done():
             self._pending.popleft()
 
+    def _batch_target(self, waiting: int) -> int:
+        """How many images to run now: the largest preferred size that is waiting, else as many as
+        fit (up to the max batch size)."""
+        fitting = [size for size in self.preferred_batch_sizes if size <= waiting]
+        return fitting[-1] if fitting else min(waiting, self.max_batch_size)
+
+    def _full(self, waiting: int) -> bool:
+        if waiting >= self.max_batch_size:
+            return True
+        return bool(self.preferred_batch_sizes) and waiting >= self.preferred_batch_sizes[-1]
+
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             self._drop_abandoned()
-            if not self._pending:
-                self._metrics.queue_depth.labels(self.graph).set(0)
-                if self._closing:
-                    return
+            if not self._pending or not self._idle:
+                if not self._pending:
+                    self._set_depth()
+                    if self._closing and not self._running:
+                        return
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            if len(self._pending) < self.max_batch_size and not self._closing:
+            if not self._full(len(self._pending)) and not self._flushing:
                 wait = self._pending[0].enqueued + self.max_queue_delay_s - loop.time()
                 if wait > 0:
                     self._wakeup.clear()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wakeup.wait(), wait)
                     continue
+            target = self._batch_target(len(self._pending))
             batch: list[_Item] = []
-            while self._pending and len(batch) < self.max_batch_size:
+            while self._pending and len(batch) < target:
                 item = self._pending.popleft()
                 if not item.future.done():
                     batch.append(item)
-            self._metrics.queue_depth.labels(self.graph).set(len(self._pending))
+            self._set_depth()
             if batch:
-                await self._execute(batch, loop)
+                instance = self._idle.pop()
+                task = loop.create_task(self._execute(batch, instance, loop))
+                self._running[task] = batch
 
-    async def _execute(self, batch: list[_Item], loop: asyncio.AbstractEventLoop) -> None:
-        started = loop.time()
-        for item in batch:
-            self._metrics.queue_wait.labels(self.graph).observe(started - item.enqueued)
+    async def _execute(
+        self, batch: list[_Item], instance: _Instance, loop: asyncio.AbstractEventLoop
+    ) -> None:
         try:
+            await self._run(batch, instance, loop)
+        finally:
+            self._running.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+            self._idle.append(instance)
+            self._wakeup.set()
+
+    async def _run(
+        self, batch: list[_Item], instance: _Instance, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        with tracing.batch_span(
+            self.model, self.graph, instance.index, (item.wait for item in batch)
+        ):
+            await self._run_traced(batch, instance, loop)
+
+    async def _run_traced(
+        self, batch: list[_Item], instance: _Instance, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        started = loop.time()
+        queue_wait = self._metrics.queue_wait.labels(*self._labels)
+        for item in batch:
+            queue_wait.observe(started - item.enqueued)
+        try:
+            stacking = time.perf_counter_ns()
             images = np.stack([item.row for item in batch])
-            outputs = await loop.run_in_executor(self._executor, self._run_batch, images)
+            stacked = time.perf_counter_ns()
+            outputs, infer_ns = await loop.run_in_executor(
+                instance.executor, _timed, instance.run, images
+            )
             for output in outputs:
                 if len(output) != len(batch):
                     raise RuntimeError(
                         f"the model returned {len(output)} rows for a batch of {len(batch)}"
                     )
         except Exception as error:
-            self._metrics.inference_failures.labels(self.graph).inc()
+            tracing.record_failure(error)
+            self._metrics.inference_failures.labels(*self._labels).inc()
             request_ids = sorted({item.request_id for item in batch if item.request_id})
             logger.exception(
                 "%s batch of %d images failed (requests %s)",
@@ -200,33 +335,61 @@ class DynamicBatcher:
                 if not item.future.done():
                     item.future.set_exception(InferenceFailed(message))
             return
-        self._metrics.compute.labels(self.graph).observe(loop.time() - started)
-        self._metrics.batch_size.labels(self.graph).observe(len(batch))
-        for index, item in enumerate(batch):
+        self._metrics.compute.labels(*self._labels).observe(loop.time() - started)
+        self._metrics.batch_size.labels(*self._labels).observe(len(batch))
+        splitting = time.perf_counter_ns()
+        rows = [tuple(output[index] for output in outputs) for index in range(len(batch))]
+        times = BatchTimes(stacked - stacking, infer_ns, time.perf_counter_ns() - splitting)
+        self.statistics.record_batch(len(batch), times)
+        for item, row in zip(batch, rows, strict=True):
+            item.started, item.batch = started, times
             if not item.future.done():
-                item.future.set_result(tuple(output[index] for output in outputs))
+                item.future.set_result(row)
 
-    async def stop(self, timeout_s: float) -> None:
-        """Stop taking work, run everything already queued, then release the worker thread."""
-        self._closing = True
+    def fail_all(self, message: str, code: str = "shutting_down") -> int:
+        """Fail every queued image and every image of a running batch (503); how many were failed."""
+        failed = 0
+        for item in self._pending:
+            if not item.future.done():
+                item.future.set_exception(
+                    ServiceUnavailable(message, code=code, retry_after_s=self.retry_after_s)
+                )
+                failed += 1
+        self._pending.clear()
+        for task, batch in list(self._running.items()):
+            task.cancel()  # the thread runs on, but nobody waits for it any more
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(
+                        ServiceUnavailable(message, code=code, retry_after_s=self.retry_after_s)
+                    )
+                    failed += 1
+        return failed
+
+    def flush(self) -> None:
+        """From now on run what is queued without waiting for the queue delay (shutdown has begun:
+        nothing should wait for a batch to fill)."""
+        self._flushing = True
         self._wakeup.set()
-        if self._task is not None:
+
+    def close(self) -> None:
+        """Accept no new work; run what is queued without waiting for the queue delay."""
+        self._closing = True
+        self.flush()
+
+    async def stop(self, timeout_s: float) -> int:
+        """Stop taking work, run everything already queued, then release the worker threads.
+        Returns how many images had to be failed because the drain did not finish in time."""
+        self.close()
+        failed = 0
+        if self._task is not None and not self._task.done():
             try:
                 await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
             except TimeoutError:
-                logger.error(
-                    "%s batcher did not drain within %.1f s; failing what is left",
-                    self.graph,
-                    timeout_s,
-                )
                 self._task.cancel()
-                for item in self._pending:
-                    if not item.future.done():
-                        item.future.set_exception(
-                            ServiceUnavailable(
-                                "the service shut down before this request ran",
-                                code="shutting_down",
-                            )
-                        )
-                self._pending.clear()
-        self._executor.shutdown(wait=True)
+                failed = self.fail_all(
+                    "the service shut down before this request was answered", "shutting_down"
+                )
+        for instance in self._instances:
+            instance.executor.shutdown(wait=failed == 0)
+        return failed

@@ -1,4 +1,5 @@
-"""One error shape for every failure: ``{"error": {"code", "message", "field", "request_id"}}``.
+"""One error shape for every failure: ``{"error": {"code", "message", "field", "request_id"}}``, and the
+Open Inference Protocol's ``{"error": "<message>"}`` under ``/v2``.
 
 Bad input is a 4xx naming the field and the limit it broke; only a fault of the service is a 500, and
 that one carries the request id (the traceback goes to the log, never to the client).
@@ -14,8 +15,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 logger = logging.getLogger("vitserve")
+# Set in a request's ASGI state by service/server.py when the body deadline cut the request off.
+CUT_OFF = "vitserve.cut_off"
 
 
 class ServiceError(Exception):
@@ -83,11 +87,33 @@ class ServiceUnavailable(ServiceError):
         super().__init__(message, code=code, headers={"Retry-After": str(retry_after_s)})
 
 
+class ClientDisconnected(ServiceError):
+    """The client went away before its answer was ready (nginx's 499; nobody reads the body)."""
+
+    status_code = 499
+    code = "client_disconnected"
+
+
 class InferenceFailed(ServiceError):
     """500: the model run failed for the batch this request was in."""
 
     status_code = 500
     code = "inference_failed"
+
+
+PROTOCOL_PREFIX = "/v2"
+
+
+def is_protocol_path(path: str) -> bool:
+    """Whether ``path`` is the Open Inference Protocol's, whose errors are ``{"error": "<message>"}``
+    (clients such as tritonclient read ``error`` as a string)."""
+    return path == PROTOCOL_PREFIX or path.startswith(PROTOCOL_PREFIX + "/")
+
+
+def printable(text: str) -> str:
+    """``text`` with anything UTF-8 cannot encode (a lone surrogate, which a client-chosen charset
+    can produce) written as a backslash escape: safe to put in a JSON answer or a log line."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def request_id_of(request: Request) -> str | None:
@@ -99,8 +125,8 @@ def error_body(
 ) -> dict[str, Any]:
     error: dict[str, Any] = {
         "code": code,
-        "message": message,
-        "field": field,
+        "message": printable(message),
+        "field": None if field is None else printable(field),
         "request_id": request_id,
     }
     if details is not None:
@@ -122,6 +148,10 @@ def error_response(
     all_headers = dict(headers or {})
     if request_id:
         all_headers.setdefault("X-Request-ID", request_id)
+    if is_protocol_path(request.url.path):
+        if status_code == 422:  # the protocol has no 422: a bad request is a 400
+            status_code = 400
+        return JSONResponse({"error": message}, status_code=status_code, headers=all_headers)
     return JSONResponse(
         error_body(code, message, request_id, field, details),
         status_code=status_code,
@@ -143,7 +173,10 @@ def location(loc: Sequence[str | int]) -> str:
 
 
 def validation_details(errors: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    return [{"field": location(e.get("loc", ())), "message": e.get("msg", "")} for e in errors]
+    return [
+        {"field": printable(location(e.get("loc", ()))), "message": printable(e.get("msg", ""))}
+        for e in errors
+    ]
 
 
 def validation_message(details: Sequence[Mapping[str, Any]]) -> str:
@@ -192,6 +225,17 @@ def install_error_handlers(app: FastAPI) -> None:
             message,
             headers=getattr(error, "headers", None),
         )
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, error: ClientDisconnect) -> JSONResponse:
+        # Nobody reads this answer; it is what the log and the metrics record. A body cut off by
+        # the server's body deadline (service/server.py marks it) is a 408, a client that hung up
+        # while sending is nginx's 499.
+        cut_off = request.scope.get("state", {}).get(CUT_OFF)
+        status, code = (408, "request_timeout") if cut_off else (499, "client_closed_request")
+        reason = f"past {cut_off}" if cut_off else "the client closed the connection"
+        logger.info("request %s: body not received (%s)", request_id_of(request), reason)
+        return error_response(request, status, code, f"the request body was not received: {reason}")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:

@@ -8,22 +8,28 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import re
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.errors import (
     InvalidInput,
     UnsupportedMediaType,
+    printable,
     validation_details,
     validation_message,
 )
+from service.json_guard import ImageJsonLimits, check_image_json
 from service.schemas import ImageInput
+from service.settings import Settings
 
 JSON = "application/json"
 MULTIPART = "multipart/form-data"
@@ -61,13 +67,51 @@ def invalid_from(error: ValidationError) -> InvalidInput:
     return InvalidInput(validation_message(details), field=field, details=details)
 
 
-def parse_json(body: bytes, model: type[Options]) -> Options:
+# The limits of the app serving the current request, set by RequestContextMiddleware, for callers of
+# parse_json that do not pass their own.
+current_json_limits: ContextVar[ImageJsonLimits | None] = ContextVar(
+    "vitserve_json_limits", default=None
+)
+
+
+def json_limits(settings: Settings) -> ImageJsonLimits:
+    return ImageJsonLimits(
+        max_images=settings.max_images_per_request,
+        max_pixels=settings.max_pixels_per_image,
+        max_values=settings.max_json_values,
+    )
+
+
+def parse_json(body: bytes, model: type[Options], limits: ImageJsonLimits | None = None) -> Options:
+    """``body`` validated as ``model`` (a /predict or /attention request), after the raw-bytes bounds
+    of ``service.json_guard`` (``limits``, else the current app's): a body that could not be a valid
+    request is refused before any Python object is made of it. Blocking: call it from a thread."""
+    limits = limits or current_json_limits.get()
+    if limits is not None:
+        if "images" in model.model_fields:
+            check_image_json(body, limits, field="images")
+        else:
+            check_image_json(body, dataclasses.replace(limits, max_images=1), field="image")
     try:
         # strict: JSON types as the OpenAPI document declares them ("top_k": "3" or "layer": false
         # is refused, not coerced); multipart fields are text and are validated in lax mode instead
         return model.model_validate_json(body, strict=True)
     except ValidationError as error:
         raise invalid_from(error) from None
+
+
+# A body this small is parsed on the event loop: it takes microseconds, less than a thread hop.
+INLINE_JSON_BYTES = 64 * 1024
+
+
+async def read_json(request: Request, model: type[Options]) -> Options:
+    """Read the request's JSON body and ``parse_json`` it with the app's limits (a large body off the
+    event loop)."""
+    body = await request.body()
+    limits = json_limits(request.app.state.settings)
+    if len(body) <= INLINE_JSON_BYTES:
+        return parse_json(body, model, limits)
+    return await run_in_threadpool(parse_json, body, model, limits)
 
 
 def image_from_json(image: ImageInput, field: str) -> RawImage:
@@ -96,7 +140,10 @@ async def read_multipart(
         ) as form:
             values: dict[str, str] = {}
             images: list[RawImage] = []
-            for key, value in form.multi_items():
+            for raw_key, value in form.multi_items():
+                # a name decoded with a client-chosen charset may hold anything, lone surrogates
+                # included: only a printable form of it goes into messages
+                key = printable(raw_key)
                 if isinstance(value, UploadFile):
                     if key != file_field:
                         raise InvalidInput(

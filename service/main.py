@@ -2,22 +2,34 @@
 
 from __future__ import annotations
 
-import logging
-import sys
+import asyncio
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 
+from service import logs, tracing
+from service.docs import install_docs
 from service.errors import install_error_handlers
+from service.inputs import json_limits
 from service.metrics import Metrics
 from service.middleware import RequestContextMiddleware
-from service.routers import attention, demo, health, metrics, models, predict, v2
+from service.oip import extensions as oip_extensions
+from service.oip import repository as oip_repository
+from service.oip import routes as oip
+from service.oip.grpc_service import GrpcServer
+from service.oip.schemas import HEADER_LENGTH, InferRequest
+from service.routers import attention, demo, health, metrics, models, predict
 from service.schemas import AttentionRequest, PredictRequest
 from service.settings import Settings
 from service.state import ServiceState
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 __version__ = "0.1.0"
 
@@ -29,16 +41,6 @@ Errors are JSON `{"error": {"code", "message", "field", "request_id"}}`; every r
 """
 
 
-def _configure_logging(level: str) -> None:
-    logger = logging.getLogger("vitserve")
-    logger.setLevel(level.upper())
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)-9s vitserve: %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-
-
 def _openapi(app: FastAPI) -> dict[str, Any]:
     """The generated document, plus the JSON request bodies the routes parse themselves."""
     if app.openapi_schema:
@@ -47,7 +49,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         title=app.title, version=app.version, description=app.description, routes=app.routes
     )
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
-    for model in (PredictRequest, AttentionRequest, v2.InferRequest):
+    for model in (PredictRequest, AttentionRequest, InferRequest):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -55,44 +57,84 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return document
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, tracer_provider: TracerProvider | None = None
+) -> FastAPI:
+    """The app. Tracing follows the OTEL_* environment variables (service/tracing.py), unless a
+    ``tracer_provider`` is given (tests give one with an in-memory exporter)."""
     settings = settings or Settings()
-    _configure_logging(settings.log_level)
-    app_metrics = Metrics(max(settings.max_batch_size, settings.attention_max_batch_size))
+    logs.configure(settings.log_level, settings.log_format)
+    app_metrics = Metrics()
     state = ServiceState(settings, app_metrics)
+    provider = tracer_provider or tracing.provider_from_environment(os.environ)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await state.start()
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tracing.activate(provider)
         try:
-            yield
+            await state.start()
+            grpc_server = GrpcServer(state, app.version) if settings.grpc_port else None
+            try:
+                if grpc_server is not None:
+                    await grpc_server.start()
+                yield
+            finally:
+                state.begin_shutdown()  # not ready over either protocol from here on
+                stopping = [state.stop()]
+                if grpc_server is not None:  # refuses new calls, lets those in flight finish
+                    stopping.append(grpc_server.stop(settings.graceful_shutdown_s))
+                await asyncio.gather(*stopping)
         finally:
-            await state.stop()
+            tracing.activate(None)
+            if tracer_provider is None and provider is not None:
+                provider.shutdown()  # exports what is left
 
-    app = FastAPI(title="vitserve", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(
+        title="vitserve",
+        version=__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        docs_url=None,  # service/docs.py serves the docs from local assets
+        redoc_url=None,
+    )
     app.state.settings = settings
     app.state.metrics = app_metrics
     app.state.service = state
     install_error_handlers(app)
-    routers = (
+    routers = [
+        oip_extensions.router,  # before oip.router: /v2/models/stats is not model "stats"
         predict.router,
         attention.router,
         models.router,
         health.router,
         metrics.router,
-        v2.router,
+        oip.router,
+        oip_repository.router,
         demo.router,
-    )
+    ]
+    routers.append(oip.not_in_protocol_route(routers))
     for router in routers:
         app.include_router(router)
+    install_docs(app, settings)
     app.add_middleware(
         RequestContextMiddleware,
         max_body_bytes=settings.max_body_bytes,
         metrics=app_metrics,
+        json_limits=json_limits(settings),
         static_paths=frozenset(
             route.path for router in routers for route in router.routes if "{" not in route.path
         ),
     )
+    if settings.cors_origin_list:  # outermost: preflights and early 413s get CORS headers too
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origin_list,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-ID", "Retry-After", HEADER_LENGTH],
+        )
+    if provider is not None:
+        tracing.instrument(app, provider)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

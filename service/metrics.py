@@ -27,17 +27,12 @@ _LATENCY_BUCKETS = (
 _QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
-def _batch_buckets(largest: int) -> tuple[float, ...]:
-    buckets, size = [], 1
-    while size < largest:
-        buckets.append(float(size))
-        size *= 2
-    buckets.append(float(largest))
-    return tuple(buckets)
+_BATCH_BUCKETS = tuple(float(2**i) for i in range(11))  # 1 to 1024, the largest max_batch_size
+_GRAPH = ["model", "graph"]
 
 
 class Metrics:
-    def __init__(self, max_batch_size: int) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -55,49 +50,75 @@ class Metrics:
         )
         self.queue_wait = Histogram(
             "vitserve_queue_wait_seconds",
-            "Time an image waited in the batcher queue before its batch started, by graph.",
-            ["graph"],
+            "Time an image waited in the batcher queue before its batch started, by model and graph.",
+            _GRAPH,
             buckets=_QUEUE_BUCKETS,
             registry=r,
         )
         self.compute = Histogram(
             "vitserve_compute_seconds",
-            "Time one batch spent in onnxruntime, by graph.",
-            ["graph"],
+            "Time one batch spent in onnxruntime, by model and graph.",
+            _GRAPH,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.batch_size = Histogram(
             "vitserve_batch_size",
-            "Images per model execution, by graph.",
-            ["graph"],
-            buckets=_batch_buckets(max_batch_size),
+            "Images per model execution, by model and graph.",
+            _GRAPH,
+            buckets=_BATCH_BUCKETS,
             registry=r,
         )
         self.queue_depth = Gauge(
             "vitserve_queue_depth",
-            "Images waiting in the batcher queue, by graph.",
-            ["graph"],
+            "Images waiting in the batcher queue, by model and graph.",
+            _GRAPH,
             registry=r,
         )
         self.inference_failures = Counter(
             "vitserve_inference_failures",
-            "Batches whose model run raised an error, by graph.",
-            ["graph"],
+            "Batches whose model run raised an error, by model and graph.",
+            _GRAPH,
             registry=r,
         )
         self.rejections = Counter(
             "vitserve_rejected_requests",
-            "Requests answered 503 by the batcher, by graph and reason (queue_full, timeout, shutting_down).",
-            ["graph", "reason"],
+            "Requests answered 503 by the batcher, by model, graph and reason (queue_full, timeout, "
+            "shutting_down).",
+            [*_GRAPH, "reason"],
             registry=r,
         )
         self.ready = Gauge(
             "vitserve_ready", "1 while the service is ready to serve, else 0.", registry=r
         )
+        self.cancelled = Counter(
+            "vitserve_cancelled_images",
+            "Queued images dropped before they ran because their client went away, by model and graph.",
+            _GRAPH,
+            registry=r,
+        )
+        self.decode_rejections = Counter(
+            "vitserve_decode_rejected_requests",
+            "Requests answered 503 while waiting for a decode slot, by reason (waiters_full, timeout).",
+            ["reason"],
+            registry=r,
+        )
         self.model_info = Gauge(
             "vitserve_model_info",
-            "The model being served (value 1), with its name, version and execution provider.",
-            ["name", "version", "provider"],
+            "Each model version being served (value 1), with its execution provider and precision.",
+            ["model", "version", "provider", "precision"],
+            registry=r,
+        )
+        self.model_load_seconds = Gauge(
+            "vitserve_model_load_seconds",
+            "Seconds the last load of a model version took, by phase: load (open and check the "
+            "graphs) and warmup.",
+            ["model", "version", "phase"],
+            registry=r,
+        )
+        self.model_load_failures = Counter(
+            "vitserve_model_load_failures",
+            "Model versions that failed to load (the reason is in /v2/repository/index and the log).",
+            ["model"],
             registry=r,
         )

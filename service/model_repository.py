@@ -1,8 +1,9 @@
-"""Find a model in the repository (docs/model-repository.md) and validate its ``vitserve`` metadata.
+"""The model contract (docs/model-repository.md): file names, the ``vitserve`` metadata, version listing.
 
-Everything the service knows about a model comes from here: labels, input spec, preprocessing, patch grid,
-pooling, depth and heads. A missing or inconsistent entry raises :class:`ModelLoadError` with a message
-that names the file and what is wrong, so start-up stops instead of serving half a model.
+Torch-free, so that the service, the export stage and the benchmarks read a model the same way. Any image
+classifier with this metadata can be served; the ViT fields (patch grid, pooling, depth, heads, tokens) are
+optional and, with an ``attention.onnx`` beside the classifier, enable ``/attention``. A missing or
+inconsistent file raises :class:`ModelLoadError` naming the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ logger = logging.getLogger("vitserve")
 METADATA_KEY = "vitserve"
 CLASSIFIER_FILE = "model.onnx"
 ATTENTION_FILE = "attention.onnx"
+LABELS_FILE = "labels.txt"
+CONFIG_FILE = "config.pbtxt"
 
 
 class ModelLoadError(RuntimeError):
@@ -60,7 +63,11 @@ class Outputs(_Meta):
 
 
 class ModelMetadata(_Meta):
-    """The ``vitserve`` JSON document of one graph, checked for internal consistency."""
+    """The ``vitserve`` JSON document of one graph, checked for internal consistency.
+
+    ``patch``, ``pooling``, ``class_token``, ``tokens``, ``depth`` and ``heads`` describe a ViT's token
+    grid; they are optional for other classifiers and required (all of them) for attention maps.
+    """
 
     format: Literal[1]
     graph: Literal["classifier", "attention"]
@@ -70,13 +77,13 @@ class ModelMetadata(_Meta):
     input: InputSpec
     outputs: Outputs = Outputs()
     preprocessing: Preprocessing
-    patch: Patch
-    pooling: Literal["token", "mean"]
-    class_token: bool
-    tokens: int = Field(ge=1)
-    depth: int = Field(ge=1)
-    heads: int = Field(ge=1)
-    attention_graph: str | None = ATTENTION_FILE
+    patch: Patch | None = None
+    pooling: Literal["token", "mean"] | None = None
+    class_token: bool | None = None
+    tokens: int | None = Field(default=None, ge=1)
+    depth: int | None = Field(default=None, ge=1)
+    heads: int | None = Field(default=None, ge=1)
+    precision: str = "fp32"
     dataset: str | None = None
     test_accuracy: float | None = None
 
@@ -95,29 +102,48 @@ class ModelMetadata(_Meta):
                 )
         if any(s <= 0 for s in pre.std):
             raise ValueError("preprocessing.std values must be positive")
-        size = self.patch.size
-        if spec.height % size or spec.width % size:
-            raise ValueError(
-                f"patch.size {size} does not divide the input {spec.height}x{spec.width}"
-            )
-        grid = (spec.height // size, spec.width // size)
-        if tuple(self.patch.grid) != grid:
-            raise ValueError(f"patch.grid {list(self.patch.grid)} should be {list(grid)}")
-        if self.class_token != (self.pooling == "token"):
+        if len(set(self.labels)) != len(self.labels):
+            raise ValueError("labels are not unique")
+        if self.patch is not None:
+            size = self.patch.size
+            if spec.height % size or spec.width % size:
+                raise ValueError(
+                    f"patch.size {size} does not divide the input {spec.height}x{spec.width}"
+                )
+            grid = (spec.height // size, spec.width // size)
+            if tuple(self.patch.grid) != grid:
+                raise ValueError(f"patch.grid {list(self.patch.grid)} should be {list(grid)}")
+        if (
+            self.class_token is not None
+            and self.pooling is not None
+            and self.class_token != (self.pooling == "token")
+        ):
             raise ValueError(
                 f"class_token {self.class_token} does not fit pooling {self.pooling!r}"
             )
-        expected_tokens = grid[0] * grid[1] + (1 if self.class_token else 0)
-        if self.tokens != expected_tokens:
+        if self.tokens is not None and self.patch is not None and self.class_token is not None:
+            grid = self.grid
+            expected_tokens = grid[0] * grid[1] + (1 if self.class_token else 0)
+            if self.tokens != expected_tokens:
+                raise ValueError(
+                    f"tokens {self.tokens} should be {expected_tokens} for this grid and pooling"
+                )
+        if self.graph == "attention" and not self.describes_attention:
             raise ValueError(
-                f"tokens {self.tokens} should be {expected_tokens} for this grid and pooling"
+                "an attention graph needs patch, pooling, class_token, tokens, depth and heads"
             )
-        if len(set(self.labels)) != len(self.labels):
-            raise ValueError("labels are not unique")
         return self
 
     @property
+    def describes_attention(self) -> bool:
+        """Whether the metadata has every field that attention maps need."""
+        fields = (self.patch, self.pooling, self.class_token, self.tokens, self.depth, self.heads)
+        return all(value is not None for value in fields)
+
+    @property
     def grid(self) -> tuple[int, int]:
+        if self.patch is None:
+            raise ValueError("this model's metadata has no patch grid")
         return (int(self.patch.grid[0]), int(self.patch.grid[1]))
 
     @property
@@ -126,62 +152,87 @@ class ModelMetadata(_Meta):
 
 
 @dataclass(frozen=True)
-class ModelEntry:
+class VersionFiles:
     """Where one version of a model lives in the repository."""
 
     name: str
     version: int
     directory: Path
     classifier_path: Path
-    attention_path: Path
-    labels_path: Path
+    attention_path: Path | None
+    labels_path: Path | None
+
+    def signature(self) -> tuple[tuple[str, int, int], ...]:
+        """Name, size and modification time of every file the version is served from: a change means
+        the version directory was replaced or edited."""
+        paths = [self.classifier_path, self.attention_path, self.labels_path]
+        return tuple(
+            (str(path), stat.st_size, stat.st_mtime_ns)
+            for path in paths
+            if path is not None
+            for stat in [path.stat()]
+        )
 
 
-def _versions(model_dir: Path) -> list[int]:
-    return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+def version_numbers(model_dir: Path) -> list[int]:
+    """The version directories of a model, ascending. Only plain positive integers count, so a
+    version being staged under another name (``.staging-*``) is never seen half-written."""
+    try:
+        children = list(Path(model_dir).iterdir())
+    except OSError:
+        return []
+    return sorted(
+        int(p.name)
+        for p in children
+        if p.is_dir() and p.name.isascii() and p.name.isdigit() and int(p.name) > 0
+    )
 
 
-def find_model(repository: Path, name: str, version: int | None = None) -> ModelEntry:
-    """The repository entry of ``name`` (highest version unless ``version`` is given)."""
+def model_names(repository: Path) -> list[str]:
+    """Every model in the repository: a directory holding at least one version directory."""
     repository = Path(repository)
     if not repository.is_dir():
         raise ModelLoadError(
             f"model repository {repository} is not a directory (set VITSERVE_MODEL_REPOSITORY)"
         )
-    model_dir = repository / name
-    if not model_dir.is_dir():
-        available = sorted(p.name for p in repository.iterdir() if p.is_dir())
+    return sorted(
+        p.name
+        for p in repository.iterdir()
+        if p.is_dir() and not p.name.startswith(".") and version_numbers(p)
+    )
+
+
+def version_files(repository: Path, name: str, version: int) -> VersionFiles:
+    """The files of one version; :class:`ModelLoadError` when the classifier graph is missing.
+
+    Labels: the version's own ``labels.txt``, else the model's (the layout before labels moved into
+    the version). The attention graph is optional.
+    """
+    model_dir = Path(repository) / name
+    directory = model_dir / str(version)
+    if not directory.is_dir():
+        available = ", ".join(map(str, version_numbers(model_dir))) or "none"
         raise ModelLoadError(
-            f"model {name!r} not found in {repository}; available: {', '.join(available) or 'none'} "
-            "(set VITSERVE_MODEL_NAME)"
+            f"version {version} of model {name!r} not found in {model_dir}; available: {available}"
         )
-    versions = _versions(model_dir)
-    if not versions:
+    classifier = directory / CLASSIFIER_FILE
+    if not classifier.is_file():
         raise ModelLoadError(
-            f"{model_dir} has no numbered version directory (e.g. {model_dir / '1'})"
+            f"{classifier} is missing: every model version needs {CLASSIFIER_FILE}"
         )
-    if version is None:
-        version = versions[-1]
-    elif version not in versions:
-        raise ModelLoadError(
-            f"version {version} of model {name!r} not found in {model_dir}; available: "
-            f"{', '.join(map(str, versions))} (set VITSERVE_MODEL_VERSION)"
-        )
-    version_dir = model_dir / str(version)
-    entry = ModelEntry(
+    attention = directory / ATTENTION_FILE
+    labels = next(
+        (path for path in (directory / LABELS_FILE, model_dir / LABELS_FILE) if path.is_file()),
+        None,
+    )
+    return VersionFiles(
         name=name,
         version=version,
-        directory=version_dir,
-        classifier_path=version_dir / CLASSIFIER_FILE,
-        attention_path=version_dir / ATTENTION_FILE,
-        labels_path=model_dir / "labels.txt",
+        directory=directory,
+        classifier_path=classifier,
+        attention_path=attention if attention.is_file() else None,
+        labels_path=labels,
     )
-    for path in (entry.classifier_path, entry.attention_path):
-        if not path.is_file():
-            raise ModelLoadError(
-                f"{path} is missing: every model version needs {CLASSIFIER_FILE} and {ATTENTION_FILE}"
-            )
-    return entry
 
 
 def parse_metadata(custom_metadata: dict[str, str], path: Path, graph: str) -> ModelMetadata:
@@ -210,34 +261,34 @@ def parse_metadata(custom_metadata: dict[str, str], path: Path, graph: str) -> M
     return metadata
 
 
-def check_pair(classifier: ModelMetadata, attention: ModelMetadata, entry: ModelEntry) -> None:
+def check_pair(classifier: ModelMetadata, attention: ModelMetadata, files: VersionFiles) -> None:
     """The two graphs of one version must describe the same model."""
     fields = ("labels", "input", "preprocessing", "patch", "pooling", "tokens", "depth", "heads")
     for field in fields:
         if getattr(classifier, field) != getattr(attention, field):
             raise ModelLoadError(
-                f"{entry.attention_path} and {entry.classifier_path} disagree on {field!r}; "
+                f"{files.attention_path} and {files.classifier_path} disagree on {field!r}; "
                 "re-export both graphs from one checkpoint"
             )
 
 
-def check_entry(metadata: ModelMetadata, entry: ModelEntry) -> None:
+def check_labels(metadata: ModelMetadata, files: VersionFiles) -> None:
     """labels.txt, where present, must list the metadata's labels in the same order."""
-    if metadata.name != entry.name or metadata.version != entry.version:
-        logger.warning(
+    if metadata.name != files.name or metadata.version != files.version:
+        logger.info(
             "%s: metadata names %s version %s; serving it as %s version %s (the repository's names)",
-            entry.classifier_path,
+            files.classifier_path,
             metadata.name,
             metadata.version,
-            entry.name,
-            entry.version,
+            files.name,
+            files.version,
         )
-    if not entry.labels_path.is_file():
+    if files.labels_path is None:
         return
-    lines = [line.strip() for line in entry.labels_path.read_text(encoding="utf-8").splitlines()]
+    lines = [line.strip() for line in files.labels_path.read_text(encoding="utf-8").splitlines()]
     lines = [line for line in lines if line]
     if lines != metadata.labels:
         raise ModelLoadError(
-            f"{entry.labels_path} ({len(lines)} labels) does not match the labels in the ONNX metadata "
-            f"({len(metadata.labels)} labels) of {entry.classifier_path}"
+            f"{files.labels_path} ({len(lines)} labels) does not match the labels in the ONNX metadata "
+            f"({len(metadata.labels)} labels) of {files.classifier_path}"
         )

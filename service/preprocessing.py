@@ -18,7 +18,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from service.errors import InvalidInput, UnsupportedMediaType
-from service.model_repository import ModelMetadata
+from service.model_repository import ModelMetadata, Preprocessing
 
 Invert = Literal["auto", "always", "never"]
 
@@ -298,6 +298,20 @@ def _resize(array: np.ndarray, height: int, width: int) -> np.ndarray:
     return np.stack(channels, axis=-1)
 
 
+def normalise(pixels: np.ndarray, preprocessing: Preprocessing) -> np.ndarray:
+    """0-255 pixels ``[..., C, H, W]`` -> the model's float32 input, as the metadata says:
+    ``x * scale``, then ``(x - mean) / std`` per channel."""
+    channels = len(preprocessing.mean)
+    pixels = np.asarray(pixels, dtype=np.float32)
+    if pixels.ndim < 3 or pixels.shape[-3] != channels:
+        raise ValueError(
+            f"pixels of shape {list(pixels.shape)} are not [..., C, H, W] with C = {channels}"
+        )
+    mean = np.asarray(preprocessing.mean, dtype=np.float32).reshape(-1, 1, 1)
+    std = np.asarray(preprocessing.std, dtype=np.float32).reshape(-1, 1, 1)
+    return (pixels * np.float32(preprocessing.scale) - mean) / std
+
+
 @dataclass(frozen=True)
 class Prepared:
     """One image ready for the model, and how it looks in the model's frame (original polarity)."""
@@ -313,15 +327,15 @@ class Preprocessor:
     def __init__(self, metadata: ModelMetadata, max_pixels: int) -> None:
         self.metadata = metadata
         self.max_pixels = max_pixels
-        spec, pre = metadata.input, metadata.preprocessing
+        spec = metadata.input
         self.channels, self.height, self.width = spec.channels, spec.height, spec.width
-        self.mean = np.asarray(pre.mean, dtype=np.float32)
-        self.std = np.asarray(pre.std, dtype=np.float32)
 
     def from_bytes(self, data: bytes, field: str, invert: Invert = "auto") -> Prepared:
         draft = max(self.height, self.width)
         image = decode_image(data, field, self.max_pixels, draft)
-        image = shrink(image, self.height, self.width)
+        return self.from_image(shrink(image, self.height, self.width), invert)
+
+    def from_image(self, image: Image.Image, invert: Invert = "auto") -> Prepared:
         return self.from_array(image_to_array(image), invert)
 
     def from_pixels(self, pixels: Any, field: str, invert: Invert = "auto") -> Prepared:
@@ -348,9 +362,9 @@ class Preprocessor:
         pad_value = float(pre.pad_value)
         model_view = pad(255.0 - resized if inverted else resized, pad_value)
         display = pad(resized, 255.0 - pad_value if inverted else pad_value)
-        tensor = (model_view * np.float32(pre.scale) - self.mean) / self.std
+        tensor = normalise(model_view.transpose(2, 0, 1), pre)
         return Prepared(
-            tensor=np.ascontiguousarray(tensor.transpose(2, 0, 1), dtype=np.float32),
+            tensor=np.ascontiguousarray(tensor, dtype=np.float32),
             display=np.rint(display).astype(np.uint8),
             inverted=inverted,
         )

@@ -1,28 +1,31 @@
-"""onnxruntime sessions for one model version: the classifier and the attention graph.
+"""onnxruntime sessions for one model version: the classifier (one session per instance) and, when the
+version has one, the attention graph.
 
 Picks the CUDA execution provider when onnxruntime offers it (unless told otherwise), reports the provider
-really in use, checks the graphs against their metadata, and warms both up at every batch size the
-batcher will run. ``InferenceSession.run`` is thread-safe and releases the GIL, so batches run in a worker
-thread while the event loop keeps serving.
+really in use, checks the graphs against their metadata, and warms them up at the batch sizes the
+batchers will run. ``InferenceSession.run`` releases the GIL, so batches run in worker threads while the
+event loop keeps serving.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
+from service.model_config import ServingConfig
 from service.model_repository import (
-    ModelEntry,
     ModelLoadError,
     ModelMetadata,
-    check_entry,
+    VersionFiles,
+    check_labels,
     check_pair,
-    find_model,
     parse_metadata,
 )
 from service.settings import Settings
@@ -54,10 +57,23 @@ def choose_providers(settings: Settings) -> list[str | tuple[str, dict[str, str]
     return [(CUDA, options), CPU]
 
 
-def session_options(settings: Settings) -> ort.SessionOptions:
-    """onnxruntime session options for these settings (bench/micro.py varies them one at a time)."""
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def intra_op_threads(settings: Settings, instances: int) -> int:
+    """The setting when given; else every core but one, shared out among the instances (at least one
+    thread each): the one left is the event loop's, which parses, decodes and answers every request
+    while the model runs (BENCHMARKS.md measures the alternatives)."""
+    if settings.intra_op_threads:
+        return settings.intra_op_threads
+    return max(1, (usable_cores() - 1) // instances)
+
+
+def session_options(settings: Settings, instances: int = 1) -> ort.SessionOptions:
+    """onnxruntime session options for these settings and this many instances of a graph."""
     options = ort.SessionOptions()
-    options.intra_op_num_threads = settings.intra_op_threads
+    options.intra_op_num_threads = intra_op_threads(settings, instances)
     options.inter_op_num_threads = settings.inter_op_threads
     options.add_session_config_entry(
         "session.intra_op.allow_spinning", "1" if settings.allow_spinning else "0"
@@ -71,18 +87,20 @@ def warm_up_sizes(max_batch_size: int, session: ort.InferenceSession) -> list[in
     """Batch sizes to run once before serving.
 
     On CUDA every size: each new input shape costs a cuDNN/kernel set-up on its first run. On the CPU
-    a first run at a new size costs no more than any other run (bench/micro.py measured it), so the
-    smallest and largest sizes, which check the graph's batch axis, are enough and start-up is short.
+    onnxruntime has no per-shape set-up to hide, so the smallest and largest sizes, which check the
+    graph's batch axis, are enough and start-up stays short.
     """
     if session.get_providers()[0] == CUDA:
         return list(range(1, max_batch_size + 1))
     return sorted({1, max_batch_size})
 
 
-def open_session(path: Path, settings: Settings) -> ort.InferenceSession:
+def open_session(path: Path, settings: Settings, instances: int = 1) -> ort.InferenceSession:
     try:
         session = ort.InferenceSession(
-            str(path), sess_options=session_options(settings), providers=choose_providers(settings)
+            str(path),
+            sess_options=session_options(settings, instances),
+            providers=choose_providers(settings),
         )
     except ModelLoadError:
         raise
@@ -135,46 +153,38 @@ def _check_graph(
 
 @dataclass
 class Runtime:
-    """Both sessions of one model version, ready to run."""
+    """The sessions of one model version, ready to run."""
 
-    entry: ModelEntry
+    files: VersionFiles
     metadata: ModelMetadata
-    classifier: ort.InferenceSession
-    attention: ort.InferenceSession
+    classifiers: list[ort.InferenceSession]
+    attention: ort.InferenceSession | None
     provider: str
-    classifier_batch_sizes: list[int] = field(default_factory=list)
-    attention_batch_sizes: list[int] = field(default_factory=list)
     load_seconds: float = 0.0
     warmup_seconds: float = 0.0
 
     @classmethod
-    def load(cls, settings: Settings) -> Runtime:
-        """Find, open, check and warm up the configured model. Blocking: call it from a thread."""
+    def load(cls, files: VersionFiles, settings: Settings, serving: ServingConfig) -> Runtime:
+        """Open, check and warm up one version. Blocking: call it from a thread."""
         started = time.perf_counter()
-        entry = find_model(settings.model_repository, settings.model_name, settings.model_version)
-        classifier = open_session(entry.classifier_path, settings)
-        metadata = parse_metadata(
-            classifier.get_modelmeta().custom_metadata_map, entry.classifier_path, "classifier"
-        )
-        _check_graph(classifier, metadata, entry.classifier_path, "classifier")
-        attention = open_session(entry.attention_path, settings)
-        attention_metadata = parse_metadata(
-            attention.get_modelmeta().custom_metadata_map, entry.attention_path, "attention"
-        )
-        _check_graph(attention, attention_metadata, entry.attention_path, "attention")
-        check_pair(metadata, attention_metadata, entry)
-        check_entry(metadata, entry)
-        runtime = cls(
-            entry=entry,
-            metadata=metadata,
-            classifier=classifier,
-            attention=attention,
-            provider=classifier.get_providers()[0],
-            classifier_batch_sizes=warm_up_sizes(settings.max_batch_size, classifier),
-            attention_batch_sizes=warm_up_sizes(settings.attention_max_batch_size, attention),
-        )
+        count = serving.instance_count
+        path = files.classifier_path
+        first = open_session(path, settings, count)
+        metadata = parse_metadata(first.get_modelmeta().custom_metadata_map, path, "classifier")
+        _check_graph(first, metadata, path, "classifier")
+        check_labels(metadata, files)
+        classifiers = [first] + [open_session(path, settings, count) for _ in range(count - 1)]
+        attention = None
+        if files.attention_path is not None and metadata.describes_attention:
+            attention = open_session(files.attention_path, settings)
+            attention_metadata = parse_metadata(
+                attention.get_modelmeta().custom_metadata_map, files.attention_path, "attention"
+            )
+            _check_graph(attention, attention_metadata, files.attention_path, "attention")
+            check_pair(metadata, attention_metadata, files)
+        runtime = cls(files, metadata, classifiers, attention, first.get_providers()[0])
         runtime.load_seconds = time.perf_counter() - started
-        runtime.warm_up()
+        runtime.warm_up(serving.max_batch_size, settings.attention_max_batch_size)
         return runtime
 
     @property
@@ -182,56 +192,64 @@ class Runtime:
         spec = self.metadata.input
         return (spec.channels, spec.height, spec.width)
 
-    def classify(self, images: np.ndarray) -> np.ndarray:
-        """Logits ``[batch, classes]`` for a float32 batch ``[batch, C, H, W]``."""
+    def classify(self, images: np.ndarray, instance: int = 0) -> np.ndarray:
+        """Logits ``[batch, classes]`` from one instance's session."""
         meta = self.metadata
-        (logits,) = self.classifier.run([meta.outputs.logits], {meta.input.name: images})
+        (logits,) = self.classifiers[instance].run([meta.outputs.logits], {meta.input.name: images})
         return logits
+
+    def classify_with(self, instance: int) -> Callable[[np.ndarray], tuple[np.ndarray]]:
+        """The batch runner of one instance, for the batcher."""
+        return lambda images: (self.classify(images, instance),)
 
     def attend(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Logits and attention ``[batch, layers, heads, tokens, tokens]``."""
+        if self.attention is None:
+            raise RuntimeError(f"{self.files.directory} has no attention graph")
         meta = self.metadata
         logits, attention = self.attention.run(
             [meta.outputs.logits, meta.outputs.attention], {meta.input.name: images}
         )
         return logits, attention
 
-    def warm_up(self) -> None:
-        """Run every batch size once, and check what comes out against the metadata."""
+    def warm_up(self, max_batch_size: int, attention_max_batch_size: int) -> None:
+        """Run the batch sizes the batchers will use once on every session, and check the outputs
+        against the metadata."""
         started = time.perf_counter()
         meta = self.metadata
-        rng = np.random.default_rng(0)
-        largest = max(self.classifier_batch_sizes + self.attention_batch_sizes)
-        images = rng.standard_normal((largest, *self.input_shape), dtype=np.float32)
-        tokens = meta.tokens
+        images = np.random.default_rng(0).standard_normal(
+            (max(max_batch_size, attention_max_batch_size), *self.input_shape), dtype=np.float32
+        )
         try:
-            for size in self.classifier_batch_sizes:
-                logits = self.classify(images[:size])
-                if logits.shape != (size, meta.num_classes):
-                    raise ModelLoadError(
-                        f"{self.entry.classifier_path}: batch of {size} gave logits {logits.shape}, "
-                        f"expected {(size, meta.num_classes)}"
-                    )
-            expected = (meta.depth, meta.heads, tokens, tokens)
-            for size in self.attention_batch_sizes:
-                logits, attention = self.attend(images[:size])
-                if logits.shape != (size, meta.num_classes) or attention.shape[1:] != expected:
-                    raise ModelLoadError(
-                        f"{self.entry.attention_path}: batch of {size} gave logits {logits.shape} and "
-                        f"attention {attention.shape}, expected {(size, meta.num_classes)} and "
-                        f"{(size, *expected)}"
+            for instance, session in enumerate(self.classifiers):
+                for size in warm_up_sizes(max_batch_size, session):
+                    logits = self.classify(images[:size], instance)
+                    if logits.shape != (size, meta.num_classes):
+                        raise ModelLoadError(
+                            f"{self.files.classifier_path}: batch of {size} gave logits "
+                            f"{logits.shape}, expected {(size, meta.num_classes)}"
+                        )
+            if self.attention is not None:
+                expected = (meta.depth, meta.heads, meta.tokens, meta.tokens)
+                for size in warm_up_sizes(attention_max_batch_size, self.attention):
+                    logits, attention = self.attend(images[:size])
+                    if logits.shape != (size, meta.num_classes) or attention.shape[1:] != expected:
+                        raise ModelLoadError(
+                            f"{self.files.attention_path}: batch of {size} gave logits "
+                            f"{logits.shape} and attention {attention.shape}, expected "
+                            f"{(size, meta.num_classes)} and {(size, *expected)}"
+                        )
+                reference = self.classify(images[:1])
+                difference = float(np.max(np.abs(reference - self.attend(images[:1])[0])))
+                if difference > 1e-3 * max(1.0, float(np.max(np.abs(reference)))):
+                    logger.warning(
+                        "%s and %s disagree on the same input (max logit difference %.3g)",
+                        self.files.classifier_path.name,
+                        self.files.attention_path.name if self.files.attention_path else "-",
+                        difference,
                     )
         except ModelLoadError:
             raise
         except Exception as error:
-            raise ModelLoadError(f"{self.entry.directory}: warm-up run failed: {error}") from error
-        reference = self.classify(images[:1])
-        difference = float(np.max(np.abs(reference - self.attend(images[:1])[0])))
-        if difference > 1e-3 * max(1.0, float(np.max(np.abs(reference)))):
-            logger.warning(
-                "%s and %s disagree on the same input (max logit difference %.3g)",
-                self.entry.classifier_path.name,
-                self.entry.attention_path.name,
-                difference,
-            )
+            raise ModelLoadError(f"{self.files.directory}: warm-up run failed: {error}") from error
         self.warmup_seconds = time.perf_counter() - started

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from itertools import chain
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 Invert = Literal["auto", "always", "never"]
+_NUMBERS = frozenset((int,))  # pixels are integers: 12.5 is refused as "12" is
 
 # A 1x1 black PNG, used in the examples.
 EXAMPLE_PNG_B64 = (
@@ -19,14 +23,16 @@ _INVERT_DESCRIPTION = (
 )
 
 
+def with_examples(*examples: dict, **config: Any) -> ConfigDict:
+    """A model config whose JSON schema (and so the OpenAPI page) shows ``examples``."""
+    return ConfigDict(json_schema_extra={"examples": list(examples)}, **config)
+
+
 class ImageInput(BaseModel):
     """One image: either an encoded file (base64) or raw pixel values. Give exactly one of the two."""
 
-    model_config = ConfigDict(
-        extra="forbid",
-        json_schema_extra={
-            "examples": [{"b64": EXAMPLE_PNG_B64}, {"pixels": [[0, 128], [255, 64]]}]
-        },
+    model_config = with_examples(
+        {"b64": EXAMPLE_PNG_B64}, {"pixels": [[0, 128], [255, 64]]}, extra="forbid"
     )
 
     b64: str | None = Field(
@@ -36,16 +42,73 @@ class ImageInput(BaseModel):
     pixels: list[Any] | None = Field(
         default=None,
         description=(
-            "Nested list H x W (grayscale) or C x H x W (C = 1 or 3) of numbers from 0 to 255."
+            "Nested list H x W (grayscale) or C x H x W (C = 1 or 3) of integers from 0 to 255 "
+            "(JSON integers: fractions, strings and booleans are refused)."
         ),
         json_schema_extra={"items": {"type": "array", "items": {}}},
     )
+
+    @field_validator("pixels")
+    @classmethod
+    def _numbers_only(cls, pixels: list[Any] | None) -> list[Any] | None:
+        found = None if pixels is None else first_non_number(pixels)
+        if found is not None:
+            position, value = found
+            if type(value) is float:
+                raise PydanticCustomError(
+                    "invalid_pixels",
+                    "values must be integers from 0 to 255; found {value} at {position}: not an "
+                    "integer",
+                    {"value": json.dumps(value)[:40], "position": str(position)},
+                )
+            raise PydanticCustomError(
+                "invalid_pixels",
+                "values must be numbers from 0 to 255; found {value} at {position}: not a "
+                "number (strings, booleans, null and objects are refused)",
+                {"value": json.dumps(value)[:40], "position": str(position)},
+            )
+        return pixels
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ImageInput:
         if (self.b64 is None) == (self.pixels is None):
             raise ValueError("give exactly one of 'b64' or 'pixels'")
         return self
+
+
+def first_non_number(pixels: list[Any]) -> tuple[list[int], Any] | None:
+    """The position and value of the first element of a nested list that is neither a list nor a
+    JSON integer (a boolean is not one, nor a fraction), in reading order; None when there is none.
+
+    Each level of nesting is checked at once at C speed (the elements' types as a set); only when a
+    culprit is there is the list walked in Python to find where."""
+    level = pixels
+    while level:
+        kinds = set(map(type, level))
+        if kinds <= _NUMBERS:
+            return None
+        if not kinds <= _NUMBERS | {list}:
+            break
+        lists = level if kinds == {list} else [item for item in level if type(item) is list]
+        level = list(chain.from_iterable(lists))
+    else:
+        return None
+    found = _find_non_number(pixels)
+    return None if found is None else (found[0][::-1], found[1])
+
+
+def _find_non_number(values: list[Any]) -> tuple[list[int], Any] | None:
+    """Depth first, in order; the position comes back innermost index first."""
+    for index, value in enumerate(values):
+        kind = type(value)
+        if kind is list:
+            found = _find_non_number(value)
+            if found is not None:
+                found[0].append(index)
+                return found
+        elif kind is not int and kind is not float:
+            return [index], value
+    return None
 
 
 class PredictOptions(BaseModel):
@@ -60,17 +123,10 @@ class PredictOptions(BaseModel):
 class PredictRequest(PredictOptions):
     """JSON body of POST /predict."""
 
-    model_config = ConfigDict(
+    model_config = with_examples(
+        {"images": [{"b64": EXAMPLE_PNG_B64}], "top_k": 3},
+        {"images": [{"pixels": [[0] * 4] * 4}, {"b64": EXAMPLE_PNG_B64}], "invert": "never"},
         extra="forbid",
-        json_schema_extra={
-            "examples": [
-                {"images": [{"b64": EXAMPLE_PNG_B64}], "top_k": 3},
-                {
-                    "images": [{"pixels": [[0] * 4] * 4}, {"b64": EXAMPLE_PNG_B64}],
-                    "invert": "never",
-                },
-            ]
-        },
     )
 
     images: list[ImageInput] = Field(
@@ -107,15 +163,11 @@ class AttentionOptions(BaseModel):
 class AttentionRequest(AttentionOptions):
     """JSON body of POST /attention."""
 
-    model_config = ConfigDict(
+    model_config = with_examples(
+        {"image": {"b64": EXAMPLE_PNG_B64}},
+        {"image": {"b64": EXAMPLE_PNG_B64}, "method": "raw", "layer": 0, "head": 1},
+        {"image": {"b64": EXAMPLE_PNG_B64}, "format": "png"},
         extra="forbid",
-        json_schema_extra={
-            "examples": [
-                {"image": {"b64": EXAMPLE_PNG_B64}},
-                {"image": {"b64": EXAMPLE_PNG_B64}, "method": "raw", "layer": 0, "head": 1},
-                {"image": {"b64": EXAMPLE_PNG_B64}, "format": "png"},
-            ]
-        },
     )
 
     image: ImageInput
@@ -148,15 +200,8 @@ _PREDICTION_EXAMPLE = {
 
 
 class PredictResponse(BaseModel):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [
-                {
-                    "model": {"name": "fashion-mnist-vit", "version": 1},
-                    "predictions": [_PREDICTION_EXAMPLE],
-                }
-            ]
-        }
+    model_config = with_examples(
+        {"model": {"name": "fashion-mnist-vit", "version": 1}, "predictions": [_PREDICTION_EXAMPLE]}
     )
 
     model: ModelRef
@@ -164,21 +209,17 @@ class PredictResponse(BaseModel):
 
 
 class AttentionResponse(BaseModel):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [
-                {
-                    "model": {"name": "fashion-mnist-vit", "version": 1},
-                    "prediction": _PREDICTION_EXAMPLE,
-                    "method": "rollout",
-                    "layer": 5,
-                    "head": None,
-                    "pooling": "mean",
-                    "grid": [2, 2],
-                    "inverted": False,
-                    "map": [[0.0, 0.4], [1.0, 0.7]],
-                }
-            ]
+    model_config = with_examples(
+        {
+            "model": {"name": "fashion-mnist-vit", "version": 1},
+            "prediction": _PREDICTION_EXAMPLE,
+            "method": "rollout",
+            "layer": 5,
+            "head": None,
+            "pooling": "mean",
+            "grid": [2, 2],
+            "inverted": False,
+            "map": [[0.0, 0.4], [1.0, 0.7]],
         }
     )
 
@@ -210,35 +251,53 @@ class InputInfo(BaseModel):
 
 class BatchingInfo(BaseModel):
     max_batch_size: int
+    preferred_batch_sizes: list[int]
     attention_max_batch_size: int
     max_queue_delay_ms: float
     max_queue_size: int
     request_timeout_s: float
+    instance_count: int
 
 
 class LimitsInfo(BaseModel):
     max_body_bytes: int
     max_images_per_request: int
     max_pixels_per_image: int
+    max_pixels_per_request: int
     accepted_formats: list[str]
 
 
+class VersionInfo(BaseModel):
+    version: int
+    state: Literal["LOADING", "READY", "UNAVAILABLE", "UNLOADING"]
+    reason: str = Field(default="", description="Why a version is not READY.")
+
+
 class ModelInfo(BaseModel):
+    """A model, its versions and their states; the details are those of the version that requests
+    without a version go to (the highest READY one), null while none is ready."""
+
     name: str = Field(examples=["fashion-mnist-vit"])
-    version: int = Field(examples=[1])
-    labels: list[str]
-    input: InputInfo
-    preprocessing: dict[str, Any]
-    grid: tuple[int, int]
-    pooling: str
-    depth: int
-    heads: int
-    dataset: str | None
-    test_accuracy: float | None
-    provider: str = Field(
-        description="The onnxruntime execution provider in use.", examples=["CPUExecutionProvider"]
+    default: bool = Field(description="Whether /predict and /attention serve this model.")
+    versions: list[VersionInfo]
+    version: int | None = Field(examples=[1])
+    labels: list[str] | None = None
+    input: InputInfo | None = None
+    preprocessing: dict[str, Any] | None = None
+    attention: bool = Field(default=False, description="Whether /attention is available.")
+    grid: tuple[int, int] | None = None
+    pooling: str | None = None
+    depth: int | None = None
+    heads: int | None = None
+    precision: str | None = Field(default=None, examples=["fp32", "int8"])
+    dataset: str | None = None
+    test_accuracy: float | None = None
+    provider: str | None = Field(
+        default=None,
+        description="The onnxruntime execution provider in use.",
+        examples=["CPUExecutionProvider"],
     )
-    batching: BatchingInfo
+    batching: BatchingInfo | None = None
     limits: LimitsInfo
 
 
@@ -247,7 +306,7 @@ class ModelsResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["live", "ready", "starting", "shutting_down"]
+    status: Literal["live", "ready", "starting", "shutting_down", "unavailable"]
     ready: bool
 
 

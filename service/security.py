@@ -10,6 +10,7 @@ import hmac
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import SecretStr
 
 from service.errors import Unauthorized
 
@@ -20,10 +21,14 @@ bearer_scheme = HTTPBearer(auto_error=False, description="The API key, when the 
 async def require_api_key(
     request: Request, _credentials: HTTPAuthorizationCredentials | None = Depends(bearer_scheme)
 ) -> None:
-    api_key = request.app.state.settings.api_key
+    check_api_key(request.headers.get("authorization"), request.app.state.settings.api_key)
+
+
+def check_api_key(header: str | None, api_key: SecretStr | None) -> None:
+    """401 unless ``header`` is 'Bearer <api_key>' (always passes when the service has no key); the
+    HTTP dependency above and the gRPC service's ``authorization`` metadata share it."""
     if api_key is None:
         return
-    header = request.headers.get("authorization")
     if not header:
         raise Unauthorized(
             "this service needs an API key: send the header 'Authorization: Bearer <API key>'"

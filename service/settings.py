@@ -1,6 +1,7 @@
 """Service settings: every knob is an environment variable with the prefix ``VITSERVE_``.
 
-The README's settings table is built from the field descriptions below, so they are the documentation.
+Each model's batching settings come from its ``config.pbtxt`` (service/model_config.py); the batching
+variables here are overrides that win over every model's file when set.
 """
 
 from __future__ import annotations
@@ -22,50 +23,88 @@ class Settings(BaseSettings):
         validate_default=True,
     )
 
-    # The model.
+    # The models.
     model_repository: Path = Field(
         default=Path("models"),
         description="Directory of the model repository (layout of docs/model-repository.md).",
     )
-    model_name: str = Field(
-        default="fashion-mnist-vit",
+    models: str | None = Field(
+        default=None,
+        description=(
+            "Comma-separated names of the models to serve; unset serves every model in the repository."
+        ),
+    )
+    model_name: str | None = Field(
+        default=None,
         min_length=1,
-        description="Name of the model to serve: a directory inside the model repository.",
+        description=(
+            "The default model, served by /predict and /attention; unset: the only model, or the "
+            "first by name."
+        ),
     )
     model_version: int | None = Field(
         default=None,
         ge=1,
-        description="Version to serve (a numbered directory); unset serves the highest version.",
+        description=(
+            "Pin the default model to this version (overrides its version_policy); unset follows "
+            "the policy (by default the highest version)."
+        ),
+    )
+    model_control: Literal["none", "poll", "explicit"] = Field(
+        default="none",
+        description=(
+            "Model control mode, as Triton's: 'none' loads at start-up only; 'poll' also follows the "
+            "repository (new, changed and removed versions) every repository_poll_s; 'explicit' loads "
+            "and unloads on POST /v2/repository/models/{name}/load|unload."
+        ),
+    )
+    repository_poll_s: float = Field(
+        default=5.0,
+        gt=0.0,
+        le=3600.0,
+        description="Seconds between two scans of the repository in 'poll' mode.",
     )
 
-    # Dynamic batching and queueing.
-    max_batch_size: int = Field(
-        default=32,
+    # Dynamic batching: overrides of every model's config.pbtxt (unset: the file decides).
+    max_batch_size: int | None = Field(
+        default=None,
         ge=1,
         le=1024,
-        description="Most images run through the model in one batch; warm-up covers every size up to it.",
+        description="Most images run through the model in one batch (config.pbtxt: max_batch_size).",
     )
-    max_queue_delay_ms: float = Field(
-        default=2.0,
+    max_queue_delay_ms: float | None = Field(
+        default=None,
         ge=0.0,
         le=10_000.0,
         description=(
             "Longest time the oldest queued image waits for a batch to fill before the batch runs anyway "
-            "(milliseconds)."
+            "(milliseconds; config.pbtxt: dynamic_batching.max_queue_delay_microseconds)."
         ),
     )
-    max_queue_size: int = Field(
-        default=512,
+    max_queue_size: int | None = Field(
+        default=None,
         ge=1,
         description=(
             "Most images waiting in the queue of a graph; a request that does not fit is answered 503 "
-            "with Retry-After at once."
+            "with Retry-After at once (config.pbtxt: default_queue_policy.max_queue_size)."
         ),
     )
-    request_timeout_s: float = Field(
-        default=30.0,
+    request_timeout_s: float | None = Field(
+        default=None,
         gt=0.0,
-        description="A request not answered within this many seconds of entering the queue gets 503.",
+        description=(
+            "A request not answered within this many seconds of entering the queue gets 503 "
+            "(config.pbtxt: default_queue_policy.default_timeout_microseconds)."
+        ),
+    )
+    instance_count: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description=(
+            "Model instances per graph: batches run concurrently, each on its own onnxruntime session "
+            "(config.pbtxt: instance_group count)."
+        ),
     )
     retry_after_s: int = Field(
         default=1,
@@ -100,7 +139,10 @@ class Settings(BaseSettings):
     intra_op_threads: int = Field(
         default=0,
         ge=0,
-        description="onnxruntime intra-op threads per session (0 lets onnxruntime choose).",
+        description=(
+            "onnxruntime intra-op threads per session (0: every core but one, shared out among the "
+            "instances; the one left runs the event loop)."
+        ),
     )
     inter_op_threads: int = Field(
         default=0,
@@ -134,12 +176,43 @@ class Settings(BaseSettings):
         ),
     )
 
+    max_json_values: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description=(
+            "Most JSON values (numbers, strings, arrays, objects) a JSON request body may hold, "
+            "counted on its raw bytes before it is parsed (each costs about 100 bytes once parsed); "
+            "a 1024 x 1024 pixel list is 1.05 million. Larger bodies are answered 413: send large "
+            "images as files."
+        ),
+    )
+
     max_concurrent_decodes: int = Field(
         default=2,
         ge=1,
         description=(
             "Most requests decoding and preprocessing images at once; bounds the memory that large "
             "images take while decoding (decoding is CPU-bound, so more than the core count gains nothing)."
+        ),
+    )
+    max_decode_waiters: int = Field(
+        default=256,
+        ge=0,
+        description=(
+            "Most requests waiting for a decode slot; one more is answered 503 with Retry-After at once."
+        ),
+    )
+    decode_wait_timeout_s: float = Field(
+        default=10.0,
+        gt=0.0,
+        description="Longest wait for a decode slot before the request is answered 503 with Retry-After.",
+    )
+    max_pixels_per_request: int = Field(
+        default=4 * 4096 * 4096,
+        ge=1,
+        description=(
+            "Most pixels all images of one request may have together, so that one request cannot hold "
+            "a decode slot for long."
         ),
     )
 
@@ -163,15 +236,89 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("VITSERVE_PORT", "PORT", "port"),
         description="Port `python -m service` listens on (VITSERVE_PORT, or PORT as platforms set it).",
     )
+    header_timeout_s: float = Field(
+        default=30.0,
+        gt=0.0,
+        le=3600.0,
+        description=(
+            "`python -m service`: a connection whose request headers are not complete this many "
+            "seconds after it opened (or after its previous response) is answered 408 and closed."
+        ),
+    )
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0.0,
+        le=3600.0,
+        description=(
+            "`python -m service`: a request body may take this many seconds, plus one second per "
+            "body_min_bytes_per_s bytes received; past that it is answered 408 and closed."
+        ),
+    )
+    body_min_bytes_per_s: int = Field(
+        default=16 * 1024,
+        ge=1,
+        description=(
+            "`python -m service`: the slowest upload rate (bytes a second) that keeps extending "
+            "body_timeout_s; a client at least this fast is never cut off."
+        ),
+    )
+    max_connections: int = Field(
+        default=512,
+        ge=1,
+        description=(
+            "`python -m service`: most open client connections; one more is answered 503 with "
+            "Retry-After and closed."
+        ),
+    )
+    docs: bool = Field(
+        default=True,
+        description=(
+            "Serve the interactive API docs at /docs (Swagger UI) and /redoc, from assets shipped "
+            "with the service (no CDN); /openapi.json is served either way."
+        ),
+    )
+    grpc_port: int = Field(
+        default=8001,
+        ge=0,
+        le=65535,
+        description=(
+            "Port of the gRPC Open Inference Protocol (Triton's GRPCInferenceService, as "
+            "tritonclient.grpc speaks it) on the same host; 0 turns gRPC off."
+        ),
+    )
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description=(
+            "'json' writes one JSON object per log line (the service's and uvicorn's, access log "
+            "included) with the request id and, when tracing, the trace id."
+        ),
+    )
+    cors_origins: str = Field(
+        default="",
+        description=(
+            "Comma-separated origins that browsers may call the API from (CORS), e.g. "
+            "'https://app.example.com'; '*' allows any; empty (the default) sends no CORS headers."
+        ),
+    )
     graceful_shutdown_s: float = Field(
         default=60.0,
         gt=0.0,
-        description="Longest wait for queued and running requests on SIGTERM before they are cancelled.",
+        description=(
+            "Longest wait for queued and running requests on SIGTERM; what is still unanswered then "
+            "is answered 503."
+        ),
+    )
+    access_log: bool = Field(
+        default=False,
+        description=(
+            "uvicorn's access log, a line per request; off by default, as it costs a share of every "
+            "request's CPU (the metrics count every request by route and status)."
+        ),
     )
 
     @model_validator(mode="after")
     def _queue_holds_a_request(self) -> Settings:
-        if self.max_queue_size < self.max_images_per_request:
+        if self.max_queue_size is not None and self.max_queue_size < self.max_images_per_request:
             raise ValueError(
                 f"max_queue_size ({self.max_queue_size}) must be at least max_images_per_request "
                 f"({self.max_images_per_request}), or a full-sized request could never be queued"
@@ -180,14 +327,44 @@ class Settings(BaseSettings):
 
     @field_validator("api_key", mode="before")
     @classmethod
-    def _api_key_is_not_empty(cls, value: object) -> object:
-        if isinstance(value, str) and not value.strip():
-            raise ValueError(
-                "api_key is set but empty: unset VITSERVE_API_KEY to serve without a key, "
-                "or give it a value"
-            )
+    def _api_key_can_be_sent(cls, value: object) -> object:
+        # The messages never quote the key: it is a secret.
+        if isinstance(value, str):
+            if not value.strip():
+                raise ValueError(
+                    "api_key is set but empty: unset VITSERVE_API_KEY to serve without a key, "
+                    "or give it a value"
+                )
+            if not all(" " <= char <= "~" for char in value):
+                raise ValueError(
+                    "api_key must be printable ASCII: an HTTP header cannot carry other "
+                    "characters, so no request could ever match it"
+                )
+            if value != value.strip():
+                raise ValueError(
+                    "api_key starts or ends with a space, which an Authorization header cannot "
+                    "carry, so no request could ever match it"
+                )
         return value
 
     @property
-    def max_queue_delay_s(self) -> float:
-        return self.max_queue_delay_ms / 1000.0
+    def model_list(self) -> list[str]:
+        """The names in ``models``, or an empty list for every model in the repository."""
+        return [name.strip() for name in (self.models or "").split(",") if name.strip()]
+
+    @property
+    def cors_origin_list(self) -> list[str]:
+        return [origin.strip() for origin in self.cors_origins.split(",") if origin.strip()]
+
+    def batching_overrides(self) -> dict[str, float | int]:
+        """The batching variables that are set, in the terms of service.model_config.serving_config."""
+        values = {
+            "max_batch_size": self.max_batch_size,
+            "max_queue_delay_s": None
+            if self.max_queue_delay_ms is None
+            else self.max_queue_delay_ms / 1000.0,
+            "max_queue_size": self.max_queue_size,
+            "request_timeout_s": self.request_timeout_s,
+            "instance_count": self.instance_count,
+        }
+        return {key: value for key, value in values.items() if value is not None}

@@ -1,17 +1,18 @@
-"""What the running service holds: settings, metrics, the loaded model and its batchers, readiness."""
+"""What the running service holds: settings, metrics, the models and their pipelines, and its phase."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Literal, NamedTuple
+from collections.abc import AsyncIterator
+from typing import Literal
 
-from service.batcher import DynamicBatcher
-from service.errors import ServiceUnavailable
+from fastapi import Path, Request
+
 from service.metrics import Metrics
+from service.model_manager import ModelManager
 from service.model_repository import ModelLoadError
-from service.preprocessing import Preprocessor
-from service.runtime import Runtime
+from service.pipeline import ModelPipeline
 from service.settings import Settings
 
 logger = logging.getLogger("vitserve")
@@ -19,101 +20,97 @@ logger = logging.getLogger("vitserve")
 Phase = Literal["starting", "ready", "shutting_down", "stopped"]
 
 
-class Serving(NamedTuple):
-    runtime: Runtime
-    preprocessor: Preprocessor
-    classifier: DynamicBatcher
-    attention: DynamicBatcher
-
-
 class ServiceState:
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
         self.phase: Phase = "starting"
-        self.runtime: Runtime | None = None
-        self.preprocessor: Preprocessor | None = None
-        self.classifier: DynamicBatcher | None = None
-        self.attention: DynamicBatcher | None = None
-        self.decode_slots = asyncio.Semaphore(settings.max_concurrent_decodes)
+        self.manager = ModelManager(settings, metrics)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task | None = None
+        self._failed_at_deadline = 0
         self.metrics.ready.set(0)
 
     @property
     def ready(self) -> bool:
-        return self.phase == "ready"
+        return self.phase == "ready" and self.manager.ready
 
     async def start(self) -> None:
-        """Load, check and warm the model, then start the batchers; only then ready."""
-        settings = self.settings
+        """Load, check and warm every model, then start the batchers; only then ready."""
         if self.phase == "stopped":  # the same app started again (a second TestClient)
             self.phase = "starting"
+            self.manager = ModelManager(self.settings, self.metrics)
+        self._loop = asyncio.get_running_loop()
         try:
-            runtime = await asyncio.to_thread(Runtime.load, settings)
+            await self.manager.start()
         except ModelLoadError as error:
             logger.error("cannot start: %s", error)
+            await self.manager.stop(self.settings.graceful_shutdown_s)
             raise
-        self.runtime = runtime
-        self.preprocessor = Preprocessor(runtime.metadata, settings.max_pixels_per_image)
-        common = {
-            "max_queue_delay_s": settings.max_queue_delay_s,
-            "max_queue_size": settings.max_queue_size,
-            "timeout_s": settings.request_timeout_s,
-            "retry_after_s": settings.retry_after_s,
-            "metrics": self.metrics,
-        }
-        self.classifier = DynamicBatcher(
-            "classifier",
-            lambda images: (runtime.classify(images),),
-            max_batch_size=settings.max_batch_size,
-            **common,
-        )
-        self.attention = DynamicBatcher(
-            "attention", runtime.attend, max_batch_size=settings.attention_max_batch_size, **common
-        )
-        self.classifier.start()
-        self.attention.start()
-        entry = runtime.entry
-        self.metrics.model_info.labels(entry.name, str(entry.version), runtime.provider).set(1)
         if self.phase == "starting":  # a signal may have arrived while loading
             self.phase = "ready"
             self.metrics.ready.set(1)
-        logger.info(
-            "serving %s version %s from %s on %s (loaded in %.2f s, warmed up at batch sizes %s in %.2f s)",
-            entry.name,
-            entry.version,
-            entry.directory,
-            runtime.provider,
-            runtime.load_seconds,
-            runtime.classifier_batch_sizes,
-            runtime.warmup_seconds,
-        )
 
     def begin_shutdown(self) -> None:
-        """Readiness turns false at once; safe to call from a signal handler (sets a field only)."""
+        """Readiness turns false at once; queued images run without waiting for a batch to fill, and
+        whatever is still unanswered when graceful_shutdown_s has passed is answered 503. Safe to call
+        from a signal handler: it only sets a field and schedules the rest on the event loop."""
         if self.phase in ("starting", "ready"):
             self.phase = "shutting_down"
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self.manager.flush()
+        if self._drain is None:
+            self._drain = asyncio.get_running_loop().create_task(self._drain_deadline())
+
+    async def _drain_deadline(self) -> None:
+        """At the deadline, answer what is left 503 while the server can still send it (uvicorn
+        waits a little longer than this before it cancels open requests)."""
+        await asyncio.sleep(self.settings.graceful_shutdown_s)
+        self._failed_at_deadline += self.manager.fail_unanswered()
 
     async def stop(self) -> None:
-        """Not ready any more; finish everything queued and running, then release the workers."""
+        """Not ready any more; finish everything queued and running, then release the models."""
         self.begin_shutdown()
         self.metrics.ready.set(0)
-        for batcher in (self.classifier, self.attention):
-            if batcher is not None:
-                await batcher.stop(self.settings.graceful_shutdown_s)
+        timeout = self.settings.graceful_shutdown_s
+        if self._drain is not None:
+            self._drain.cancel()
+        failed = self._failed_at_deadline + await self.manager.stop(timeout)
         self.phase = "stopped"
-        logger.info("stopped: every queued request was answered")
-
-    def serving(self) -> Serving:
-        """What a request needs; 503 while the model is still loading."""
-        if (
-            self.runtime is None
-            or self.preprocessor is None
-            or self.classifier is None
-            or self.attention is None
-        ):
-            raise ServiceUnavailable(
-                "the model is not loaded yet; retry shortly",
-                code="not_ready",
-                retry_after_s=self.settings.retry_after_s,
+        if failed:
+            logger.error(
+                "stopped: the drain timed out after %.1f s; %d images were failed with 503",
+                timeout,
+                failed,
             )
-        return Serving(self.runtime, self.preprocessor, self.classifier, self.attention)
+        else:
+            logger.info("stopped: every queued request was answered")
+
+
+def service_state(request: Request) -> ServiceState:
+    return request.app.state.service
+
+
+# FastAPI dependencies: the pipeline a request runs on, held until the request is answered, so that a
+# version being replaced is released only after every request it admitted. Async, so that they run on
+# the event loop (a plain function would cost a thread hop per request).
+
+
+async def default_pipeline(request: Request) -> AsyncIterator[ModelPipeline]:
+    with service_state(request).manager.resolve(None, None).lease() as pipeline:
+        yield pipeline
+
+
+async def named_pipeline(request: Request, name: str) -> AsyncIterator[ModelPipeline]:
+    with service_state(request).manager.resolve(name, None).lease() as pipeline:
+        yield pipeline
+
+
+async def versioned_pipeline(
+    request: Request, name: str, version: int = Path(ge=1)
+) -> AsyncIterator[ModelPipeline]:
+    with service_state(request).manager.resolve(name, version).lease() as pipeline:
+        yield pipeline

@@ -10,16 +10,19 @@ apps and servers run with, and how long a server may take to become ready.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
+import json
 import os
 import re
+import socket
 import struct
 import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +48,15 @@ TINY = ViTConfig(patch_size=7, dim=32, depth=2, heads=2, mlp_dim=64, pooling="me
 SPEC = get_dataset_spec("fashion-mnist")
 NUM_CLASSES = len(FASHION_MNIST_LABELS)
 MAX_IMAGES = 8
+# The input a Fashion-MNIST model's metadata declares (and /models shows).
+FASHION_INPUT = {
+    "name": "images",
+    "layout": "NCHW",
+    "dtype": "float32",
+    "channels": 1,
+    "height": 28,
+    "width": 28,
+}
 # The reliability suite's limits: big enough for its oversized and many-image corpus.
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_PIXELS = 4096 * 4096
@@ -85,6 +97,7 @@ BASE_SETTINGS: Mapping[str, object] = {
     "inter_op_threads": 1,
     "provider": "cpu",
     "log_level": "warning",
+    "grpc_port": 0,  # no gRPC listener unless a test asks for one on its own ports
 }
 
 
@@ -205,6 +218,57 @@ def assert_matches(prediction: dict, probabilities: np.ndarray, atol: float = 1e
         assert entry["score"] == pytest.approx(float(probabilities[entry["index"]]), abs=atol)
 
 
+def asgi_post(
+    app, path: str, headers: list[tuple[bytes, bytes]], chunks: Iterable[bytes]
+) -> tuple[int, dict, int]:
+    """POST to the ASGI app directly, with header bytes no HTTP client would send and the body in
+    ``chunks`` (then an empty last message): (status, JSON answer, how many chunks the app read)."""
+    pending = iter(chunks)
+    pulled = 0
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        nonlocal pulled
+        chunk = next(pending, None)
+        if chunk is None:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        pulled += 1
+        return {"type": "http.request", "body": chunk, "more_body": True}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"host", b"testserver"), *headers],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], json.loads(body), pulled
+
+
+def recv_until(sock: socket.socket, done: Callable[[bytes], bool], data: bytes = b"") -> bytes:
+    """``data`` and what ``sock`` sends after it, read until ``done(data)`` or the peer closes."""
+    while not done(data):
+        piece = sock.recv(65536)
+        if not piece:
+            break
+        data += piece
+    return data
+
+
 # --- real servers ---------------------------------------------------------------------------------
 
 
@@ -234,6 +298,7 @@ def server_env(
             "VITSERVE_MAX_BODY_BYTES": str(max_body_bytes),
             "VITSERVE_LOG_LEVEL": "info",
             "VITSERVE_HOST": "127.0.0.1",
+            "VITSERVE_GRPC_PORT": "0",  # not 8001: tests pass a port of their range to have gRPC
             "PORT": str(port),
             **{f"VITSERVE_{key.upper()}": str(value) for key, value in settings.items()},
         }
@@ -277,14 +342,14 @@ def running_server(
 ) -> Iterator[Server]:
     """A real service process on a free port of the suite's range ('{port}' in ``command`` is
     replaced); waits until ready; always stopped (SIGTERM) after."""
-    port = free_port(suite.ports)
-    command = [part.format(port=port) for part in command]
-    process = start_process(command, server_env(repository, port, suite, **settings), log)
-    server = Server(process, f"http://127.0.0.1:{port}", port, log)
-    try:
-        server_process.wait_ready(
-            process, server.url, log, timeout_s=suite.ready_within_s, poll_s=0.1, name="server"
-        )
-        yield server
-    finally:
-        stop_process(process)
+    with server_process.running(
+        ["nice", "-n", "10", sys.executable, *command],
+        lambda port: server_env(repository, port, suite, **settings),
+        log,
+        ports=suite.ports,
+        start=os.getpid() * 7 + int(time.monotonic() * 1000),
+        ready_timeout_s=suite.ready_within_s,
+        poll_s=0.1,
+        name="server",
+    ) as live:
+        yield Server(live.process, live.url, live.port, log)

@@ -1,1 +1,1 @@
-"""Servers the vitserve service is measured against."""
+"""The servers vitserve is measured against: what a user would write instead."""

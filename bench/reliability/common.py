@@ -22,15 +22,7 @@ import numpy as np
 
 from bench.machine import process_memory_kib
 from bench.payloads import load_images, png_bytes
-from bench.server_process import (
-    HOST,
-    REPO,
-    clean_env,
-    free_port,
-    spawn,
-    stop_process,
-    wait_ready,
-)
+from bench.server_process import REPO, running, service_env
 
 PORTS = range(18240, 18300)  # the upper part of the reliability range; the tests start lower
 
@@ -53,27 +45,23 @@ class Service:
 def service(log: Path, **settings: object) -> Iterator[Service]:
     """``nice -n 10 python -m service`` (one onnxruntime thread) on a free loopback port, ready;
     always stopped with SIGTERM (SIGKILL after 30 s) when the block ends, whatever happens in it."""
-    port = free_port(PORTS)
-    env = clean_env(
-        {
+    fixed = {
+        "provider": "cpu",
+        "intra_op_threads": 1,
+        "inter_op_threads": 1,
+        "log_level": "warning",
+    }
+
+    def env(port: int) -> dict[str, str]:
+        return {
+            **service_env(port, **{**fixed, **settings}),
             "PYTHONPATH": str(REPO),
             "OMP_NUM_THREADS": "1",
-            "VITSERVE_HOST": HOST,
-            "VITSERVE_PORT": str(port),
-            "VITSERVE_PROVIDER": "cpu",
-            "VITSERVE_INTRA_OP_THREADS": "1",
-            "VITSERVE_INTER_OP_THREADS": "1",
-            "VITSERVE_LOG_LEVEL": "warning",
-            **{f"VITSERVE_{k.upper()}": str(v) for k, v in settings.items() if v is not None},
         }
-    )
-    process = spawn(["nice", "-n", "10", sys.executable, "-m", "service"], env, log)
-    try:
-        running = Service(process, f"http://{HOST}:{port}", log)
-        wait_ready(process, running.url, log, timeout_s=120, poll_s=0.2, name="the service")
-        yield running
-    finally:
-        stop_process(process, timeout_s=30)
+
+    argv = ("nice", "-n", "10", sys.executable, "-m", "service")
+    with running(argv, env, log, ports=PORTS, poll_s=0.2, name="the service") as server:
+        yield Service(server.process, server.url, log)
 
 
 def b64(data: bytes) -> str:

@@ -8,6 +8,7 @@ from service.schemas import ErrorResponse
 
 _ERRORS = {
     401: "API key missing or wrong (only when the service has one).",
+    404: "No such model or version served, or /attention on a model without an attention graph.",
     413: "Body over max_body_bytes.",
     415: "Content-Type other than JSON or multipart, or an image format other than PNG, JPEG, WebP, BMP, GIF.",
     422: "Undecodable image, too many images or pixels, bad pixel values or shapes, bad options.",

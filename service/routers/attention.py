@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
-import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from service.attention_maps import attention_map, overlay_png
-from service.errors import InvalidInput, request_id_of
-from service.inputs import MULTIPART, image_from_json, parse_json, read_multipart, require_body_type
+from service.errors import InvalidInput
+from service.inputs import MULTIPART, image_from_json, read_json, read_multipart, require_body_type
+from service.pipeline import ModelPipeline
 from service.predictions import check_top_k, prediction
 from service.routers._openapi import ERROR_RESPONSES, request_body
+from service.routers._routes import add_model_routes
 from service.schemas import (
     EXAMPLE_PNG_B64,
     AttentionOptions,
@@ -21,7 +22,6 @@ from service.schemas import (
     ModelRef,
 )
 from service.security import require_api_key
-from service.state import ServiceState
 
 router = APIRouter(tags=["inference"], dependencies=[Depends(require_api_key)])
 
@@ -51,29 +51,8 @@ _EXAMPLES = {
 }
 
 
-@router.post(
-    "/attention",
-    response_model=AttentionResponse,
-    summary="Attention map of one image",
-    description=(
-        'JSON `{"image": {"b64": ...} or {"pixels": ...}, "method": "rollout", "layer": null, '
-        '"head": null, "format": "json"}` or multipart/form-data with a file part `file` and the same '
-        "options as fields. `format=png` answers `image/png`: the model's view of the image (upscaled to "
-        "at least 224 px a side) with the map overlaid in the inferno colormap; the prediction is in the "
-        "headers `X-Prediction-Label`, `X-Prediction-Index` and `X-Prediction-Score`."
-    ),
-    responses={
-        **ERROR_RESPONSES,
-        200: {
-            "content": {"image/png": {}},
-            "description": "The map as JSON, or the overlay as PNG.",
-        },
-    },
-    openapi_extra=request_body("AttentionRequest", _MULTIPART, _EXAMPLES),
-)
-async def attention(request: Request) -> Response | AttentionResponse:
-    state: ServiceState = request.app.state.service
-    runtime, preprocessor, _, batcher = state.serving()
+async def attention(request: Request, pipeline: ModelPipeline) -> Response | AttentionResponse:
+    pipeline.require_attention()
     if require_body_type(request) == MULTIPART:
         images, options = await read_multipart(request, "file", 1, AttentionOptions)
         if len(images) != 1:
@@ -82,9 +61,9 @@ async def attention(request: Request) -> Response | AttentionResponse:
             )
         image = images[0]
     else:
-        body = parse_json(await request.body(), AttentionRequest)
+        body = await read_json(request, AttentionRequest)
         image, options = image_from_json(body.image, "image"), body
-    meta = runtime.metadata
+    meta = pipeline.metadata
     layer = meta.depth - 1 if options.layer is None else options.layer
     if layer >= meta.depth:
         raise InvalidInput(
@@ -103,18 +82,9 @@ async def attention(request: Request) -> Response | AttentionResponse:
                 f"(0 to {meta.heads - 1})",
                 field="head",
             )
-    check_top_k(options.top_k, meta.labels)
-
-    def prepare():
-        if image.data is not None:
-            return preprocessor.from_bytes(image.data, image.field, options.invert)
-        return preprocessor.from_pixels(image.pixels, image.field, options.invert)
-
-    batcher.admit(1)
-    async with state.decode_slots:
-        prepared = await run_in_threadpool(prepare)
-    ((logits, maps),) = await batcher.submit(prepared.tensor[np.newaxis], request_id_of(request))
-    best = prediction(logits, meta.labels, options.top_k)
+    top_k = check_top_k(options.top_k, meta.labels, given="top_k" in options.model_fields_set)
+    prepared, logits, maps = await pipeline.attend(image, options.invert, request)
+    best = prediction(logits, meta.labels, top_k)
     grid = meta.grid
     heatmap = await run_in_threadpool(
         attention_map,
@@ -136,9 +106,8 @@ async def attention(request: Request) -> Response | AttentionResponse:
                 "X-Prediction-Score": f"{best.score:.6f}",
             },
         )
-    entry = runtime.entry
     return AttentionResponse(
-        model=ModelRef(name=entry.name, version=entry.version),
+        model=ModelRef(name=pipeline.name, version=pipeline.version),
         prediction=best,
         method=options.method,
         layer=layer,
@@ -148,3 +117,28 @@ async def attention(request: Request) -> Response | AttentionResponse:
         inverted=prepared.inverted,
         map=heatmap.tolist(),
     )
+
+
+add_model_routes(
+    router,
+    "/attention",
+    attention,
+    summary="Attention map of one image",
+    response_model=AttentionResponse,
+    description=(
+        'JSON `{"image": {"b64": ...} or {"pixels": ...}, "method": "rollout", "layer": null, '
+        '"head": null, "format": "json"}` or multipart/form-data with a file part `file` and the same '
+        "options as fields. `format=png` answers `image/png`: the model's view of the image (upscaled to "
+        "at least 224 px a side) with the map overlaid in the inferno colormap; the prediction is in the "
+        "headers `X-Prediction-Label`, `X-Prediction-Index` and `X-Prediction-Score`. Only for models "
+        "with an attention graph (404 otherwise)."
+    ),
+    responses={
+        **ERROR_RESPONSES,
+        200: {
+            "content": {"image/png": {}},
+            "description": "The map as JSON, or the overlay as PNG.",
+        },
+    },
+    openapi_extra=request_body("AttentionRequest", _MULTIPART, _EXAMPLES),
+)

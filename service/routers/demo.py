@@ -1,8 +1,8 @@
 """GET /: a small demo page (vanilla HTML, CSS and JS in service/static; no build step, no CDN).
 
-The page calls the public API from the browser: ``/models`` for the model's name and labels,
-``/predict`` (multipart) for the top classes and ``/attention?format=png`` (multipart field ``format``)
-for the overlay. The page itself needs no API key; when the service has one, the page asks for it and
+The page calls the public API from the browser: ``/models`` for the models, their names and labels,
+``/models/{name}/predict`` (multipart) for the top classes and ``/models/{name}/attention`` (multipart
+field ``format=png``) for the overlay, on the model the person picks. The page itself needs no API key; when the service has one, the page asks for it and
 sends it as ``Authorization: Bearer <key>``.
 """
 

@@ -18,12 +18,18 @@ async def live() -> Health:
 @router.get(
     "/ready",
     response_model=Health,
-    summary="The model is loaded and warmed up, and the service is not shutting down",
-    responses={503: {"model": Health, "description": "Starting or shutting down."}},
+    summary="The default model is loaded, warmed up and running, and the service is not shutting down",
+    responses={
+        503: {
+            "model": Health,
+            "description": "Starting, shutting down, or the default model unavailable.",
+        }
+    },
 )
 async def ready(request: Request) -> JSONResponse:
-    phase = request.app.state.service.phase
-    if phase == "ready":
+    state = request.app.state.service
+    if state.ready:
         return JSONResponse(Health(status="ready", ready=True).model_dump())
-    status = "starting" if phase == "starting" else "shutting_down"
+    phase = state.phase
+    status = {"starting": "starting", "ready": "unavailable"}.get(phase, "shutting_down")
     return JSONResponse(Health(status=status, ready=False).model_dump(), status_code=503)

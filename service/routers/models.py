@@ -1,55 +1,77 @@
-"""GET /models and /models/{name}: what is served, with which provider and settings."""
+"""GET /models and /models/{name}: every model, its versions and their states, and how each is served."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from service.errors import NotFound
+from service.model_versions import ManagedModel
 from service.preprocessing import ACCEPTED_FORMATS
 from service.routers._openapi import ERROR_RESPONSES
 from service.schemas import (
     BatchingInfo,
-    ErrorResponse,
     InputInfo,
     LimitsInfo,
     ModelInfo,
     ModelsResponse,
+    VersionInfo,
 )
 from service.security import require_api_key
-from service.state import ServiceState
+from service.settings import Settings
+from service.state import ServiceState, service_state
 
 router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key)])
 
 
-def model_info(state: ServiceState) -> ModelInfo:
-    runtime = state.serving().runtime
-    settings, meta, entry = state.settings, runtime.metadata, runtime.entry
+def _limits(settings: Settings) -> LimitsInfo:
+    return LimitsInfo(
+        max_body_bytes=settings.max_body_bytes,
+        max_images_per_request=settings.max_images_per_request,
+        max_pixels_per_image=settings.max_pixels_per_image,
+        max_pixels_per_request=settings.max_pixels_per_request,
+        accepted_formats=list(ACCEPTED_FORMATS),
+    )
+
+
+def model_info(state: ServiceState, model: ManagedModel) -> ModelInfo:
+    settings = state.settings
+    versions = [
+        VersionInfo(version=v, state=status.state, reason=status.reason)
+        for v, status in sorted(model.versions.items())
+    ]
+    common = {
+        "name": model.name,
+        "default": model.name == state.manager.default_name,
+        "versions": versions,
+        "limits": _limits(settings),
+    }
+    pipeline = model.pipeline()
+    if pipeline is None:
+        return ModelInfo(version=None, **common)
+    meta, serving = pipeline.metadata, pipeline.serving
     return ModelInfo(
-        name=entry.name,
-        version=entry.version,
+        version=pipeline.version,
         labels=meta.labels,
         input=InputInfo(**meta.input.model_dump()),
         preprocessing=meta.preprocessing.model_dump(),
-        grid=meta.grid,
+        attention=pipeline.attention is not None,
+        grid=meta.grid if meta.patch is not None else None,
         pooling=meta.pooling,
         depth=meta.depth,
         heads=meta.heads,
+        precision=meta.precision,
         dataset=meta.dataset,
         test_accuracy=meta.test_accuracy,
-        provider=runtime.provider,
+        provider=pipeline.runtime.provider,
         batching=BatchingInfo(
-            max_batch_size=settings.max_batch_size,
+            max_batch_size=serving.max_batch_size,
+            preferred_batch_sizes=list(serving.preferred_batch_sizes),
             attention_max_batch_size=settings.attention_max_batch_size,
-            max_queue_delay_ms=settings.max_queue_delay_ms,
-            max_queue_size=settings.max_queue_size,
-            request_timeout_s=settings.request_timeout_s,
+            max_queue_delay_ms=serving.max_queue_delay_s * 1000.0,
+            max_queue_size=serving.max_queue_size,
+            request_timeout_s=serving.request_timeout_s,
+            instance_count=serving.instance_count,
         ),
-        limits=LimitsInfo(
-            max_body_bytes=settings.max_body_bytes,
-            max_images_per_request=settings.max_images_per_request,
-            max_pixels_per_image=settings.max_pixels_per_image,
-            accepted_formats=list(ACCEPTED_FORMATS),
-        ),
+        **common,
     )
 
 
@@ -57,22 +79,18 @@ def model_info(state: ServiceState) -> ModelInfo:
     "/models", response_model=ModelsResponse, summary="The models served", responses=ERROR_RESPONSES
 )
 async def models(request: Request) -> ModelsResponse:
-    return ModelsResponse(models=[model_info(request.app.state.service)])
+    state = service_state(request)
+    return ModelsResponse(
+        models=[model_info(state, model) for _, model in sorted(state.manager.models.items())]
+    )
 
 
 @router.get(
     "/models/{name}",
     response_model=ModelInfo,
-    summary="One model served",
-    responses={
-        **ERROR_RESPONSES,
-        404: {"model": ErrorResponse, "description": "No model of that name is served."},
-    },
+    summary="One model: its versions and how it is served",
+    responses=ERROR_RESPONSES,
 )
 async def model(name: str, request: Request) -> ModelInfo:
-    info = model_info(request.app.state.service)
-    if name != info.name:
-        raise NotFound(
-            f"name: no model {name!r} is served; this service serves {info.name!r}", field="name"
-        )
-    return info
+    state = service_state(request)
+    return model_info(state, state.manager.model(name))

@@ -1,32 +1,25 @@
-"""POST /predict: classify one or more images (JSON or multipart/form-data)."""
+"""POST /predict (the default model), /models/{name}/predict and /models/{name}/versions/{version}/predict:
+classify one or more images (JSON or multipart/form-data)."""
 
 from __future__ import annotations
 
 import numpy as np
-from fastapi import APIRouter, Depends, Request
-from starlette.concurrency import run_in_threadpool
+from fastapi import APIRouter, Depends, Request, Response
+from pydantic_core import to_json
 
-from service.errors import InvalidInput, request_id_of
-from service.inputs import (
-    MULTIPART,
-    RawImage,
-    image_from_json,
-    parse_json,
-    read_multipart,
-    require_body_type,
-)
-from service.predictions import check_top_k, prediction
-from service.preprocessing import Invert, Preprocessor
+from service.errors import InvalidInput
+from service.inputs import MULTIPART, image_from_json, read_json, read_multipart, require_body_type
+from service.pipeline import ModelPipeline
+from service.predictions import check_top_k, predictions
 from service.routers._openapi import ERROR_RESPONSES, request_body
+from service.routers._routes import add_model_routes
 from service.schemas import (
     EXAMPLE_PNG_B64,
-    ModelRef,
     PredictOptions,
     PredictRequest,
     PredictResponse,
 )
 from service.security import require_api_key
-from service.state import ServiceState
 
 router = APIRouter(tags=["inference"], dependencies=[Depends(require_api_key)])
 
@@ -52,35 +45,8 @@ _EXAMPLES = {
 }
 
 
-def prepare_batch(preprocessor: Preprocessor, images: list[RawImage], invert: Invert) -> np.ndarray:
-    """Decode and preprocess every image (all before any is queued): ``[n, C, H, W]`` float32."""
-    tensors = []
-    for image in images:
-        if image.data is not None:
-            prepared = preprocessor.from_bytes(image.data, image.field, invert)
-        else:
-            prepared = preprocessor.from_pixels(image.pixels, image.field, invert)
-        tensors.append(prepared.tensor)
-    return np.stack(tensors)
-
-
-@router.post(
-    "/predict",
-    response_model=PredictResponse,
-    summary="Classify images",
-    description=(
-        'JSON `{"images": [{"b64": ...} or {"pixels": ...}], "top_k": 5, "invert": "auto"}` or '
-        "multipart/form-data with file parts named `files` and optional fields `top_k`, `invert`. "
-        "One prediction per image, in order."
-    ),
-    responses=ERROR_RESPONSES,
-    openapi_extra=request_body("PredictRequest", _MULTIPART, _EXAMPLES),
-)
-async def predict(request: Request) -> PredictResponse:
-    state: ServiceState = request.app.state.service
-    runtime, preprocessor, classifier, _ = state.serving()
-    settings = state.settings
-    limit = settings.max_images_per_request
+async def predict(request: Request, pipeline: ModelPipeline) -> Response:
+    limit = pipeline.settings.max_images_per_request
     if require_body_type(request) == MULTIPART:
         images, options = await read_multipart(request, "files", limit, PredictOptions)
         if not images:
@@ -88,7 +54,7 @@ async def predict(request: Request) -> PredictResponse:
                 "files: no file part; send one or more parts named 'files'", field="files"
             )
     else:
-        body = parse_json(await request.body(), PredictRequest)
+        body = await read_json(request, PredictRequest)
         if len(body.images) > limit:
             raise InvalidInput(
                 f"images: {len(body.images)} images; the limit is max_images_per_request={limit}",
@@ -103,14 +69,29 @@ async def predict(request: Request) -> PredictResponse:
             field="files",
             code="too_many_images",
         )
-    labels = runtime.metadata.labels
-    check_top_k(options.top_k, labels)
-    classifier.admit(len(images))
-    async with state.decode_slots:
-        batch = await run_in_threadpool(prepare_batch, preprocessor, images, options.invert)
-    rows = await classifier.submit(batch, request_id_of(request))
-    entry = runtime.entry
-    return PredictResponse(
-        model=ModelRef(name=entry.name, version=entry.version),
-        predictions=[prediction(logits, labels, options.top_k) for (logits,) in rows],
-    )
+    labels = pipeline.metadata.labels
+    top_k = check_top_k(options.top_k, labels, given="top_k" in options.model_fields_set)
+    logits = await pipeline.classify(images, options.invert, request)
+    # built as JSON directly: the dicts have PredictResponse's shape (tests check it against the
+    # schema), without a second validation of every number by the response model
+    body = {
+        "model": {"name": pipeline.name, "version": pipeline.version},
+        "predictions": predictions(np.stack(logits), labels, top_k),
+    }
+    return Response(to_json(body), media_type="application/json")
+
+
+add_model_routes(
+    router,
+    "/predict",
+    predict,
+    summary="Classify images",
+    response_model=PredictResponse,
+    description=(
+        'JSON `{"images": [{"b64": ...} or {"pixels": ...}], "top_k": 5, "invert": "auto"}` or '
+        "multipart/form-data with file parts named `files` and optional fields `top_k`, `invert`. "
+        "One prediction per image, in order."
+    ),
+    responses=ERROR_RESPONSES,
+    openapi_extra=request_body("PredictRequest", _MULTIPART, _EXAMPLES),
+)

@@ -1,5 +1,6 @@
 // vitserve demo page: plain JavaScript, no build step, nothing loaded from elsewhere.
-// Calls /models (description), /predict (top classes) and /attention with format=png (overlay).
+// Calls /models (the models and their descriptions), /models/{name}/predict (top classes) and
+// /models/{name}/attention with format=png (overlay).
 "use strict";
 
 (() => {
@@ -79,6 +80,25 @@
   // A file the browser cannot show (not an image, or a format it lacks) gets no broken preview.
   preview.addEventListener("error", () => showFigure(preview, false));
 
+  // Every model /models lists, the default one chosen first; requests go to /models/{name}/....
+  const modelSelect = $("model");
+  let models = [];
+
+  function describe(model) {
+    const info = $("model-info");
+    if (!model || model.version == null) {
+      info.textContent = model ? `${model.name}: no version is ready.` : "No model is served.";
+      return;
+    }
+    const accuracy =
+      model.test_accuracy == null ? "" : `, ${(100 * model.test_accuracy).toFixed(1)}% test accuracy`;
+    const attention = model.attention ? "" : " No attention graph: no overlay.";
+    info.textContent =
+      `${model.name} version ${model.version} (${model.precision}): ${model.labels.length} classes ` +
+      `(${model.labels.join(", ")}), input ${model.input.width}×${model.input.height}` +
+      `${accuracy}, on ${model.provider}.${attention}`;
+  }
+
   async function describeModel() {
     const info = $("model-info");
     try {
@@ -88,16 +108,29 @@
         if (response.status === 401) keyInput.focus();
         return;
       }
-      const model = (await response.json()).models[0];
-      const accuracy =
-        model.test_accuracy == null ? "" : `, ${(100 * model.test_accuracy).toFixed(1)}% test accuracy`;
-      info.textContent =
-        `${model.name} version ${model.version}: ${model.labels.length} classes ` +
-        `(${model.labels.join(", ")}), input ${model.input.width}×${model.input.height}` +
-        `${accuracy}, on ${model.provider}.`;
+      models = (await response.json()).models;
+      const chosen = modelSelect.value;
+      modelSelect.replaceChildren(
+        ...models.map((model) => {
+          const option = document.createElement("option");
+          option.value = model.name;
+          option.textContent = model.default ? `${model.name} (default)` : model.name;
+          return option;
+        }),
+      );
+      const fallback = models.find((model) => model.default) || models[0];
+      modelSelect.value = models.some((m) => m.name === chosen) ? chosen : fallback && fallback.name;
+      describe(models.find((model) => model.name === modelSelect.value));
     } catch (error) {
       info.textContent = `Cannot reach the service (${error.message}).`;
     }
+  }
+  modelSelect.addEventListener("change", () =>
+    describe(models.find((model) => model.name === modelSelect.value)),
+  );
+
+  function selectedModel() {
+    return models.find((model) => model.name === modelSelect.value);
   }
 
   function renderPrediction(prediction) {
@@ -127,7 +160,9 @@
     const form = new FormData();
     form.append(path === "/predict" ? "files" : "file", blob, filename);
     for (const [key, value] of Object.entries(fields)) form.append(key, value);
-    return fetch(path, { method: "POST", headers: authHeaders(), body: form });
+    // before /models has answered (say, for want of the API key) the default model's route
+    const route = modelSelect.value ? `/models/${encodeURIComponent(modelSelect.value)}${path}` : path;
+    return fetch(route, { method: "POST", headers: authHeaders(), body: form });
   }
 
   async function classify(blob, filename) {
@@ -137,9 +172,11 @@
     statusLine.textContent = "Asking the model…";
     const options = { invert: invert.value };
     try {
+      const model = selectedModel();
+      const topK = String(Math.min(TOP_K, model && model.labels ? model.labels.length : TOP_K));
       const [predicted, attended] = await Promise.all([
-        post("/predict", blob, filename, { ...options, top_k: String(TOP_K) }),
-        post("/attention", blob, filename, { ...options, format: "png" }),
+        post("/predict", blob, filename, { ...options, top_k: topK }),
+        model && !model.attention ? null : post("/attention", blob, filename, { ...options, format: "png" }),
       ]);
       if (ticket !== latest) return;
       if (!predicted.ok) {
@@ -151,7 +188,9 @@
       if (ticket !== latest) return;
       renderPrediction(body.predictions[0]);
       statusLine.textContent = `${body.model.name} version ${body.model.version} says:`;
-      if (attended.ok) {
+      if (attended === null) {
+        showError("This model has no attention graph, so there is no overlay.");
+      } else if (attended.ok) {
         setImage(overlay, "overlay", await attended.blob());
       } else {
         showError(`No attention overlay: ${await errorMessage(attended)}`);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,20 @@ import time
 import pytest
 
 from bench import server_process
-from tests.support import SERVICE
+from tests.support import MODEL_NAME
+
+PORTS = range(18180, 18190)
+# Answers 200 to any GET on the port given as its first argument.
+READY_SERVER = (
+    "import sys\n"
+    "from http.server import BaseHTTPRequestHandler, HTTPServer\n"
+    "class Ok(BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        self.send_response(200)\n"
+    "        self.end_headers()\n"
+    "        self.wfile.write(b'ready')\n"
+    "HTTPServer(('127.0.0.1', int(sys.argv[1])), Ok).serve_forever()\n"
+)
 
 # A parent that starts a child which would outlive it, prints the child's pid, then waits.
 PARENT_WITH_CHILD = (
@@ -38,6 +52,37 @@ def test_clean_env_drops_the_callers_service_settings(monkeypatch):
     env = server_process.clean_env({"VITSERVE_PORT": "18001"})
     assert "VITSERVE_MAX_BATCH_SIZE" not in env and "PORT" not in env
     assert env["VITSERVE_PORT"] == "18001" and env["HOME_FOR_TEST"] == "kept"
+
+
+def test_service_env_names_its_settings_and_passes_the_provider_through(monkeypatch):
+    monkeypatch.setenv("VITSERVE_PROVIDER", "cuda")
+    monkeypatch.setenv("VITSERVE_MAX_BATCH_SIZE", "1")
+    env = server_process.service_env(18101, intra_op_threads=1, api_key=None)
+    assert env["VITSERVE_PORT"] == "18101" and env["VITSERVE_HOST"] == "127.0.0.1"
+    assert env["VITSERVE_INTRA_OP_THREADS"] == "1" and env["VITSERVE_PROVIDER"] == "cuda"
+    assert "VITSERVE_MAX_BATCH_SIZE" not in env and "VITSERVE_API_KEY" not in env
+
+
+def test_running_yields_a_ready_server_and_stops_it(tmp_path):
+    argv = (sys.executable, "-c", READY_SERVER, "{port}")
+    env = lambda port: server_process.clean_env({})  # noqa: E731
+    with server_process.running(argv, env, tmp_path / "s.log", ports=PORTS) as server:
+        assert server.port in PORTS and server.url.endswith(f":{server.port}")
+        assert server_process.http_get(server.url + "/health/ready") == "ready"
+        assert 0 < server.ready_s < 60
+        process = server.process
+    assert process.returncode == -15  # stopped with SIGTERM
+    assert server_process.http_get(server.url + "/health/ready", timeout_s=1) is None
+
+
+def test_running_service_passes_its_settings_to_python_m_service(tmp_path, model_repository):
+    settings = {"model_repository": model_repository, "model_name": MODEL_NAME}
+    log = tmp_path / "service.log"
+    with server_process.running_service(log, ports=PORTS, max_batch_size=3, **settings) as server:
+        models = json.loads(server_process.http_get(server.url + "/models") or "{}")
+        assert models["models"][0]["name"] == MODEL_NAME
+        assert models["models"][0]["batching"]["max_batch_size"] == 3
+    assert server.process.returncode == 0  # SIGTERM: a clean shutdown
 
 
 def test_stop_ends_the_whole_process_group(tmp_path):
@@ -93,7 +138,7 @@ def test_a_process_that_never_gets_ready_is_reported_with_its_log(tmp_path):
     log = tmp_path / "silent.log"
     argv = [sys.executable, "-c", "print('still loading', flush=True); import time; time.sleep(60)"]
     process = server_process.spawn(argv, os.environ, log)
-    port = server_process.free_port(SERVICE.ports)
+    port = server_process.free_port(PORTS)
     try:
         with pytest.raises(server_process.ServerStartError, match="not ready within 1 s") as error:
             server_process.wait_ready(process, f"http://127.0.0.1:{port}", log, timeout_s=1)

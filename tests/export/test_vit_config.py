@@ -50,37 +50,35 @@ def test_unknown_preset_lists_the_known_ones():
         get_preset("vit-h14")
 
 
-def test_presets_hold_the_seed_sizes():
-    tiny = get_preset("mnist-tiny")
-    assert (
-        tiny.image_height,
-        tiny.patch_size,
-        tiny.depth,
-        tiny.heads,
-        tiny.dim,
-        tiny.mlp_dim,
-        tiny.representation_size,
-        tiny.in_channels,
-    ) == (28, 2, 2, 2, 64, 256, 32, 1)
-    cifar = get_preset("cifar10-small")
-    assert (
-        cifar.image_height,
-        cifar.in_channels,
-        cifar.patch_size,
-        cifar.dim,
-        cifar.depth,
-        cifar.heads,
-        cifar.mlp_dim,
-    ) == (32, 3, 4, 48, 4, 4, 192)
-    base = get_preset("vit-b16")
-    assert (base.image_height, base.patch_size, base.dim, base.depth, base.heads, base.mlp_dim) == (
-        224,
-        16,
-        768,
-        12,
-        12,
-        3072,
-    )
+@pytest.mark.parametrize(
+    ("name", "sizes"),
+    [
+        # The seed's MNIST notebook.
+        (
+            "mnist-tiny",
+            {"image_height": 28, "in_channels": 1, "patch_size": 2, "dim": 64, "depth": 2}
+            | {"heads": 2, "mlp_dim": 256, "representation_size": 32},
+        ),
+        # The article's CIFAR-10 model.
+        (
+            "cifar10-small",
+            {"image_height": 32, "in_channels": 3, "patch_size": 4, "dim": 48, "depth": 4}
+            | {"heads": 4, "mlp_dim": 192},
+        ),
+        # ViT-Base/16.
+        (
+            "vit-b16",
+            {"image_height": 224, "patch_size": 16, "dim": 768, "depth": 12, "heads": 12}
+            | {"mlp_dim": 3072},
+        ),
+    ],
+)
+def test_presets_hold_the_seed_sizes(name: str, sizes: dict):
+    preset = get_preset(name)
+    assert {field: getattr(preset, field) for field in sizes} == sizes
+
+
+def test_every_named_preset_is_registered():
     assert set(PRESETS) >= {"mnist-tiny", "cifar10-small", "vit-b16", "fashion-small"}
 
 

@@ -104,6 +104,76 @@ def test_conv_patch_embedding_equals_manual_patchify_and_linear():
     torch.testing.assert_close(embedding(images), manual, atol=1e-5, rtol=1e-5)
 
 
+def seed_001_patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
+    """The course exercise's patchify, loops and all: the independent reference."""
+    n, c, h, w = images.shape
+    rows, cols = h // patch_size, w // patch_size
+    patches = torch.zeros(n, rows * cols, c * patch_size * patch_size)
+    for index, image in enumerate(images):
+        for i in range(rows):
+            for j in range(cols):
+                patch = image[
+                    :, i * patch_size : (i + 1) * patch_size, j * patch_size : (j + 1) * patch_size
+                ]
+                patches[index, i * cols + j] = patch.flatten()
+    return patches
+
+
+def test_linear_patch_embedding_is_seed_001s_patchify_then_a_linear_layer():
+    config = small(image_height=12, image_width=20, in_channels=3, dim=16, patch_embedding="linear")
+    embedding = PatchEmbedding(config)
+    assert isinstance(embedding.projection, nn.Linear)
+    assert embedding.projection.weight.shape == (16, 3 * 4 * 4)
+    images = torch.randn(2, 3, 12, 20)
+    expected = embedding.projection(seed_001_patchify(images, 4))
+    torch.testing.assert_close(embedding(images), expected, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("pooling", ["token", "mean"])
+def test_linear_embedding_equals_the_conv_embedding_with_copied_weights(pooling):
+    conv_config = small(image_height=12, image_width=20, in_channels=3, pooling=pooling)
+    torch.manual_seed(0)
+    conv = with_random_head(VisionTransformer(conv_config)).eval()
+    linear = VisionTransformer(conv_config.replace(patch_embedding="linear")).eval()
+    state = conv.state_dict()
+    weight = state["patch_embedding.projection.weight"]
+    assert weight.shape == (32, 3, 4, 4)
+    state["patch_embedding.projection.weight"] = weight.reshape(32, -1)  # (dim, C * p * p)
+    linear.load_state_dict(state)
+    images = torch.randn(3, 3, 12, 20)
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            linear.patch_embedding(images), conv.patch_embedding(images), atol=1e-5, rtol=1e-5
+        )
+        conv_logits, conv_maps = conv.forward_with_attention(images)
+        linear_logits, linear_maps = linear.forward_with_attention(images)
+    torch.testing.assert_close(linear_logits, conv_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linear_maps, conv_maps, atol=1e-5, rtol=1e-5)
+    assert conv_logits.std() > 0.1  # the comparison is between outputs that differ per image
+
+
+def test_linear_patch_embedding_gets_the_conv_init():
+    torch.manual_seed(0)
+    weight = VisionTransformer(small(patch_embedding="linear")).patch_embedding.projection.weight
+    # trunc-normal with std sqrt(1 / fan_in), fan_in = 1 * 4 * 4 = 16
+    assert abs(weight.std().item() - math.sqrt(1 / 16)) < 0.03
+
+
+@pytest.mark.slow
+def test_linear_patch_embedding_exports_to_onnx_and_matches_pytorch():
+    from export.onnx import build_graphs, verify
+
+    torch.manual_seed(0)
+    model = with_random_head(
+        VisionTransformer(small(in_channels=3, patch_embedding="linear", pooling="token"))
+    ).eval()
+    graphs = build_graphs(model)
+    figures = verify(model, graphs, torch.randn(64, 3, 16, 16))
+    assert all(row["argmax_mismatches"] == 0 for row in figures.values())
+    assert "MatMul" in {node.op_type for node in graphs.classifier.graph.node}
+    assert "Conv" not in {node.op_type for node in graphs.classifier.graph.node}
+
+
 # -- position embeddings -------------------------------------------------------------------
 def test_sinusoidal_table_matches_its_formula():
     dim = 16
@@ -232,16 +302,7 @@ def test_one_and_three_channels(channels):
 
 
 def test_non_square_images():
-    config = ViTConfig(
-        image_height=28,
-        image_width=56,
-        patch_size=4,
-        dim=32,
-        depth=2,
-        heads=2,
-        mlp_dim=64,
-        pooling="token",
-    )
+    config = small(image_height=28, image_width=56, heads=2, pooling="token")
     assert config.grid == (7, 14) and config.num_patches == 98 and config.num_tokens == 99
     model = VisionTransformer(config).eval()
     logits, maps = model.forward_with_attention(torch.randn(2, 1, 28, 56))

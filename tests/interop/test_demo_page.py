@@ -237,3 +237,40 @@ def test_page_and_assets_are_served_from_the_package(http):
     assert "http://" not in index.text.replace(f"{http.base_url}", "")
     assert "https://" not in index.text
     assert http.get("/static/other.js").status_code == 404
+
+
+def test_the_person_picks_the_model(browser, model_repository, tmp_path, correct_image):
+    """Two models, the second without an attention graph: the page lists both (the default first),
+    sends the image to the chosen one, and says that the second has no overlay."""
+    import shutil
+
+    repository = tmp_path / "models"
+    shutil.copytree(model_repository, repository)
+    shutil.copytree(repository / MODEL_NAME, repository / "plain")
+    (repository / "plain" / "1" / "attention.onnx").unlink()
+    image, label = correct_image
+    log = tmp_path / "service.log"
+    with running_server(repository, log, suite=INTEROP) as two_models:
+        context = browser.new_context()
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(f"{two_models.url}/")
+        page.wait_for_function("() => document.getElementById('model').options.length === 2")
+        options = page.eval_on_selector_all("#model option", "all => all.map(o => o.value)")
+        assert options == ["plain", MODEL_NAME] or options == [MODEL_NAME, "plain"]
+        assert page.eval_on_selector("#model", "s => s.value") == MODEL_NAME  # the default
+        page.select_option("#model", "plain")
+        page.wait_for_function(
+            "() => document.getElementById('model-info').textContent.includes('No attention graph')"
+        )
+        page.set_input_files("#file-input", str(image))
+        page.wait_for_function(
+            "() => document.getElementById('status').textContent.includes('plain version 1')"
+        )
+        assert page.locator("#prediction-label").inner_text() == label
+        assert "no attention graph" in page.locator("#error").inner_text()
+        assert page.locator("#overlay").is_hidden()
+        context.close()
+        metrics = httpx.get(f"{two_models.url}/metrics").text
+    assert 'vitserve_batch_size_count{graph="classifier",model="plain"} 1.0' in metrics
+    assert f'vitserve_batch_size_count{{graph="classifier",model="{MODEL_NAME}"}}' not in metrics

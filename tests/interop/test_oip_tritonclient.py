@@ -123,9 +123,9 @@ def test_health_and_server_metadata(client, http):
     assert metadata["name"] == "vitserve"
     assert metadata["version"] == http.get("/openapi.json").json()["info"]["version"]
     assert {"binary_tensor_data", "classification"} <= set(metadata["extensions"])
-    for path in ("/v2/health/live", "/v2/health/ready"):
+    for path, body in (("/v2/health/live", {"live": True}), ("/v2/health/ready", {"ready": True})):
         response = http.get(path)
-        assert (response.status_code, response.content) == (200, b"")
+        assert (response.status_code, response.json()) == (200, body)  # KServe's bodies
 
 
 def test_model_metadata_is_the_onnx_graph(client, model_repository: Path):
@@ -179,13 +179,13 @@ def test_unknown_model_and_version_are_404(client, onnx_reference):
 
 
 def test_routes_outside_the_protocol_answer_in_its_error_shape(client, http):
-    """Triton-only routes (model config, repository index) and wrong methods: 404 and 405, as
+    """Triton-only routes (shared memory, trace settings) and wrong methods: 404 and 405, as
     {"error": "..."} that tritonclient reads as a message."""
     with pytest.raises(InferenceServerException) as error:
-        client.get_model_config(MODEL_NAME)
-    assert_oip_error(error, 404, f"/v2/models/{MODEL_NAME}/config is not served")
+        client.get_system_shared_memory_status()
+    assert_oip_error(error, 404, "/v2/systemsharedmemory/status is not served")
     with pytest.raises(InferenceServerException) as error:
-        client.get_model_repository_index()
+        client.get_trace_settings()
     assert_oip_error(error, 404, "is not served")
     wrong_method = http.get(f"/v2/models/{MODEL_NAME}/infer")
     assert wrong_method.status_code == 405
@@ -274,7 +274,7 @@ def test_classification_extension_names_the_labels(
     client, onnx_reference, model_repository, fashion_images
 ):
     images = fashion_images[:4]
-    labels = (model_repository / MODEL_NAME / "labels.txt").read_text().splitlines()
+    labels = (model_repository / MODEL_NAME / "1" / "labels.txt").read_text().splitlines()
     logits = onnx_reference.logits(onnx_reference.normalise(images))
     result = client.infer(
         MODEL_NAME,
@@ -556,7 +556,7 @@ def test_the_documented_client_code_works_against_vitserve(
     images = fashion_images[:4]
     rows = namespace["classify"](server.url.removeprefix("http://"), MODEL_NAME, images)
     logits = onnx_reference.logits(onnx_reference.normalise(images))
-    labels = (model_repository / MODEL_NAME / "labels.txt").read_text().splitlines()
+    labels = (model_repository / MODEL_NAME / "1" / "labels.txt").read_text().splitlines()
     assert len(rows) == 4 and all(len(row) == 3 for row in rows)
     for row, expected in zip(rows, logits, strict=True):
         top = np.argsort(-expected, kind="stable")[:3].tolist()

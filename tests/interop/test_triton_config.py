@@ -3,21 +3,19 @@
 Parsed into Triton's own ``ModelConfig`` protobuf (``inference.ModelConfig``, generated code shipped
 in tritonclient) with ``google.protobuf.text_format``: an unknown field or a wrong enum fails the parse,
 as it fails Triton's. Then checked against the graph Triton's ONNX Runtime backend would load
-(``<version>/model.onnx``): names, data types, dims without the batch axis, batching, labels.
+(``<version>/model.onnx``): names, data types, dims without the batch axis, batching, labels (each
+version's own, and the one ``label_filename`` names, relative to the model as Triton reads it).
 No Triton server runs here.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import onnx
 import pytest
-import tritonclient
 from google.protobuf import text_format
+from tritonclient.grpc.model_config_pb2 import DataType, ModelConfig
 
 from tests.support import MODEL_NAME, REPO
 
@@ -31,30 +29,13 @@ TRITON_TYPES = {
 SHIPPED = sorted((REPO / "models").glob("*/config.pbtxt"))
 
 
-def _model_config_module() -> ModuleType:
-    """tritonclient's generated ``model_config_pb2``, loaded from its file: importing it through
-    ``tritonclient.grpc`` would need grpcio, which nothing else here uses."""
-    name = "_triton_model_config_pb2"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = Path(tritonclient.__file__).parent / "grpc" / "model_config_pb2.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-pb = _model_config_module()
-
-
 def parse(text: str):
-    return text_format.Parse(text, pb.ModelConfig())
+    """Strict protobuf text format, as Triton parses it (no vitserve code in between)."""
+    return text_format.Parse(text, ModelConfig())
 
 
 def type_name(value: int) -> str:
-    return pb.DataType.Name(value)
+    return DataType.Name(value)
 
 
 def graph_tensors(values) -> list[tuple[str, str, list[int | None]]]:
@@ -97,11 +78,13 @@ def check_entry(model_dir: Path) -> None:
 
     (logits,) = config.output
     assert logits.label_filename, "the classification extension needs label_filename"
-    labels_file = model_dir / logits.label_filename
+    labels_file = model_dir / logits.label_filename  # Triton reads it relative to the model
     assert labels_file.is_file(), labels_file
-    labels = labels_file.read_text(encoding="utf-8").splitlines()
-    assert len(labels) == logits.dims[-1], "one label per class"
-    assert all(label.strip() for label in labels)
+    assert labels_file.parent.name == str(versions[-1]), "the labels of the version served"
+    for version in versions:
+        labels = (model_dir / str(version) / "labels.txt").read_text(encoding="utf-8").splitlines()
+        assert len(labels) == logits.dims[-1], f"version {version}: one label per class"
+        assert all(label.strip() for label in labels)
 
 
 def test_tiny_exported_config_is_a_triton_model_config(model_repository: Path):
@@ -139,8 +122,8 @@ def test_check_notices_a_config_that_does_not_fit_the_graph(model_repository: Pa
     entry = tmp_path / MODEL_NAME
     entry.mkdir()
     (entry / "1").symlink_to(model_repository / MODEL_NAME / "1")
-    (entry / "labels.txt").write_text((model_repository / MODEL_NAME / "labels.txt").read_text())
     text = (model_repository / MODEL_NAME / "config.pbtxt").read_text()
-    (entry / "config.pbtxt").write_text(text.replace("dims: [ 1, 28, 28 ]", "dims: [ 3, 28, 28 ]"))
+    assert "dims: [1, 28, 28]" in text
+    (entry / "config.pbtxt").write_text(text.replace("dims: [1, 28, 28]", "dims: [3, 28, 28]"))
     with pytest.raises(AssertionError, match="images"):
         check_entry(entry)

@@ -26,6 +26,7 @@ from tests.support import (
     MAX_PIXELS,
     NUM_CLASSES,
     RELIABILITY,
+    asgi_post,
     assert_error,
     assert_matches,
     assert_no_leak,
@@ -71,6 +72,25 @@ def many_fields_form(count: int, boundary: str = "vitserve-corpus") -> tuple[byt
         )
 
     return multipart_body(parts(), boundary), f"multipart/form-data; boundary={boundary}"
+
+
+SURROGATE_FORM = "multipart/form-data; boundary=b; charset=unicode_escape"
+
+
+def surrogate_form(images: np.ndarray, *, text_name: bool) -> bytes:
+    """A form with one good file part and a part named ``\\ud800``, which the charset
+    ``unicode_escape`` (the client's choice) decodes to a lone surrogate."""
+    odd = (
+        b'--b\r\nContent-Disposition: form-data; name="\\ud800"\r\n\r\n3\r\n'
+        if text_name
+        else b'--b\r\nContent-Disposition: form-data; name="\\ud800"; filename="x.png"\r\n'
+        b"Content-Type: image/png\r\n\r\nx\r\n"
+    )
+    good = (
+        b'--b\r\nContent-Disposition: form-data; name="files"; filename="a.png"\r\n'
+        b"Content-Type: image/png\r\n\r\n" + encode(images[0]) + b"\r\n"
+    )
+    return good + odd + b"--b--\r\n"
 
 
 # --- the corpus -----------------------------------------------------------------------------------
@@ -437,6 +457,78 @@ CORPUS: list[Bad] = [
         ("images[0].pixels", "not a number"),
         "images[0].pixels",
     ),
+    # Strict pixels (issue 17): JSON numbers only; numeric strings and booleans were taken as numbers.
+    Bad(
+        "pixels numeric strings",
+        pixels([["12", 0], [0, 0]]),
+        422,
+        ("images[0].pixels", '"12" at [0, 0]', "not a number"),
+        "images[0].pixels",
+    ),
+    Bad(
+        "pixels booleans",
+        pixels([[0, True], [0, 0]]),
+        422,
+        ("images[0].pixels", "true at [0, 1]", "not a number"),
+        "images[0].pixels",
+    ),
+    Bad(
+        "pixels fractions",
+        pixels([[0, 0], [12.5, 0]]),
+        422,
+        ("images[0].pixels", "12.5 at [1, 0]", "not an integer"),
+        "images[0].pixels",
+    ),
+    Bad(
+        "pixels null",
+        pixels([[0, 1], [None, 2]]),
+        422,
+        ("images[0].pixels", "null at [1, 0]"),
+        "images[0].pixels",
+    ),
+    Bad(
+        "pixels a numeric string in the last channel",
+        lambda _: {"json": {"image": {"pixels": [[[0]], [[0]], [["7"]]]}}},
+        422,
+        ("image.pixels", '"7" at [2, 0, 0]'),
+        "image.pixels",
+        route="/attention",
+    ),
+    # JSON bombs under the byte limit (issue 17): refused on the raw bytes, before parsing.
+    Bad(
+        "nested empty arrays under the byte limit",
+        raw(b'{"images": [{"pixels": [' + b",".join([b"[[]]"] * 600_000) + b"]}]}"),
+        413,
+        ("max_json_values=1048576",),
+        "body",
+        codes=("too_many_json_values",),
+    ),
+    Bad(
+        "one-pixel rows over max_json_values",
+        raw(b'{"images": [{"pixels": [' + b",".join([b"[0]"] * 600_000) + b"]}]}"),
+        413,
+        ("max_json_values=1048576", "send large images as files"),
+        "body",
+        codes=("too_many_json_values",),
+    ),
+    Bad(
+        "empty arrays in /attention",
+        raw(b'{"image": {"pixels": [' + b",".join([b"[]"] * 1_100_000) + b"]}}"),
+        413,
+        ("max_json_values=1048576",),
+        "body",
+        route="/attention",
+        codes=("too_many_json_values",),
+    ),
+    Bad(
+        "a pixel list beyond what the pixel limit allows",
+        raw(b'{"images": [{"pixels": [' + b",".join([b"0"] * 500_000) + b"]}]}"),
+        422,
+        ("images", STRICT_LIMIT, f"{MAX_IMAGES} image(s)"),
+        "images",
+        strict=True,
+        codes=("too_many_pixels",),
+    ),
     # Size and count limits.
     Bad(
         "JSON body over the byte limit",
@@ -544,6 +636,28 @@ CORPUS: list[Bad] = [
         422,
         ("files", "no file part"),
         "files",
+    ),
+    # A field name the client's own charset decodes to a lone surrogate (issue 17: it was a 500 when
+    # the message naming it was encoded).
+    Bad(
+        "multipart text field named a lone surrogate",
+        lambda images: {
+            "content": surrogate_form(images, text_name=True),
+            "headers": {"Content-Type": SURROGATE_FORM},
+        },
+        422,
+        ("\\ud800",),
+        "\\ud800",
+    ),
+    Bad(
+        "multipart file part named a lone surrogate",
+        lambda images: {
+            "content": surrogate_form(images, text_name=False),
+            "headers": {"Content-Type": SURROGATE_FORM},
+        },
+        422,
+        ("\\ud800", "unexpected file part"),
+        "\\ud800",
     ),
     Bad(
         "URL-encoded form",
@@ -667,6 +781,26 @@ def test_bad_input_gets_its_status_and_message(
         assert error["field"] == case.field, error
     if case.codes:
         assert error["code"] in case.codes, error
+
+
+@pytest.mark.parametrize(
+    ("length", "status"),
+    [
+        ("\u00b2".encode("latin-1"), 400),  # a superscript two: str.isdigit() says yes, int() no
+        (b"\xbd", 400),  # one half
+        (b"1" * 5000, 413),  # beyond int()'s 4300 digits, and beyond any limit
+        (b"12a", 400),
+        (b"-5", 400),
+    ],
+    ids=["superscript digit", "vulgar fraction", "5000 digits", "trailing letter", "negative"],
+)
+@pytest.mark.parametrize("path", ["/predict", "/v2/models/tiny-vit/infer"])
+def test_an_odd_content_length_is_a_4xx(client, path, length, status):
+    headers = [(b"content-type", b"application/json"), (b"content-length", length)]
+    answer_status, answer, _ = asgi_post(client.app, path, headers, [b"{}"])
+    assert answer_status == status, answer
+    message = answer["error"] if path.startswith("/v2") else answer["error"]["message"]
+    assert "Content-Length" in message and len(message) < 200, message
 
 
 # --- awkward but valid: served, not refused -------------------------------------------------------

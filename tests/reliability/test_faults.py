@@ -5,15 +5,14 @@ limits that hold before any work is done.
 from __future__ import annotations
 
 import ast
-import asyncio
-import json
 import logging
 import select
 import shutil
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +28,7 @@ from tests.support import (
     NUM_CLASSES,
     RELIABILITY,
     REPO,
+    asgi_post,
     assert_error,
     assert_matches,
     b64,
@@ -36,6 +36,7 @@ from tests.support import (
     make_settings,
     metric,
     png_claiming,
+    recv_until,
     running_server,
     server_env,
     start_process,
@@ -88,35 +89,31 @@ class FailingSession:
         return getattr(self.session, name)
 
 
-def faulty_client(model_repository: Path, monkeypatch: pytest.MonkeyPatch, **settings: object):
+@contextmanager
+def faulty_client(
+    model_repository: Path, monkeypatch: pytest.MonkeyPatch, **settings: object
+) -> Iterator[TestClient]:
     """A started app whose two onnxruntime sessions fail on poisoned batches."""
-    client = TestClient(
-        create_app(make_settings(model_repository, RELIABILITY, **settings)),
-        raise_server_exceptions=False,
-    )
-    client.__enter__()
-    runtime = client.app.state.service.runtime
-    monkeypatch.setattr(runtime, "classifier", FailingSession(runtime.classifier))
-    monkeypatch.setattr(runtime, "attention", FailingSession(runtime.attention))
-    return client
+    app = create_app(make_settings(model_repository, RELIABILITY, **settings))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        runtime = client.app.state.service.manager.resolve().runtime
+        monkeypatch.setattr(
+            runtime, "classifiers", [FailingSession(s) for s in runtime.classifiers]
+        )
+        monkeypatch.setattr(runtime, "attention", FailingSession(runtime.attention))
+        yield client
 
 
 @pytest.fixture
 def one_per_batch(model_repository, monkeypatch) -> Iterator[TestClient]:
-    client = faulty_client(model_repository, monkeypatch, max_batch_size=1)
-    try:
+    with faulty_client(model_repository, monkeypatch, max_batch_size=1) as client:
         yield client
-    finally:
-        client.__exit__(None, None, None)
 
 
 @pytest.fixture
 def slow_batches(model_repository, monkeypatch) -> Iterator[TestClient]:
-    client = faulty_client(model_repository, monkeypatch, max_queue_delay_ms=1000.0)
-    try:
+    with faulty_client(model_repository, monkeypatch, max_queue_delay_ms=1000.0) as client:
         yield client
-    finally:
-        client.__exit__(None, None, None)
 
 
 def predict_body(image: np.ndarray) -> dict:
@@ -240,7 +237,7 @@ BAD_MODELS = {
         "expected 'classifier'",
     ),
     "labels.txt disagrees": (
-        lambda v: (v.parent / "labels.txt").write_text("cat\ndog\n"),
+        lambda v: (v / "labels.txt").write_text("cat\ndog\n"),
         "labels.txt",
         "does not match",
     ),
@@ -368,48 +365,10 @@ def test_the_key_is_compared_in_constant_time():
 # --- limits before work ---------------------------------------------------------------------------
 
 
-def _asgi_post(app, headers: list[tuple[bytes, bytes]], chunks: Iterable[bytes]):
-    """Drive the ASGI app directly: the body comes in ``chunks``; returns (status, body, chunks read)."""
-    pending = iter(chunks)
-    pulled = 0
-    sent: list[dict] = []
-
-    async def receive() -> dict:
-        nonlocal pulled
-        chunk = next(pending, None)
-        if chunk is None:
-            return {"type": "http.request", "body": b"", "more_body": False}
-        pulled += 1
-        return {"type": "http.request", "body": chunk, "more_body": True}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/predict",
-        "raw_path": b"/predict",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"host", b"testserver"), *headers],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-        "state": {},
-    }
-    asyncio.run(app(scope, receive, send))
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return start["status"], json.loads(body), pulled
-
-
 def test_a_content_length_over_the_limit_is_refused_before_the_body_is_read(client, settings):
     limit = settings.max_body_bytes
     headers = [(b"content-type", b"application/json"), (b"content-length", str(limit + 1).encode())]
-    status, body, pulled = _asgi_post(client.app, headers, [b"x" * 1024] * 10)
+    status, body, pulled = asgi_post(client.app, "/predict", headers, [b"x" * 1024] * 10)
     assert status == 413 and f"max_body_bytes={limit}" in body["error"]["message"]
     assert pulled == 0  # not one byte of the body was asked for
 
@@ -421,7 +380,9 @@ def test_a_body_without_an_honest_length_is_stopped_at_the_limit(client, setting
     headers = [(b"content-type", b"application/json")]
     if declared is not None:
         headers.append((b"content-length", declared))
-    status, body, pulled = _asgi_post(client.app, headers, [chunk] * (4 * limit // len(chunk)))
+    status, body, pulled = asgi_post(
+        client.app, "/predict", headers, [chunk] * (4 * limit // len(chunk))
+    )
     assert status == 413 and f"max_body_bytes={limit}" in body["error"]["message"]
     assert pulled <= limit // len(chunk) + 1  # reading stopped at the limit, not at the end
 
@@ -495,12 +456,7 @@ def small_body_server(model_repository, tmp_path_factory):
 
 def _read_response(sock: socket.socket, timeout: float) -> tuple[int, bytes]:
     sock.settimeout(timeout)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        piece = sock.recv(65536)
-        if not piece:
-            break
-        data += piece
+    data = recv_until(sock, lambda data: b"\r\n\r\n" in data)
     head, _, body = data.partition(b"\r\n\r\n")
     length = next(
         (
@@ -510,11 +466,7 @@ def _read_response(sock: socket.socket, timeout: float) -> tuple[int, bytes]:
         ),
         0,
     )
-    while len(body) < length:
-        piece = sock.recv(65536)
-        if not piece:
-            break
-        body += piece
+    body = recv_until(sock, lambda body: len(body) >= length, body)
     return int(head.split(b" ")[1]), body
 
 

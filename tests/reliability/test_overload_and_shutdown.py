@@ -28,6 +28,7 @@ from tests.support import (
     b64,
     encode,
     metric,
+    recv_until,
     running_server,
 )
 
@@ -146,13 +147,7 @@ def _probe(sock: socket.socket) -> bytes:
     try:
         sock.sendall(b"GET /health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
         sock.settimeout(5)
-        data = b""
-        while b"}" not in data:
-            piece = sock.recv(4096)
-            if not piece:
-                break
-            data += piece
-        return data
+        return recv_until(sock, lambda data: b"}" in data)
     except OSError:
         return b""
 

@@ -1,4 +1,4 @@
-"""POST /attention: maps of the grid's shape in [0, 1], equal to the export stage's own rollout."""
+"""POST /attention: maps of the grid's shape in [0, 1], equal to an independent reference rollout."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from export.rollout import attention_rollout, last_layer_heads, normalise_maps, to_grid
 from service.attention_maps import attention_map, colorize, overlay_png
+from tests.export.test_rollout import attention_rollout, last_layer_heads, normalise_maps, to_grid
 from tests.support import Reference, assert_error, b64, encode
 
 GRID = (4, 4)

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from service.batcher import DynamicBatcher
 from service.errors import InferenceFailed, ServiceUnavailable
@@ -40,7 +41,7 @@ def batcher(model: Model, **options) -> DynamicBatcher:
         "max_queue_size": 64,
         "timeout_s": 10.0,
         "retry_after_s": 2,
-        "metrics": Metrics(8),
+        "metrics": Metrics(),
     }
     values.update(options)
     return DynamicBatcher("test", model, **values)
@@ -132,7 +133,7 @@ def test_full_queue_rejects_at_once_with_retry_after():
     assert waited < 5  # at once: the model holds its batch for up to 10 s
     assert [len(answer) for answer in answers] == [2, 4]  # the admitted requests were still served
     text = b._metrics.registry.get_sample_value(
-        "vitserve_rejected_requests_total", {"graph": "test", "reason": "queue_full"}
+        "vitserve_rejected_requests_total", {"model": "", "graph": "test", "reason": "queue_full"}
     )
     assert text == 1.0
 
@@ -173,7 +174,7 @@ def test_a_failing_batch_fails_only_its_own_requests():
         isinstance(bad, InferenceFailed) and bad.status_code == 500 and "ValueError" in bad.message
     )
     failures = b._metrics.registry.get_sample_value(
-        "vitserve_inference_failures_total", {"graph": "test"}
+        "vitserve_inference_failures_total", {"model": "", "graph": "test"}
     )
     assert failures == 1.0
 
@@ -200,29 +201,26 @@ def test_stop_drains_the_queue_then_refuses_work():
 
 def test_a_full_queue_refuses_before_decoding(client, monkeypatch, fashion_images):
     """An overloaded service must not spend CPU decoding images it cannot queue."""
-    state = client.app.state.service
+    pipeline = client.app.state.service.manager.resolve()
     decoded = []
-    real_from_bytes = state.preprocessor.from_bytes
-    monkeypatch.setattr(
-        state.preprocessor,
-        "from_bytes",
-        lambda *args, **kwargs: decoded.append(1) or real_from_bytes(*args, **kwargs),
-    )
+    real_from_image = pipeline.preprocessor.from_image
+
+    def counting(*args, **kwargs):
+        decoded.append(1)
+        return real_from_image(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline.preprocessor, "from_image", counting)
     files = [("files", (f"{i}.png", encode(fashion_images[i]), "image/png")) for i in range(2)]
     for batcher, route, payload in (
-        (state.classifier, "/predict", {"files": files}),
-        (state.attention, "/attention", {"files": {"file": files[0][1]}}),
+        (pipeline.classifier, "/predict", {"files": files}),
+        (pipeline.attention, "/attention", {"files": {"file": files[0][1]}}),
     ):
         monkeypatch.setattr(batcher, "max_queue_size", 0)
         response = client.post(route, **payload)
         assert_error(response, 503, "queue is full", "max_queue_size=0")
         assert decoded == []
         monkeypatch.undo()
-        monkeypatch.setattr(
-            state.preprocessor,
-            "from_bytes",
-            lambda *args, **kwargs: decoded.append(1) or real_from_bytes(*args, **kwargs),
-        )
+        monkeypatch.setattr(pipeline.preprocessor, "from_image", counting)
     assert client.post("/predict", files=files).status_code == 200
     assert len(decoded) == 2
 
@@ -231,13 +229,13 @@ def test_decoding_runs_at_most_max_concurrent_decodes_at_once(client, monkeypatc
     """Large images cost memory while they decode: the service bounds how many decode at once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    state = client.app.state.service
-    limit = state.settings.max_concurrent_decodes
+    pipeline = client.app.state.service.manager.resolve()
+    limit = pipeline.settings.max_concurrent_decodes
     running, peak = 0, 0
     lock = threading.Lock()
-    real_from_bytes = state.preprocessor.from_bytes
+    real_from_image = pipeline.preprocessor.from_image
 
-    def slow_from_bytes(*args, **kwargs):
+    def slow_from_image(*args, **kwargs):
         nonlocal running, peak
         with lock:
             running += 1
@@ -245,10 +243,11 @@ def test_decoding_runs_at_most_max_concurrent_decodes_at_once(client, monkeypatc
         time.sleep(0.05)
         with lock:
             running -= 1
-        return real_from_bytes(*args, **kwargs)
+        return real_from_image(*args, **kwargs)
 
-    monkeypatch.setattr(state.preprocessor, "from_bytes", slow_from_bytes)
-    png = encode(fashion_images[0])
+    monkeypatch.setattr(pipeline.preprocessor, "from_image", slow_from_image)
+    # larger than the thumbnails that are decoded on the event loop (service.pipeline.INLINE_PIXELS)
+    png = encode(Image.fromarray(fashion_images[0]).resize((200, 200)))
     with ThreadPoolExecutor(max_workers=3 * limit) as pool:
         responses = list(
             pool.map(
@@ -267,3 +266,24 @@ def test_an_empty_api_key_is_refused_at_start():
 
     with pytest.raises(ValidationError, match="api_key is set but empty"):
         Settings(api_key="  ")
+
+
+def test_only_small_images_are_decoded_on_the_event_loop(fashion_images):
+    from service.inputs import RawImage
+    from service.pipeline import INLINE_PIXELS, declared_pixels, decode_inline
+
+    thumbnail = Image.fromarray(fashion_images[0])
+    side = int(INLINE_PIXELS**0.5)
+    for image_format in ("PNG", "GIF", "BMP"):
+        for size in ((28, 28), (side + 1, side)):
+            data = encode(thumbnail.resize(size), image_format)
+            assert declared_pixels(RawImage("f", data=data)) == size[0] * size[1]
+    jpeg = RawImage("f", data=encode(thumbnail, "JPEG"))
+    assert declared_pixels(jpeg) is None  # unknown without parsing: decoded in a thread
+    small = RawImage("f", data=encode(thumbnail))
+    large = RawImage("f", data=encode(thumbnail.resize((side + 1, side))))
+    assert decode_inline([small, small]) and not decode_inline([large])
+    assert not decode_inline([small, jpeg])
+    assert not decode_inline([small] * (INLINE_PIXELS // 784 + 1))  # the request's total counts
+    assert declared_pixels(RawImage("f", pixels=[[0] * 5] * 3)) == 15
+    assert declared_pixels(RawImage("f", pixels=[[[0] * 5] * 3] * 3)) == 45

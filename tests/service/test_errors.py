@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import struct
 import zlib
 
@@ -10,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.main import create_app
+from service.schemas import first_non_number
 from tests.support import assert_error, b64, encode, make_settings
 
 
@@ -250,9 +252,9 @@ def test_api_key(model_repository, fashion_images):
 
 
 def test_a_failing_model_run_is_500_with_the_request_id(client, monkeypatch, fashion_images):
-    runtime = client.app.state.service.runtime
+    runtime = client.app.state.service.manager.resolve().runtime
 
-    def broken(images):
+    def broken(images, instance=0):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(runtime, "classify", broken)
@@ -264,6 +266,34 @@ def test_a_failing_model_run_is_500_with_the_request_id(client, monkeypatch, fas
     monkeypatch.undo()
     assert client.post("/predict", json=body).status_code == 200
     failures = client.app.state.metrics.registry.get_sample_value(
-        "vitserve_inference_failures_total", {"graph": "classifier"}
+        "vitserve_inference_failures_total", {"model": "tiny-vit", "graph": "classifier"}
     )
     assert failures >= 1
+
+
+def _first_non_number_reference(value, path=()):
+    """Brute force, element by element: the reference for schemas.first_non_number."""
+    if type(value) is list:
+        for index, item in enumerate(value):
+            found = _first_non_number_reference(item, (*path, index))
+            if found is not None:
+                return found
+        return None
+    return None if type(value) in (int, float) else (list(path), value)
+
+
+def test_the_first_non_number_of_a_pixel_list_is_found_where_it_is():
+    rng = random.Random(17)
+
+    def nested(depth: int = 0):
+        if depth < 3 and rng.random() < 0.5:
+            return [nested(depth + 1) for _ in range(rng.randint(0, 4))]
+        return rng.choice([0, 1.5, 255, 7, 3.0, 0, 0, 0, "a", "12", True, False, None, {"r": 1}])
+
+    for _ in range(5000):
+        document = [nested() for _ in range(rng.randint(0, 4))]
+        assert first_non_number(document) == _first_non_number_reference(document), document
+    rows = [[0] * 100 for _ in range(100)]
+    assert first_non_number(rows) is None
+    rows[99][99] = True
+    assert first_non_number(rows) == ([99, 99], True)

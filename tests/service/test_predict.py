@@ -5,20 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.support import MODEL_NAME, Reference, b64, encode
+from export.data import FASHION_MNIST_LABELS
+from tests.support import FASHION_INPUT, MODEL_NAME, Reference, b64, encode
 
-LABELS = [
-    "T-shirt/top",
-    "Trouser",
-    "Pullover",
-    "Dress",
-    "Coat",
-    "Sandal",
-    "Shirt",
-    "Sneaker",
-    "Bag",
-    "Ankle boot",
-]
+LABELS = list(FASHION_MNIST_LABELS)
 
 
 def check_against_reference(predictions: list[dict], expected: np.ndarray, top_k: int) -> None:
@@ -130,12 +120,12 @@ def test_metrics_count_requests_batches_and_queue_time(client, fashion_images):
     for line in (
         'vitserve_http_requests_total{method="POST",route="/predict",status="200"}',
         'vitserve_http_request_duration_seconds_count{method="POST",route="/predict"}',
-        'vitserve_queue_wait_seconds_count{graph="classifier"}',
-        'vitserve_compute_seconds_count{graph="classifier"}',
-        'vitserve_batch_size_count{graph="classifier"}',
-        'vitserve_queue_depth{graph="classifier"} 0.0',
+        'vitserve_queue_wait_seconds_count{graph="classifier",model="tiny-vit"}',
+        'vitserve_compute_seconds_count{graph="classifier",model="tiny-vit"}',
+        'vitserve_batch_size_count{graph="classifier",model="tiny-vit"}',
+        'vitserve_queue_depth{graph="classifier",model="tiny-vit"} 0.0',
         "vitserve_ready 1.0",
-        f'vitserve_model_info{{name="{MODEL_NAME}",provider="CPUExecutionProvider",version="1"}} 1.0',
+        f'vitserve_model_info{{model="{MODEL_NAME}",precision="fp32",provider="CPUExecutionProvider",version="1"}} 1.0',
     ):
         assert line in text, line
 
@@ -144,14 +134,7 @@ def test_models_health_and_openapi(client, settings):
     info = client.get("/models").json()["models"][0]
     assert info["name"] == MODEL_NAME and info["version"] == 1
     assert info["labels"] == LABELS
-    assert info["input"] == {
-        "name": "images",
-        "layout": "NCHW",
-        "dtype": "float32",
-        "channels": 1,
-        "height": 28,
-        "width": 28,
-    }
+    assert info["input"] == FASHION_INPUT
     assert info["provider"] == "CPUExecutionProvider"
     assert info["grid"] == [4, 4] and info["pooling"] == "mean"
     assert info["batching"]["max_batch_size"] == settings.max_batch_size
@@ -166,3 +149,16 @@ def test_models_health_and_openapi(client, settings):
     assert "PredictRequest" in document["components"]["schemas"]
     assert "ImageInput" in document["components"]["schemas"]
     assert "422" in document["paths"]["/predict"]["post"]["responses"]
+
+
+def test_the_default_top_k_fits_a_model_with_fewer_classes():
+    """A three-class model answers the default request (top_k 5 unless asked) with its three
+    classes; asking for more classes than it has is still a 422."""
+    from service.errors import InvalidInput
+    from service.predictions import check_top_k
+
+    labels = ["circle", "square", "triangle"]
+    assert check_top_k(5, labels, given=False) == 3
+    assert check_top_k(2, labels, given=True) == 2
+    with pytest.raises(InvalidInput, match="top_k: 5 is more than the model's 3 classes"):
+        check_top_k(5, labels, given=True)

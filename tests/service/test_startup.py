@@ -98,9 +98,15 @@ def test_bad_metadata_stops_startup(model_repository, tmp_path, change, pattern)
 
 
 def test_labels_file_must_match_the_metadata(model_repository, tmp_path):
+    """The version's labels.txt; a model-level one (the layout before labels moved into the
+    version) only where the version has none."""
     repository = copy_entry(model_repository, tmp_path)
-    (repository / MODEL_NAME / "labels.txt").write_text("a\nb\n")
-    with pytest.raises(ModelLoadError, match=r"labels\.txt \(2 labels\) does not match"):
+    (repository / MODEL_NAME / "1" / "labels.txt").write_text("a\nb\n")
+    with pytest.raises(ModelLoadError, match=r"1/labels\.txt \(2 labels\) does not match"):
+        start(make_settings(repository))
+    (repository / MODEL_NAME / "1" / "labels.txt").unlink()
+    (repository / MODEL_NAME / "labels.txt").write_text("a\nb\nc\n")
+    with pytest.raises(ModelLoadError, match=r"tiny-vit/labels\.txt \(3 labels\) does not match"):
         start(make_settings(repository))
 
 
@@ -193,3 +199,68 @@ print("BANNED", banned)
     )
     assert result.returncode == 0, result.stderr
     assert "BANNED []" in result.stdout
+
+
+SECRET = "hunter2-secret"
+
+
+@pytest.mark.parametrize(
+    ("settings", "line"),
+    [
+        (
+            {"api_key": SECRET, "max_queue_size": 1},
+            "cannot start: settings: max_queue_size (1) must be at least max_images_per_request (8)",
+        ),
+        (
+            {"api_key": SECRET, "max_batch_size": "many"},
+            "cannot start: setting VITSERVE_MAX_BATCH_SIZE: Input should be a valid integer",
+        ),
+        ({"api_key": ""}, "cannot start: setting VITSERVE_API_KEY: api_key is set but empty"),
+        (
+            {"api_key": f"cl\u00e9-{SECRET}"},
+            "cannot start: setting VITSERVE_API_KEY: api_key must be printable ASCII",
+        ),
+        (
+            {"api_key": f"{SECRET} "},
+            "cannot start: setting VITSERVE_API_KEY: api_key starts or ends with a space",
+        ),
+    ],
+    ids=[
+        "queue smaller than a request",
+        "not a number",
+        "empty key",
+        "non-ASCII key",
+        "spaced key",
+    ],
+)
+def test_invalid_settings_exit_2_with_one_line_and_never_the_secret(
+    model_repository, settings, line
+):
+    result = subprocess.run(
+        [sys.executable, "-m", "service"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=server_env(model_repository, 18097, **settings),
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert output.strip().splitlines() == [output.strip()], output  # one line
+    assert output.startswith(line), output
+    assert SECRET not in output and "Traceback" not in output
+
+
+def test_an_api_key_that_no_header_can_carry_is_refused():
+    for key in ("cl\u00e9", "tab\tkey", " lead", "trail ", "\u00a0", "\x00"):
+        with pytest.raises(ValueError, match="api_key"):
+            Settings(api_key=key)
+    assert Settings(api_key="a key-with_printable.ASCII~").api_key is not None
+
+
+def test_deadline_defaults_let_a_proxy_less_deployment_live():
+    defaults = Settings()
+    assert defaults.header_timeout_s <= 60  # issue 17: half-sent headers closed within 60 s
+    assert defaults.body_timeout_s <= 60
+    # a 16 MiB body at the slowest rate that is never cut off takes under 20 minutes
+    assert defaults.max_body_bytes / defaults.body_min_bytes_per_s < 20 * 60

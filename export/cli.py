@@ -1,0 +1,33 @@
+"""What every ``python -m export.<tool>`` command (and ``python -m bench``) shares: a parser that
+shows the module's docstring as written, and a mistake the user can fix printed as one line with exit
+status 2 instead of a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+
+def command_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """The parser of ``python -m <prog>``; ``doc`` (the module docstring) is its help text."""
+    return argparse.ArgumentParser(
+        prog=f"python -m {prog}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def exit_status(action: Callable[[], object], *also: type[Exception]) -> int:
+    """0 after ``action()``; 2 with ``error: ...`` on stderr when it raises a checkpoint, dataset or
+    value error (or one of ``also``)."""
+    # Imported here: the torch-free commands (export.pipeline, bench) use the parser alone.
+    from export.checkpoint import CheckpointError
+    from export.data import DatasetError
+
+    try:
+        action()
+    except (CheckpointError, DatasetError, ValueError, *also) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,220 @@
+"""An INT8 classifier from a checkpoint: onnxruntime.quantization, refused unless it keeps accuracy.
+
+``python -m export.onnx RUN --name NAME-int8 --version 1 --quantize int8 [--quantization dynamic]``
+
+The float classifier is exported and verified against PyTorch as ``export.onnx`` does, prepared with
+onnxruntime's ``quant_pre_process``, then quantized one of two ways:
+
+- ``dynamic``: int8 weights; each MatMul by a weight and the patch Conv quantize their input at run time
+  (``quantize_dynamic``: MatMulInteger, ConvInteger; attention's own MatMuls stay float). No
+  calibration.
+- ``static-qdq``: int8 weights and activations in QuantizeLinear/DequantizeLinear pairs around the
+  MatMul, Gemm and Conv nodes, with activation ranges calibrated (min-max) on training images of the
+  run's dataset. Per-tensor: with per-channel weights (and every op type quantized) the shipped
+  model measured 92.35% against 92.91%.
+
+Both are measured on the whole test split next to the float graph; the int8 graph is written only
+when it is within ``MAX_ACCURACY_DROP`` of it. It ships as its own model (``<NAME>/<version>/
+model.onnx``, no attention graph) with ``"precision": "int8"`` and ``"quantization"`` in its metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnxruntime.quantization import (
+    CalibrationDataReader,
+    QuantFormat,
+    QuantType,
+    quantize_dynamic,
+    quantize_static,
+)
+from onnxruntime.quantization.shape_inference import quant_pre_process
+
+from export import onnx as export_onnx
+from export.checkpoint import file_sha256, load_checkpoint, resolve_checkpoint
+from export.data import get_dataset_spec, load_dataset, normalize
+from export.evaluate import dataset_logits, onnx_runner
+from export.repository import write_version
+
+QUANTIZATIONS = ("dynamic", "static-qdq")
+CALIBRATION_IMAGES = 512
+CALIBRATION_BATCH = 32
+MAX_ACCURACY_DROP = 0.003  # 0.3 points of test accuracy
+STATIC_OP_TYPES = ["MatMul", "Gemm", "Conv"]
+
+
+class QuantizationError(export_onnx.VerificationError):
+    """The quantized graph loses too much accuracy; nothing is written."""
+
+
+class Calibration(CalibrationDataReader):
+    """Normalised training images, in batches, for ``quantize_static``."""
+
+    def __init__(self, images: np.ndarray) -> None:
+        self.images = images
+        self.starts = iter(range(0, len(images), CALIBRATION_BATCH))
+
+    def get_next(self) -> dict | None:
+        start = next(self.starts, None)
+        if start is None:
+            return None
+        return {"images": self.images[start : start + CALIBRATION_BATCH]}
+
+
+def calibration_images(images: torch.Tensor, count: int, seed: int = 0) -> torch.Tensor:
+    """``count`` training images drawn without replacement (seeded), in their original order."""
+    if not 1 <= count <= len(images):
+        raise ValueError(f"--calibration-images must be 1 to {len(images)}, got {count}")
+    chosen = np.sort(np.random.default_rng(seed).choice(len(images), count, replace=False))
+    return images[torch.from_numpy(chosen)]
+
+
+@contextlib.contextmanager
+def quiet_root_logger() -> Iterator[None]:
+    """The quantizer warns through the root logger about every LayerNorm weight it skips."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+def quantize_graph(
+    graph: onnx.ModelProto, method: str, calibration: np.ndarray | None = None
+) -> onnx.ModelProto:
+    """``graph`` (float32, logits only) -> its int8 version by ``method``."""
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
+    with tempfile.TemporaryDirectory() as work, quiet_root_logger():
+        source, prepared, quantized = (Path(work) / f for f in ("f.onnx", "p.onnx", "q.onnx"))
+        onnx.save_model(graph, source)
+        quant_pre_process(source, prepared)
+        if method == "dynamic":
+            quantize_dynamic(prepared, quantized, weight_type=QuantType.QInt8)
+        else:
+            if calibration is None:
+                raise ValueError("static quantization needs calibration images")
+            quantize_static(
+                prepared,
+                quantized,
+                Calibration(calibration),
+                quant_format=QuantFormat.QDQ,
+                op_types_to_quantize=STATIC_OP_TYPES,
+                activation_type=QuantType.QInt8,
+                weight_type=QuantType.QInt8,
+                per_channel=False,
+            )
+        return onnx.load(str(quantized))
+
+
+def accuracy(graph: onnx.ModelProto, images: np.ndarray, labels: np.ndarray) -> float:
+    """Test accuracy of a logits graph on normalised images."""
+    run = onnx_runner(export_onnx.session_for(graph))
+    logits = dataset_logits(run, images, lambda batch: batch, 500)
+    return float((logits.argmax(1) == labels).mean())
+
+
+def export_quantized(
+    checkpoint: str | Path,
+    name: str,
+    version: int,
+    repo: str | Path,
+    data_dir: str | Path | None = None,
+    overwrite: bool = False,
+    method: str = "dynamic",
+    calibration_count: int = CALIBRATION_IMAGES,
+) -> dict:
+    """Export, verify, quantize, measure and write an int8 classifier; returns the figures."""
+    path = resolve_checkpoint(checkpoint)
+    model, metadata = load_checkpoint(path)
+    spec = get_dataset_spec(metadata["dataset"])
+    labels = json.loads(metadata["labels"])
+    version_dir = Path(repo) / name / str(version)
+    if version_dir.exists() and not overwrite:
+        raise FileExistsError(
+            f"{version_dir} already exists; pass --overwrite to replace it or choose another --version"
+        )
+    train, test = load_dataset(spec.name, data_dir)
+    images = normalize(test.images, spec)
+    graphs = export_onnx.build_graphs(model)
+    figures = export_onnx.verify(model, graphs, images[: max(export_onnx.VERIFY_BATCH_SIZES)])
+    calibration = None
+    if method == "static-qdq":
+        calibration = normalize(calibration_images(train.images, calibration_count), spec).numpy()
+    quantized = quantize_graph(graphs.classifier, method, calibration)
+    test_images, test_labels = images.numpy(), test.labels.numpy()
+    float_accuracy = accuracy(graphs.classifier, test_images, test_labels)
+    int8_accuracy = accuracy(quantized, test_images, test_labels)
+    result = {
+        "quantization": method,
+        "calibration_images": calibration_count if calibration is not None else None,
+        "float_test_accuracy": float_accuracy,
+        "test_accuracy": int8_accuracy,
+        "test_images": len(test),
+        "verification": figures,
+    }
+    if float_accuracy - int8_accuracy > MAX_ACCURACY_DROP:
+        raise QuantizationError(
+            f"int8 ({method}) test accuracy {100 * int8_accuracy:.2f}% is more than "
+            f"{100 * MAX_ACCURACY_DROP:.1f} points below the float graph's "
+            f"{100 * float_accuracy:.2f}%: {json.dumps(result)}"
+        )
+    document = export_onnx.describe(
+        model,
+        spec,
+        labels,
+        name,
+        version,
+        "classifier",
+        int8_accuracy,
+        len(test),
+        file_sha256(path),
+    )
+    document.update(
+        precision="int8",
+        quantization=method,
+        calibration_images=result["calibration_images"],
+        float_test_accuracy=float_accuracy,
+        attention_graph=None,
+    )
+    export_onnx.with_metadata(quantized, document)
+    c = model.config
+    dims = (c.in_channels, c.image_height, c.image_width)
+    written = write_version(
+        Path(repo), name, version, {"model.onnx": quantized}, labels, dims, overwrite
+    )
+    return {"path": str(written), **result}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--quantize`` and its options, for ``python -m export.onnx``."""
+    parser.add_argument(
+        "--quantize",
+        choices=["int8"],
+        default=None,
+        help="write an int8 classifier (logits only) instead of the float graphs",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="dynamic",
+        help="how to quantize (default: dynamic, the faster of the two here)",
+    )
+    parser.add_argument(
+        "--calibration-images",
+        type=int,
+        default=CALIBRATION_IMAGES,
+        help=f"training images that calibrate static-qdq (default {CALIBRATION_IMAGES})",
+    )

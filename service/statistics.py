@@ -1,0 +1,109 @@
+"""Triton's statistics extension: what each model version's requests and batches cost.
+
+Counted per request (one pipeline call: a ``/predict``, ``/attention`` or infer request): ``success``
+and ``fail`` (count, and the nanoseconds from entering the pipeline to the answer), and, for each
+request that succeeded, ``queue`` (its images' longest wait from entering the queue to the start of
+their batch) and ``compute_input`` / ``compute_infer`` / ``compute_output`` (stacking the batch, the
+onnxruntime run, splitting the rows back out; the sum over the batches its images ran in). Counted per
+batch: ``execution_count``, ``inference_count`` (images run) and ``batch_stats`` per batch size.
+``last_inference`` is the wall-clock time of the last batch in milliseconds since the epoch.
+
+A pipeline owns one; everything is recorded on the event loop, so no lock is needed. The JSON shape
+is Triton's (``GET /v2/models/stats``), the field names those of its ``ModelStatistics`` protobuf.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Duration:
+    """Triton's ``StatisticDuration``: how many, and their nanoseconds together."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int) -> None:
+        self.count += 1
+        self.ns += ns
+
+    def as_dict(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass(frozen=True, eq=False)
+class BatchTimes:
+    """What one batch took, in nanoseconds: stacking its rows, the model run, splitting the rows."""
+
+    compute_input_ns: int
+    compute_infer_ns: int
+    compute_output_ns: int
+
+
+@dataclass
+class _BatchSizeStats:
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+
+STAGES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+
+
+class ModelStatistics:
+    def __init__(self) -> None:
+        self.durations = {stage: Duration() for stage in STAGES}
+        self.inference_count = 0
+        self.execution_count = 0
+        self.last_inference_ms = 0
+        self._batches: dict[int, _BatchSizeStats] = {}
+
+    def record_batch(self, size: int, times: BatchTimes) -> None:
+        """A batch of ``size`` images ran."""
+        self.execution_count += 1
+        self.inference_count += size
+        self.last_inference_ms = time.time_ns() // 1_000_000
+        stats = self._batches.setdefault(size, _BatchSizeStats())
+        stats.compute_input.add(times.compute_input_ns)
+        stats.compute_infer.add(times.compute_infer_ns)
+        stats.compute_output.add(times.compute_output_ns)
+
+    def record_request(self, queue_ns: int, batches: Iterable[BatchTimes]) -> None:
+        """A request's images all ran: its wait in the queue and the batches they ran in."""
+        batches = list(batches)
+        self.durations["queue"].add(queue_ns)
+        self.durations["compute_input"].add(sum(b.compute_input_ns for b in batches))
+        self.durations["compute_infer"].add(sum(b.compute_infer_ns for b in batches))
+        self.durations["compute_output"].add(sum(b.compute_output_ns for b in batches))
+
+    def record_outcome(self, succeeded: bool, ns: int) -> None:
+        """A request left the pipeline, answered (``succeeded``) or with an error, after ``ns``."""
+        self.durations["success" if succeeded else "fail"].add(ns)
+
+    def as_dict(self, name: str, version: str) -> dict[str, Any]:
+        """One entry of Triton's ``model_stats``."""
+        inference_stats = {stage: self.durations[stage].as_dict() for stage in STAGES}
+        inference_stats["cache_hit"] = Duration().as_dict()  # no response cache here
+        inference_stats["cache_miss"] = Duration().as_dict()
+        return {
+            "name": name,
+            "version": version,
+            "last_inference": self.last_inference_ms,
+            "inference_count": self.inference_count,
+            "execution_count": self.execution_count,
+            "inference_stats": inference_stats,
+            "batch_stats": [
+                {
+                    "batch_size": size,
+                    "compute_input": stats.compute_input.as_dict(),
+                    "compute_infer": stats.compute_infer.as_dict(),
+                    "compute_output": stats.compute_output.as_dict(),
+                }
+                for size, stats in sorted(self._batches.items())
+            ],
+            "memory_usage": [],
+        }

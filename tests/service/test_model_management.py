@@ -1,0 +1,242 @@
+"""Model management: every model of the repository, live version swaps, Triton's repository extension.
+
+The swaps run under load from several threads against the in-process app, which follows a copy of the
+test repository (poll mode, a short poll interval); every wait is for an event (a state in the index, a
+version in the answers), bounded generously, never a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.main import create_app
+from service.model_repository import ModelLoadError
+from tests.support import MODEL_NAME, assert_error, make_settings
+
+POLL_S = 0.1
+
+
+@pytest.fixture
+def repository(model_repository: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "models"
+    shutil.copytree(model_repository, copy)
+    return copy
+
+
+def body(fashion_images) -> dict:
+    return {"images": [{"pixels": fashion_images[0].tolist()}]}
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def index(client: TestClient) -> dict[tuple[str, str], dict]:
+    rows = client.post("/v2/repository/index").json()
+    return {(row["name"], row["version"]): row for row in rows}
+
+
+def stage_version(repository: Path, name: str, source: int, target: int) -> None:
+    """What the export does: write the whole version beside the model, then rename it in."""
+    staging = repository / name / f".staging-{target}"
+    shutil.copytree(repository / name / str(source), staging)
+    staging.rename(repository / name / str(target))
+
+
+class Load:
+    """Threads posting /predict in a loop, recording (status, model version) of every answer."""
+
+    def __init__(self, client: TestClient, payload: dict, threads: int = 4) -> None:
+        self.answers: list[tuple[float, int, int | None]] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+        def work() -> None:
+            while not self._stop.is_set():
+                response = client.post("/predict", json=payload)
+                version = (
+                    response.json()["model"]["version"] if response.status_code == 200 else None
+                )
+                with self._lock:
+                    self.answers.append((time.monotonic(), response.status_code, version))
+
+        self._threads = [threading.Thread(target=work) for _ in range(threads)]
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+
+    def versions(self) -> list[int | None]:
+        with self._lock:
+            return [version for _, _, version in sorted(self.answers)]
+
+
+@pytest.fixture
+def polling(repository: Path) -> Iterator[TestClient]:
+    settings = make_settings(
+        repository, model_control="poll", repository_poll_s=POLL_S, max_queue_delay_ms=5.0
+    )
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+def test_a_new_version_takes_over_under_load_with_every_request_answered(
+    polling, repository, fashion_images
+):
+    with Load(polling, body(fashion_images)) as load:
+        wait_for(lambda: len(load.answers) > 20, "answers from version 1")
+        stage_version(repository, MODEL_NAME, 1, 2)
+        wait_for(lambda: 2 in load.versions()[-5:], "answers from version 2")
+        count = len(load.answers)
+        wait_for(lambda: len(load.answers) > count + 20, "more answers after the swap")
+    statuses = {status for _, status, _ in load.answers}
+    assert statuses == {200}
+    versions = load.versions()
+    first_two = versions.index(2)
+    assert set(versions[:first_two]) == {1} and set(versions[first_two:]) == {2}  # never back
+    # version 1 is released once its requests are answered (latest 1 is the policy)
+    wait_for(lambda: ("tiny-vit", "1") not in index(polling), "version 1 released")
+    assert index(polling)[(MODEL_NAME, "2")]["state"] == "READY"
+
+
+def test_a_corrupt_version_is_refused_while_the_served_one_keeps_serving(
+    polling, repository, fashion_images
+):
+    broken = repository / MODEL_NAME / ".staging-3"
+    broken.mkdir()
+    (broken / "model.onnx").write_bytes(b"not an onnx graph")
+    broken.rename(repository / MODEL_NAME / "3")
+    wait_for(lambda: (MODEL_NAME, "3") in index(polling), "version 3 in the index")
+    row = index(polling)[(MODEL_NAME, "3")]
+    assert row["state"] == "UNAVAILABLE" and "onnxruntime cannot load" in row["reason"]
+    response = polling.post("/predict", json=body(fashion_images))
+    assert response.status_code == 200 and response.json()["model"]["version"] == 1
+    assert index(polling)[(MODEL_NAME, "1")]["state"] == "READY"
+    failures = polling.app.state.metrics.registry.get_sample_value(
+        "vitserve_model_load_failures_total", {"model": MODEL_NAME}
+    )
+    assert failures >= 1
+    assert_error(
+        polling.post(f"/models/{MODEL_NAME}/versions/3/predict", json=body(fashion_images)),
+        503,
+        "not ready",
+    )
+
+
+def test_a_version_still_being_copied_is_never_served_half_written(polling, repository):
+    """A plain copy (no staging) writes the graph in pieces, pausing longer than a scan: a piece may
+    be tried and refused, never served; once the copy is whole the version is loaded."""
+    source = (repository / MODEL_NAME / "1" / "model.onnx").read_bytes()
+    target = repository / MODEL_NAME / "2"
+    target.mkdir()
+    pieces = [
+        source[i : i + len(source) // 8 + 1] for i in range(0, len(source), len(source) // 8 + 1)
+    ]
+    with (target / "model.onnx").open("wb") as graph:
+        for piece in pieces[:-1]:
+            graph.write(piece)
+            graph.flush()
+            time.sleep(3 * POLL_S)  # several scans see it, changed and unchanged
+            assert index(polling).get((MODEL_NAME, "2"), {}).get("state") != "READY"
+        graph.write(pieces[-1])
+    wait_for(lambda: index(polling).get((MODEL_NAME, "2"), {}).get("state") == "READY", "version 2")
+
+
+def test_rolling_back_by_removing_the_new_version(polling, repository, fashion_images):
+    stage_version(repository, MODEL_NAME, 1, 2)
+    wait_for(lambda: index(polling).get((MODEL_NAME, "2"), {}).get("state") == "READY", "version 2")
+    with Load(polling, body(fashion_images)) as load:
+        wait_for(lambda: len(load.answers) > 10, "answers")
+        shutil.rmtree(repository / MODEL_NAME / "2")
+        wait_for(lambda: 1 in load.versions()[-5:], "answers from version 1 again")
+    assert {status for _, status, _ in load.answers} == {200}
+
+
+def test_explicit_load_and_unload(repository, fashion_images):
+    settings = make_settings(repository, model_control="explicit")
+    with TestClient(create_app(settings)) as client:
+        name = MODEL_NAME
+        assert client.post(f"/v2/repository/models/{name}/unload").status_code == 200
+        assert index(client)[(name, "")]["state"] == "UNAVAILABLE"
+        assert_error(client.post("/predict", json=body(fashion_images)), 503, "not ready")
+        assert client.get("/health/ready").status_code == 503  # the default model is gone
+        assert client.post(f"/v2/repository/models/{name}/load").status_code == 200
+        assert index(client)[(name, "1")]["state"] == "READY"
+        assert client.post("/predict", json=body(fashion_images)).status_code == 200
+        missing = client.post("/v2/repository/models/nope/load")
+        assert missing.status_code == 404 and "nope" in missing.json()["error"]
+        (repository / name / "1" / "model.onnx").write_bytes(b"broken")
+        failed = client.post(f"/v2/repository/models/{name}/load")
+        assert failed.status_code == 400 and "onnxruntime cannot load" in failed.json()["error"]
+        assert client.post("/predict", json=body(fashion_images)).status_code == 200  # kept
+
+
+def test_load_and_unload_need_explicit_mode(client):
+    response = client.post(f"/v2/repository/models/{MODEL_NAME}/unload")
+    assert response.status_code == 400 and "explicit" in response.json()["error"]
+
+
+def test_two_models_each_with_its_own_batcher(repository, fashion_images):
+    shutil.copytree(repository / MODEL_NAME, repository / "second")
+    config = repository / "second" / "config.pbtxt"
+    text = re.sub(r"max_batch_size: \d+", "max_batch_size: 3", config.read_text())
+    config.write_text(text.replace(f'name: "{MODEL_NAME}"', 'name: "second"'))
+    settings = make_settings(repository, max_batch_size=None)
+    with TestClient(create_app(settings)) as client:
+        models = {m["name"]: m for m in client.get("/models").json()["models"]}
+        assert set(models) == {MODEL_NAME, "second"}
+        assert models[MODEL_NAME]["default"] and not models["second"]["default"]
+        assert models["second"]["batching"]["max_batch_size"] == 3
+        for name in (MODEL_NAME, "second"):
+            answer = client.post(f"/models/{name}/predict", json=body(fashion_images)).json()
+            assert answer["model"] == {"name": name, "version": 1}
+        registry = client.app.state.metrics.registry
+        for name in (MODEL_NAME, "second"):
+            runs = registry.get_sample_value(
+                "vitserve_batch_size_count", {"model": name, "graph": "classifier"}
+            )
+            assert runs == 1
+        v2 = client.post(
+            "/v2/models/second/infer",
+            json={
+                "inputs": [
+                    {"name": "images", "shape": [1, 28, 28], "datatype": "UINT8", "data": [0] * 784}
+                ]
+            },
+        )
+        assert v2.status_code == 200 and v2.json()["model_name"] == "second"
+
+
+def test_models_named_in_the_setting_are_the_only_ones_served(repository):
+    shutil.copytree(repository / MODEL_NAME, repository / "second")
+    only_second = make_settings(repository, models="second", model_name=None)
+    with TestClient(create_app(only_second)) as client:
+        models = client.get("/models").json()["models"]
+        assert [(m["name"], m["default"]) for m in models] == [("second", True)]
+    absent = create_app(make_settings(repository, models="absent", model_name=None))
+    with pytest.raises(ModelLoadError, match="VITSERVE_MODELS names 'absent'"), TestClient(absent):
+        pass
+    named_elsewhere = create_app(make_settings(repository, models="second"))
+    with (
+        pytest.raises(ModelLoadError, match=f"model '{MODEL_NAME}' not found"),
+        TestClient(named_elsewhere),
+    ):
+        pass
