@@ -132,7 +132,7 @@ MUTATION_LIMIT ?= 2h
 MUTATION_CHILDREN ?= 2
 mutation: $(TEST_STAMP) dataset ## Mutation testing of the core modules (docs/testing.md); not in `make test`.
 	rm -rf mutants
-	TESTS_MODEL_CACHE=$(CURDIR)/mutants/.model-cache timeout $(MUTATION_LIMIT) \
+	set -f; TESTS_MODEL_CACHE=$(CURDIR)/mutants/.model-cache timeout $(MUTATION_LIMIT) \
 		nice -n 10 $(BIN)/mutmut run --max-children $(MUTATION_CHILDREN) $(MUTATE)
 	$(BIN)/mutmut results
 

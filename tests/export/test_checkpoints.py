@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import pickle
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from export.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from export.checkpoint import (
+    CheckpointError,
+    file_sha256,
+    load_checkpoint,
+    load_optimizer,
+    save_checkpoint,
+    save_optimizer,
+)
 from export.data import FASHION_MNIST_LABELS
 from export.model import VisionTransformer
 
@@ -23,10 +32,12 @@ def test_save_and_load_give_the_same_model(tmp_path, tiny_config, position_embed
     torch.manual_seed(0)
     model = VisionTransformer(config)
     torch.nn.init.normal_(model.head.weight)
-    path = tmp_path / "model.safetensors"
+    run = tmp_path / "runs" / "new"  # not there yet: saving makes the directories
+    path = run / "model.safetensors"
     save_checkpoint(model, path, "fashion-mnist", FASHION_MNIST_LABELS, epoch="3")
-    loaded, metadata = load_checkpoint(tmp_path)  # a run directory means its model.safetensors
+    loaded, metadata = load_checkpoint(run)  # a run directory means its model.safetensors
     assert loaded.config == config and not loaded.training
+    assert metadata["format"] == "vitserve-checkpoint-1"  # the file format's version
     assert metadata["dataset"] == "fashion-mnist" and metadata["epoch"] == "3"
     assert json.loads(metadata["labels"]) == list(FASHION_MNIST_LABELS)
     original, restored = model.state_dict(), loaded.state_dict()
@@ -34,7 +45,10 @@ def test_save_and_load_give_the_same_model(tmp_path, tiny_config, position_embed
     assert all(torch.equal(original[key], restored[key]) for key in original)
     images = torch.randn(2, 1, 28, 28)
     torch.testing.assert_close(loaded(images), model.eval()(images), atol=0, rtol=0)
-    assert not list(tmp_path.glob("*.tmp"))
+    assert [p.name for p in run.iterdir()] == ["model.safetensors"]  # no temporary file left
+    # a later epoch saves into the same directory, over the same file
+    save_checkpoint(model, path, "fashion-mnist", FASHION_MNIST_LABELS, epoch="4")
+    assert load_checkpoint(run)[1]["epoch"] == "4"
 
 
 class Payload:
@@ -132,3 +146,56 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path, tiny_config):
     save_file(state, str(path), metadata=metadata)
     with pytest.raises(CheckpointError, match="weights do not fit the config"):
         load_checkpoint(path)
+
+
+def test_a_config_that_is_not_a_vit_config_is_refused_with_its_path(tmp_path, tiny_config):
+    model = VisionTransformer(tiny_config)
+    path = tmp_path / "model.safetensors"
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    labels = json.dumps(list(FASHION_MNIST_LABELS))
+    for config in ("{not json", json.dumps({"dim": "wide"})):
+        save_file(state, str(path), metadata={"config": config, "dataset": "d", "labels": labels})
+        with pytest.raises(CheckpointError, match=rf"{path}: bad config in metadata \("):
+            load_checkpoint(path)
+
+
+def test_file_sha256_is_the_sha256_of_the_whole_file(tmp_path):
+    """Over several of its 1 MiB blocks and a partial last one."""
+    path = tmp_path / "weights.bin"
+    data = np.random.default_rng(0).integers(0, 256, size=3 * 2**20 + 12345, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    assert file_sha256(path) == hashlib.sha256(data.tobytes()).hexdigest()
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    assert file_sha256(empty) == hashlib.sha256(b"").hexdigest()
+
+
+def test_the_optimizer_state_survives_a_save_and_load(tmp_path, tiny_config, monkeypatch):
+    """AdamW's moments, step counts and parameter groups, as a resumed run needs them."""
+    monkeypatch.chdir(tmp_path)  # a file written anywhere but the path given shows up below
+    torch.manual_seed(0)
+    model = VisionTransformer(tiny_config)
+    groups = [
+        {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.05},
+        {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
+    for _ in range(2):
+        model(torch.randn(4, 1, 28, 28)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    path = tmp_path / "optimizer.safetensors"
+    save_optimizer(optimizer, path)
+    restored = torch.optim.AdamW(
+        [{"params": g["params"], "weight_decay": 0.0} for g in groups], lr=1.0
+    )
+    load_optimizer(restored, path)
+    original, loaded = optimizer.state_dict(), restored.state_dict()
+    # the groups travel as JSON, where a tuple (AdamW's betas) becomes a list
+    assert loaded["param_groups"] == json.loads(json.dumps(original["param_groups"]))
+    assert original["state"].keys() == loaded["state"].keys() and len(original["state"]) > 1
+    for index, values in original["state"].items():
+        assert values.keys() == loaded["state"][index].keys()
+        for name, value in values.items():
+            torch.testing.assert_close(loaded["state"][index][name], value, atol=0, rtol=0)
+    assert [p.name for p in tmp_path.iterdir()] == ["optimizer.safetensors"]
