@@ -277,6 +277,18 @@ def free_port(ports: range) -> int:
     return server_process.free_port(ports, start=os.getpid() * 7 + int(time.monotonic() * 1000))
 
 
+def run_python(script: str, env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
+    """``python -c script`` from the repository root with ``env``; its output as text."""
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(env),
+    )
+
+
 def server_env(
     repository: Path, port: int, suite: Suite = SERVICE, **settings: object
 ) -> dict[str, str]:

@@ -133,28 +133,25 @@ def test_missing_checkpoint_and_missing_metadata(tmp_path):
         load_checkpoint(path)
 
 
-def test_weights_that_do_not_fit_the_config_are_refused(tmp_path, tiny_config):
-    model = VisionTransformer(tiny_config)
-    path = tmp_path / "model.safetensors"
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    bigger = tiny_config.replace(dim=64)
-    metadata = {
-        "config": bigger.to_json(),
-        "dataset": "fashion-mnist",
-        "labels": json.dumps(list(FASHION_MNIST_LABELS)),
-    }
+def save_with_config(path: Path, tiny_config, config: str) -> None:
+    """The tiny model's weights, saved with ``config`` as the metadata's config."""
+    state = {k: v.contiguous() for k, v in VisionTransformer(tiny_config).state_dict().items()}
+    labels = json.dumps(list(FASHION_MNIST_LABELS))
+    metadata = {"config": config, "dataset": "fashion-mnist", "labels": labels}
     save_file(state, str(path), metadata=metadata)
+
+
+def test_weights_that_do_not_fit_the_config_are_refused(tmp_path, tiny_config):
+    path = tmp_path / "model.safetensors"
+    save_with_config(path, tiny_config, tiny_config.replace(dim=64).to_json())
     with pytest.raises(CheckpointError, match="weights do not fit the config"):
         load_checkpoint(path)
 
 
 def test_a_config_that_is_not_a_vit_config_is_refused_with_its_path(tmp_path, tiny_config):
-    model = VisionTransformer(tiny_config)
     path = tmp_path / "model.safetensors"
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    labels = json.dumps(list(FASHION_MNIST_LABELS))
     for config in ("{not json", json.dumps({"dim": "wide"})):
-        save_file(state, str(path), metadata={"config": config, "dataset": "d", "labels": labels})
+        save_with_config(path, tiny_config, config)
         with pytest.raises(CheckpointError, match=rf"{path}: bad config in metadata \("):
             load_checkpoint(path)
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +29,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from service import tracing
 from service.main import create_app
 from tests.interop.eco_support import ECO, eco_server, grpc_port
-from tests.support import MODEL_NAME, REPO, free_port, make_settings, server_env
+from tests.support import MODEL_NAME, free_port, make_settings, run_python, server_env
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -96,14 +94,7 @@ print("LOADED", sorted(m for m in sys.modules if m.startswith(("opentelemetry.sd
     env = {
         k: v for k, v in server_env(model_repository, 18359).items() if not k.startswith("OTEL_")
     }
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    result = run_python(script, env)
     assert result.returncode == 0, result.stderr
     assert "LOADED []" in result.stdout, result.stdout
     assert (

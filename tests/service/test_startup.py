@@ -19,7 +19,15 @@ from service.__main__ import _Server
 from service.main import create_app
 from service.model_repository import ModelLoadError
 from service.settings import Settings
-from tests.support import MODEL_NAME, REPO, assert_error, make_settings, server_env, start_process
+from tests.support import (
+    MODEL_NAME,
+    REPO,
+    assert_error,
+    make_settings,
+    run_python,
+    server_env,
+    start_process,
+)
 
 
 def copy_entry(repository: Path, tmp_path: Path) -> Path:
@@ -189,14 +197,7 @@ with TestClient(app) as client:
 banned = sorted(m for m in sys.modules if m.split(".")[0] in {{"torch", "export", "matplotlib", "torchvision"}})
 print("BANNED", banned)
 """
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**server_env(model_repository, 18098)},
-    )
+    result = run_python(script, server_env(model_repository, 18098))
     assert result.returncode == 0, result.stderr
     assert "BANNED []" in result.stdout
 
