@@ -106,7 +106,7 @@ def _find_non_number(values: list[Any]) -> tuple[list[int], Any] | None:
             if found is not None:
                 found[0].append(index)
                 return found
-        elif kind is not int and kind is not float:
+        elif kind not in _NUMBERS:
             return [index], value
     return None
 

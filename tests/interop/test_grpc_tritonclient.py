@@ -250,7 +250,7 @@ def test_errors_are_grpc_statuses_with_the_http_message(client, http, served):
     tensor = np.zeros((1, 1, 28, 28), np.float32)
     with pytest.raises(InferenceServerException) as error:
         client.infer("resnet50", [fp32_input(tensor)])
-    assert_status(error, grpc.StatusCode.NOT_FOUND, "'resnet50' is not served", MODEL_NAME)
+    assert_status(error, grpc.StatusCode.NOT_FOUND, "unknown model 'resnet50'", MODEL_NAME)
     with pytest.raises(InferenceServerException) as error:
         client.infer(MODEL_NAME, [fp32_input(tensor)], model_version="2")
     assert_status(error, grpc.StatusCode.NOT_FOUND, "unknown version '2'")

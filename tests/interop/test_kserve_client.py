@@ -131,4 +131,4 @@ def test_uint8_pixels_and_errors(answers, reference):
         found["uint8"]["probabilities"], reference.probabilities(pixels), rtol=1e-4, atol=1e-6
     )
     status, message = found["unknown"]
-    assert status == 404 and "'resnet50' is not served" in message
+    assert status == 404 and "unknown model 'resnet50'" in message

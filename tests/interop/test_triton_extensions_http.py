@@ -60,7 +60,7 @@ def test_model_config_as_triton_answers_it(client, http, model_repository):
     assert client.get_model_config(MODEL_NAME, "1") == config
     with pytest.raises(InferenceServerException) as error:
         client.get_model_config("resnet50")
-    assert error.value.status() == "404" and "'resnet50' is not served" in error.value.message()
+    assert error.value.status() == "404" and "unknown model 'resnet50'" in error.value.message()
     with pytest.raises(InferenceServerException) as error:
         client.get_model_config(MODEL_NAME, "3")
     assert error.value.status() == "404" and "unknown version '3'" in error.value.message()

@@ -405,14 +405,14 @@ CORPUS: list[Bad] = [
         "pixels NaN",
         raw(b'{"images": [{"pixels": [[0, NaN], [1, 2]]}]}'),
         422,
-        ("images[0].pixels", "0 to 255", "nan at [0, 1]"),
+        ("images[0].pixels", "0 to 255", "NaN at [0, 1]", "not an integer"),
         "images[0].pixels",
     ),
     Bad(
         "pixels Infinity",
         raw(b'{"images": [{"pixels": [[0, 1], [Infinity, 2]]}]}'),
         422,
-        ("images[0].pixels", "0 to 255", "inf at [1, 0]"),
+        ("images[0].pixels", "0 to 255", "Infinity at [1, 0]", "not an integer"),
         "images[0].pixels",
     ),
     Bad(

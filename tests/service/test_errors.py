@@ -272,14 +272,15 @@ def test_a_failing_model_run_is_500_with_the_request_id(client, monkeypatch, fas
 
 
 def _first_non_number_reference(value, path=()):
-    """Brute force, element by element: the reference for schemas.first_non_number."""
+    """Brute force, element by element: the reference for schemas.first_non_number (pixels are
+    JSON integers; a fraction is refused like a string)."""
     if type(value) is list:
         for index, item in enumerate(value):
             found = _first_non_number_reference(item, (*path, index))
             if found is not None:
                 return found
         return None
-    return None if type(value) in (int, float) else (list(path), value)
+    return None if type(value) is int else (list(path), value)
 
 
 def test_the_first_non_number_of_a_pixel_list_is_found_where_it_is():
