@@ -105,10 +105,6 @@ class DynamicBatcher:
         self.failure: BaseException | None = None
 
     @property
-    def instances(self) -> int:
-        return len(self._instances)
-
-    @property
     def healthy(self) -> bool:
         """False once the batching loop has died; readiness reports it."""
         return self._task is not None and self.failure is None
