@@ -2,7 +2,9 @@
 
 - vitserve: ``python -m service`` with its defaults (and each ``--variant``: one setting changed);
 - plain: bench/baselines/plain_onnx_server.py, FastAPI + onnxruntime, batch 1, one intra-op thread;
-- torch: bench/baselines/torch_eager_server.py, the same server with PyTorch eager.
+- torch: bench/baselines/torch_eager_server.py, the same server with PyTorch eager;
+- nomodel: bench/baselines/no_model_server.py, the plain server with no model run at all (what
+  everything but the model costs a FastAPI server here: the bound the in-process ceiling meets).
 
 Single-image requests go to every server; 32-image requests to vitserve, while the plain server's
 images/s for the same images is its single-image rate. Each repeat measures every case at every
@@ -67,6 +69,11 @@ def servers(model_dir: Path, variants: dict[str, dict[str, str]]) -> list[Server
             "plain FastAPI + PyTorch eager, batch 1",
             (sys.executable, "-m", "bench.baselines.torch_eager_server", *baseline),
         ),
+        Server(
+            "nomodel",
+            "the plain server with no model (every logit 0)",
+            (sys.executable, "-m", "bench.baselines.no_model_server", *baseline),
+        ),
     ]
 
 
@@ -82,9 +89,10 @@ class Case:
 
 
 def cases(keys: list[str], levels: tuple[int, ...]) -> list[Case]:
-    """Single images to every server (PyTorch only at the target levels), 32 images to vitserve."""
-    torch_levels = tuple(c for c in levels if c in TARGET_LEVELS) or levels
-    single = [Case(k, 1, torch_levels if k == "torch" else levels) for k in keys]
+    """Single images to every server (PyTorch and no-model only at the target levels), 32 images to
+    vitserve."""
+    targets_only = tuple(c for c in levels if c in TARGET_LEVELS) or levels
+    single = [Case(k, 1, targets_only if k in ("torch", "nomodel") else levels) for k in keys]
     return [*single, Case("vitserve", 32, levels)]
 
 

@@ -133,11 +133,13 @@ class Comparison:
             )
         batch, ceiling = self.best_ceiling()
         served = median(self.spread("vitserve", 1, 64, "images_per_s"))
+        bare = median(self.spread("nomodel", 1, 64))
         x = ratio(served, median(ceiling))
         rows.append(
             Target(
                 "c=64, 1 image/request: >= 90% of the in-process ceiling's images/s",
                 f"{100 * x:.0f}% ({fmt(served)} vs {fmt(median(ceiling))} at batch {batch})"
+                + (f"; with no model at all the plain server answers {fmt(bare)}" if bare else "")
                 if x
                 else "-",
                 None if x is None else x >= 0.9,

@@ -40,34 +40,48 @@ def session(model_dir: Path) -> tuple[ort.InferenceSession, Preprocessor]:
 
 @dataclass(frozen=True)
 class ModelCost:
-    ms_per_image: dict[int, Spread]  # by batch size
+    ms_per_image: dict[str, dict[int, Spread]]  # by model, then batch size
 
     def markdown(self) -> str:
-        rows = [[str(b), spread_text(s, 3)] for b, s in self.ms_per_image.items()]
+        models = list(self.ms_per_image)
+        batches = sorted({b for costs in self.ms_per_image.values() for b in costs})
+        rows = [
+            [str(b), *(spread_text(self.ms_per_image[m].get(b), 3) for m in models)]
+            for b in batches
+        ]
         return "\n".join(
             [
                 "## The model alone, one core",
                 "",
-                "onnxruntime, one intra-op thread, random inputs; milliseconds of compute per image.",
+                "onnxruntime, one intra-op thread, random inputs; milliseconds of compute per image,"
+                " each model file measured alternately with the others.",
                 "",
-                table(["batch", "ms per image"], rows),
+                table(["batch", *models], rows),
             ]
         )
 
 
 def model_cost(
-    model_dir: Path, batches: tuple[int, ...], repeats: int, min_time_s: float
+    model_dirs: dict[str, Path], batches: tuple[int, ...], repeats: int, min_time_s: float
 ) -> ModelCost:
-    model, preprocessor = session(model_dir)
-    shape = (preprocessor.channels, preprocessor.height, preprocessor.width)
-    name = model.get_inputs()[0].name
-    inputs = {b: np.random.default_rng(b).standard_normal((b, *shape), np.float32) for b in batches}
-    samples: dict[int, list[float]] = {b: [] for b in batches}
+    sessions = {name: session(path) for name, path in model_dirs.items()}
+    samples: dict[str, dict[int, list[float]]] = {n: {b: [] for b in batches} for n in sessions}
     for repeat in range(repeats):
-        for b in batches if repeat % 2 == 0 else reversed(batches):
-            per_s = rate(lambda b=b: model.run(None, {name: inputs[b]}), b, min_time_s)
-            samples[b].append(1000 / per_s)
-    return ModelCost({b: Spread.of(values) for b, values in samples.items()})
+        for name, (model, preprocessor) in sessions.items():
+            shape = (preprocessor.channels, preprocessor.height, preprocessor.width)
+            input_name = model.get_inputs()[0].name
+            for b in batches if repeat % 2 == 0 else reversed(batches):
+                images = np.random.default_rng(b).standard_normal((b, *shape), np.float32)
+                per_s = rate(
+                    lambda m=model, x=images, n=input_name: m.run(None, {n: x}), b, min_time_s
+                )
+                samples[name][b].append(1000 / per_s)
+    return ModelCost(
+        {
+            name: {b: Spread.of(values) for b, values in by_batch.items()}
+            for name, by_batch in samples.items()
+        }
+    )
 
 
 def _worker(connection: Connection, model_dir: Path, encoded: list[str]) -> None:

@@ -33,6 +33,7 @@ from bench.stats import table
 from export.cli import command_parser
 
 MODEL_DIR = REPO / "models" / "fashion-mnist-vit" / "1"
+INT8_DIR = REPO / "models" / "fashion-mnist-vit-int8" / "1"  # the same model, quantised
 PACKAGES = (
     "onnxruntime",
     "torch",
@@ -69,7 +70,7 @@ def steps(args: argparse.Namespace, out: Path) -> dict[str, Callable[[], object]
     quick = args.quick
     return {
         "model": lambda: inprocess.model_cost(
-            MODEL_DIR,
+            {d.parent.name: d for d in (MODEL_DIR, INT8_DIR) if d.is_dir()},
             (1, 32) if quick else inprocess.BATCHES,
             1 if quick else 3,
             0.05 if quick else 0.5,

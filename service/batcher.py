@@ -20,8 +20,9 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -35,16 +36,58 @@ logger = logging.getLogger("vitserve")
 RunBatch = Callable[[np.ndarray], Sequence[np.ndarray]]
 
 
+class _ClientGone(Exception):
+    pass
+
+
+class _TimedOut(Exception):
+    pass
+
+
+class _Request:
+    """One caller's images: their outputs gather here, and its one future is answered when the last
+    has run, or at the first failure (one future per request, not per image: the event loop's cost
+    of a request does not grow with its images)."""
+
+    __slots__ = ("future", "remaining", "rows")
+
+    def __init__(self, future: asyncio.Future, count: int) -> None:
+        self.future = future
+        self.rows: list[tuple[np.ndarray, ...] | None] = [None] * count
+        self.remaining = count
+
+    def deliver(self, index: int, row: tuple[np.ndarray, ...]) -> None:
+        if self.future.done():
+            return
+        self.rows[index] = row
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.future.set_result(self.rows)
+
+    def fail(self, error: BaseException) -> bool:
+        """Answer with ``error`` unless already answered; whether it was."""
+        if self.future.done():
+            return False
+        self.future.set_exception(error)
+        return True
+
+
 @dataclass(eq=False)
 class _Item:
     row: np.ndarray
-    future: asyncio.Future
+    request: _Request
+    index: int
     enqueued: float
     request_id: str | None = field(default=None)
     # statistics and tracing: when its batch started, what the batch took, the request's queue span
     started: float = 0.0
     batch: BatchTimes | None = None
     wait: tracing.QueueTrace | None = None
+
+    @property
+    def abandoned(self) -> bool:
+        """Its request was answered (a failure, a timeout, a client gone): it need not run."""
+        return self.request.future.done()
 
 
 @dataclass(eq=False)
@@ -54,11 +97,13 @@ class _Instance:
     index: int = 0
 
 
-def _timed(run: RunBatch, images: np.ndarray) -> tuple[Sequence[np.ndarray], int]:
-    """``run(images)`` and the nanoseconds it took (in the instance's thread)."""
-    started = time.perf_counter_ns()
+def _timed(run: RunBatch, rows: list[np.ndarray]) -> tuple[Sequence[np.ndarray], BatchTimes]:
+    """Stack ``rows`` and ``run`` them, timing both (in the instance's thread, off the event loop)."""
+    stacking = time.perf_counter_ns()
+    images = np.stack(rows)
+    stacked = time.perf_counter_ns()
     outputs = run(images)
-    return outputs, time.perf_counter_ns() - started
+    return outputs, BatchTimes(stacked - stacking, time.perf_counter_ns() - stacked, 0)
 
 
 class DynamicBatcher:
@@ -90,6 +135,10 @@ class DynamicBatcher:
         self._metrics = metrics
         self.statistics = statistics if statistics is not None else ModelStatistics()
         self._labels = (model, graph)
+        self._depth = metrics.queue_depth.labels(*self._labels)
+        self._queue_wait = metrics.queue_wait.labels(*self._labels)
+        self._compute = metrics.compute.labels(*self._labels)
+        self._batch_size = metrics.batch_size.labels(*self._labels)
         runs = [run] if callable(run) else list(run)
         self._instances = [
             _Instance(fn, ThreadPoolExecutor(1, thread_name_prefix=f"vitserve-{graph}-{i}"), i)
@@ -171,66 +220,61 @@ class DynamicBatcher:
         loop = asyncio.get_running_loop()
         now = loop.time()
         wait = tracing.enter_queue(count)
-        items = [
-            _Item(rows[i], loop.create_future(), now, request_id, wait=wait) for i in range(count)
-        ]
+        request = _Request(loop.create_future(), count)
+        items = [_Item(rows[i], request, i, now, request_id, wait=wait) for i in range(count)]
         self._pending.extend(items)
-        self._set_depth()
+        self._depth.set(len(self._pending))
         self._wakeup.set()
-        futures = [item.future for item in items]
+
+        def client_left(_: object) -> None:
+            request.fail(_ClientGone())
+
+        def time_out() -> None:
+            request.fail(_TimedOut())
+
         watch = asyncio.ensure_future(disconnected) if disconnected is not None else None
+        if watch is not None:
+            watch.add_done_callback(client_left)
+        timer = loop.call_at(now + self.timeout_s, time_out)
         try:
-            deadline = now + self.timeout_s
-            while not all(future.done() for future in futures):
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                waiting = [f for f in futures if not f.done()] + ([watch] if watch else [])
-                await asyncio.wait(waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-                if watch is not None and watch.done():
-                    break
-            not_done = [future for future in futures if not future.done()]
-            if not_done and watch is not None and watch.done():
-                self._metrics.cancelled.labels(*self._labels).inc(len(not_done))
-                raise ClientDisconnected(
-                    f"the client went away; {len(not_done)} of {count} images were not run"
-                )
-            if not_done:
-                self._reject("timeout")
-                raise ServiceUnavailable(
-                    f"the request was not served within request_timeout_s={self.timeout_s} s "
-                    f"({len(not_done)} of {count} images unfinished); retry after {self.retry_after_s} s",
-                    code="timeout",
-                    retry_after_s=self.retry_after_s,
-                )
-            failures = [f.exception() for f in futures if f.exception() is not None]
-            if failures:
-                raise failures[0]
-            self.statistics.record_request(
-                max(round((item.started - item.enqueued) * 1e9) for item in items),
-                {id(item.batch): item.batch for item in items if item.batch}.values(),
-            )
-            return [future.result() for future in futures]
+            outputs = await request.future
+        except _ClientGone:
+            self._metrics.cancelled.labels(*self._labels).inc(request.remaining)
+            raise ClientDisconnected(
+                f"the client went away; {request.remaining} of {count} images were not run"
+            ) from None
+        except _TimedOut:
+            self._reject("timeout")
+            raise ServiceUnavailable(
+                f"the request was not served within request_timeout_s={self.timeout_s} s "
+                f"({request.remaining} of {count} images unfinished); retry after "
+                f"{self.retry_after_s} s",
+                code="timeout",
+                retry_after_s=self.retry_after_s,
+            ) from None
         finally:
+            timer.cancel()
+            if watch is not None:
+                watch.remove_done_callback(client_left)
+                watch.cancel()
             if wait is not None:
                 wait.end()  # a request given up before its batch started
-            if watch is not None:
-                watch.cancel()
-            abandoned = [future for future in futures if not future.done()]
-            for future in abandoned:
-                future.cancel()
-            if abandoned:  # free their places in the queue now, not when the loop next looks
-                self._pending = deque(item for item in self._pending if not item.future.done())
-                self._set_depth()
+            if not request.future.done():
+                request.future.cancel()  # the caller itself was cancelled
+            if request.remaining:  # free its places in the queue now, not when the loop next looks
+                self._pending = deque(item for item in self._pending if not item.abandoned)
+                self._depth.set(len(self._pending))
+        self.statistics.record_request(
+            max(round((item.started - item.enqueued) * 1e9) for item in items),
+            {id(item.batch): item.batch for item in items if item.batch}.values(),
+        )
+        return outputs  # type: ignore[return-value]
 
     def _reject(self, reason: str) -> None:
         self._metrics.rejections.labels(*self._labels, reason).inc()
 
-    def _set_depth(self) -> None:
-        self._metrics.queue_depth.labels(*self._labels).set(len(self._pending))
-
     def _drop_abandoned(self) -> None:
-        while self._pending and self._pending[0].future.done():
+        while self._pending and self._pending[0].abandoned:
             self._pending.popleft()
 
     def _batch_target(self, waiting: int) -> int:
@@ -245,122 +289,142 @@ class DynamicBatcher:
         return bool(self.preferred_batch_sizes) and waiting >= self.preferred_batch_sizes[-1]
 
     async def _loop(self) -> None:
+        """Starts batches as they become due: full, or their oldest image has waited the queue delay
+        (``_dispatch``); otherwise sleeps until the oldest's delay ends or something changes."""
         loop = asyncio.get_running_loop()
         while True:
-            self._drop_abandoned()
-            if not self._pending or not self._idle:
-                if not self._pending:
-                    self._set_depth()
-                    if self._closing and not self._running:
-                        return
-                self._wakeup.clear()
+            self._dispatch(loop)
+            if self._closing and not self._pending and not self._running:
+                return
+            self._wakeup.clear()
+            if self._pending and self._idle:  # not due yet: wait out the oldest image's delay
+                due = self._pending[0].enqueued + self.max_queue_delay_s - loop.time()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), max(due, 0.0))
+            else:
                 await self._wakeup.wait()
-                continue
-            if not self._full(len(self._pending)) and not self._flushing:
-                wait = self._pending[0].enqueued + self.max_queue_delay_s - loop.time()
-                if wait > 0:
-                    self._wakeup.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wakeup.wait(), wait)
-                    continue
-            target = self._batch_target(len(self._pending))
+
+    def _dispatch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start every batch that is due on an idle instance, now (not in a later loop turn: this runs
+        as soon as an instance finishes, before its callers are answered)."""
+        while self._idle:
+            self._drop_abandoned()
+            waiting = len(self._pending)
+            if not waiting:
+                break
+            due = self._pending[0].enqueued + self.max_queue_delay_s <= loop.time()
+            if not (due or self._flushing or self._full(waiting)):
+                break
+            target = self._batch_target(waiting)
             batch: list[_Item] = []
             while self._pending and len(batch) < target:
                 item = self._pending.popleft()
-                if not item.future.done():
+                if not item.abandoned:
                     batch.append(item)
-            self._set_depth()
             if batch:
-                instance = self._idle.pop()
-                task = loop.create_task(self._execute(batch, instance, loop))
-                self._running[task] = batch
+                self._start(batch, self._idle.pop(), loop)
+        self._depth.set(len(self._pending))
 
-    async def _execute(
+    def _start(
         self, batch: list[_Item], instance: _Instance, loop: asyncio.AbstractEventLoop
     ) -> None:
-        try:
-            await self._run(batch, instance, loop)
-        finally:
-            self._running.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
-            self._idle.append(instance)
-            self._wakeup.set()
-
-    async def _run(
-        self, batch: list[_Item], instance: _Instance, loop: asyncio.AbstractEventLoop
-    ) -> None:
-        with tracing.batch_span(
-            self.model, self.graph, instance.index, (item.wait for item in batch)
-        ):
-            await self._run_traced(batch, instance, loop)
-
-    async def _run_traced(
-        self, batch: list[_Item], instance: _Instance, loop: asyncio.AbstractEventLoop
-    ) -> None:
+        """Hand ``batch`` to ``instance``'s thread at once; a task answers its callers when it ends."""
         started = loop.time()
-        queue_wait = self._metrics.queue_wait.labels(*self._labels)
         for item in batch:
-            queue_wait.observe(started - item.enqueued)
+            self._queue_wait.observe(started - item.enqueued)
+        span = tracing.batch_span(
+            self.model, self.graph, instance.index, (item.wait for item in batch)
+        )
+        span.__enter__()
+        running = instance.executor.submit(_timed, instance.run, [item.row for item in batch])
+        task = loop.create_task(self._finish(batch, instance, running, started, span))
+        self._running[task] = batch
+
+    async def _finish(
+        self,
+        batch: list[_Item],
+        instance: _Instance,
+        running: Future,
+        started: float,
+        span: contextlib.AbstractContextManager[Any],
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        error: Exception | None = None
         try:
-            stacking = time.perf_counter_ns()
-            images = np.stack([item.row for item in batch])
-            stacked = time.perf_counter_ns()
-            outputs, infer_ns = await loop.run_in_executor(
-                instance.executor, _timed, instance.run, images
-            )
-            for output in outputs:
-                if len(output) != len(batch):
-                    raise RuntimeError(
-                        f"the model returned {len(output)} rows for a batch of {len(batch)}"
-                    )
-        except Exception as error:
-            tracing.record_failure(error)
-            self._metrics.inference_failures.labels(*self._labels).inc()
-            request_ids = sorted({item.request_id for item in batch if item.request_id})
-            logger.exception(
-                "%s batch of %d images failed (requests %s)",
-                self.graph,
-                len(batch),
-                ", ".join(request_ids) or "-",
-                exc_info=error,
-            )
-            message = (
-                f"the model failed on the batch holding this request ({type(error).__name__}); "
-                "quote the request id when reporting it"
-            )
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(InferenceFailed(message))
-            return
-        self._metrics.compute.labels(*self._labels).observe(loop.time() - started)
-        self._metrics.batch_size.labels(*self._labels).observe(len(batch))
+            try:
+                outputs, times = await asyncio.wrap_future(running)
+                for output in outputs:
+                    if len(output) != len(batch):
+                        raise RuntimeError(
+                            f"the model returned {len(output)} rows for a batch of {len(batch)}"
+                        )
+            except Exception as failure:
+                error = failure
+            finally:  # the instance takes the next batch before this one's callers are answered
+                self._running.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+                self._idle.append(instance)
+                self._dispatch(loop)
+                self._wakeup.set()
+            if error is not None:
+                self._fail_batch(batch, error)
+            else:
+                self._deliver(batch, outputs, times, started, loop)
+        finally:
+            span.__exit__(None, None, None)
+
+    def _fail_batch(self, batch: list[_Item], error: BaseException) -> None:
+        tracing.record_failure(error)
+        self._metrics.inference_failures.labels(*self._labels).inc()
+        request_ids = sorted({item.request_id for item in batch if item.request_id})
+        logger.exception(
+            "%s batch of %d images failed (requests %s)",
+            self.graph,
+            len(batch),
+            ", ".join(request_ids) or "-",
+            exc_info=error,
+        )
+        message = (
+            f"the model failed on the batch holding this request ({type(error).__name__}); "
+            "quote the request id when reporting it"
+        )
+        for item in batch:
+            item.request.fail(InferenceFailed(message))
+
+    def _deliver(
+        self,
+        batch: list[_Item],
+        outputs: Sequence[np.ndarray],
+        times: BatchTimes,
+        started: float,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self._compute.observe(loop.time() - started)
+        self._batch_size.observe(len(batch))
         splitting = time.perf_counter_ns()
         rows = [tuple(output[index] for output in outputs) for index in range(len(batch))]
-        times = BatchTimes(stacked - stacking, infer_ns, time.perf_counter_ns() - splitting)
+        times = BatchTimes(
+            times.compute_input_ns, times.compute_infer_ns, time.perf_counter_ns() - splitting
+        )
         self.statistics.record_batch(len(batch), times)
         for item, row in zip(batch, rows, strict=True):
             item.started, item.batch = started, times
-            if not item.future.done():
-                item.future.set_result(row)
+            item.request.deliver(item.index, row)
 
     def fail_all(self, message: str, code: str = "shutting_down") -> int:
         """Fail every queued image and every image of a running batch (503); how many were failed."""
-        failed = 0
-        for item in self._pending:
-            if not item.future.done():
-                item.future.set_exception(
-                    ServiceUnavailable(message, code=code, retry_after_s=self.retry_after_s)
-                )
-                failed += 1
+        unanswered = [
+            item
+            for item in [*self._pending, *(i for batch in self._running.values() for i in batch)]
+            if not item.abandoned
+        ]
         self._pending.clear()
-        for task, batch in list(self._running.items()):
+        for task in self._running:
             task.cancel()  # the thread runs on, but nobody waits for it any more
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(
-                        ServiceUnavailable(message, code=code, retry_after_s=self.retry_after_s)
-                    )
-                    failed += 1
-        return failed
+        for item in unanswered:
+            item.request.fail(
+                ServiceUnavailable(message, code=code, retry_after_s=self.retry_after_s)
+            )
+        return len(unanswered)
 
     def flush(self) -> None:
         """From now on run what is queued without waiting for the queue delay (shutdown has begun:

@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 
 from service import logs, tracing
 from service.docs import install_docs
@@ -25,6 +26,7 @@ from service.oip.grpc_service import GrpcServer
 from service.oip.schemas import HEADER_LENGTH, InferRequest
 from service.routers import attention, demo, health, metrics, models, predict
 from service.schemas import AttentionRequest, PredictRequest
+from service.security import OPENAPI_SECURITY, SECURITY_SCHEMES, require_api_key
 from service.settings import Settings
 from service.state import ServiceState
 
@@ -41,14 +43,26 @@ Errors are JSON `{"error": {"code", "message", "field", "request_id"}}`; every r
 """
 
 
-def _openapi(app: FastAPI) -> dict[str, Any]:
+def _openapi(app: FastAPI, routers: list[APIRouter]) -> dict[str, Any]:
     """The generated document, plus the JSON request bodies the routes parse themselves."""
     if app.openapi_schema:
         return app.openapi_schema
     document = get_openapi(
         title=app.title, version=app.version, description=app.description, routes=app.routes
     )
-    schemas = document.setdefault("components", {}).setdefault("schemas", {})
+    components = document.setdefault("components", {})
+    components["securitySchemes"] = SECURITY_SCHEMES
+    for (
+        router
+    ) in routers:  # routes behind the dependency; the inference routes declare it themselves
+        for route in router.routes:
+            needs_key = [*router.dependencies, *getattr(route, "dependencies", [])]
+            if isinstance(route, APIRoute) and any(
+                d.dependency is require_api_key for d in needs_key
+            ):
+                for method in route.methods:
+                    document["paths"][route.path_format][method.lower()].update(OPENAPI_SECURITY)
+    schemas = components.setdefault("schemas", {})
     for model in (PredictRequest, AttentionRequest, InferRequest):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
@@ -135,7 +149,7 @@ def create_app(
         )
     if provider is not None:
         tracing.instrument(app, provider)
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi(app, routers)  # type: ignore[method-assign]
     return app
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal
 
 import numpy as np
@@ -54,6 +55,11 @@ _OTHER_MAGIC = (
 )
 
 # ITU-R 601-2 luma, as Pillow's convert("L") uses.
+# The pixel limit is checked on the header in decode_image (a 4xx naming the setting); Pillow's own
+# warning below its hard limit would only repeat it, once per image, and catch_warnings per image
+# costs as much as decoding a thumbnail.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
 
 
@@ -94,9 +100,7 @@ def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> I
         f"{field}: the image has too many pixels; the limit is max_pixels_per_image={max_pixels}"
     )
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=[image_format])
+        image = Image.open(io.BytesIO(data), formats=[image_format])
     except Image.DecompressionBombError as error:
         raise InvalidInput(too_many, field=field, code="too_many_pixels") from error
     except Exception as error:  # Pillow raises many exception types for malformed headers
@@ -121,7 +125,7 @@ def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> I
             None, (draft_size, draft_size)
         )  # JPEG only: decode at a reduced scale when it can
         image.load()
-        image = ImageOps.exif_transpose(image)
+        ImageOps.exif_transpose(image, in_place=True)  # a copy per image otherwise
     except Exception as error:
         raise InvalidInput(
             f"{field}: cannot decode the {image_format} image ({error})",
@@ -258,19 +262,15 @@ def pixels_to_array(pixels: Any, field: str, max_pixels: int) -> np.ndarray:
 
 
 def _border_mean(array: np.ndarray) -> float:
+    """The mean of a frame about 5% of the shorter side thick (the whole image when that is all frame):
+    the whole sum less the inside's, in float64, without copying the frame out."""
     height, width = array.shape[:2]
     thickness = max(1, round(min(height, width) * 0.05))
     if 2 * thickness >= min(height, width):
-        return float(array.mean())
-    frame = np.concatenate(
-        [
-            array[:thickness].reshape(-1),
-            array[-thickness:].reshape(-1),
-            array[thickness:-thickness, :thickness].reshape(-1),
-            array[thickness:-thickness, -thickness:].reshape(-1),
-        ]
-    )
-    return float(frame.mean())
+        return float(array.mean(dtype=np.float64))
+    inside = array[thickness:-thickness, thickness:-thickness]
+    frame_sum = array.sum(dtype=np.float64) - inside.sum(dtype=np.float64)
+    return float(frame_sum / (array.size - inside.size))
 
 
 def should_invert(array: np.ndarray, polarity: str, invert: Invert) -> bool:
@@ -317,8 +317,30 @@ class Prepared:
     """One image ready for the model, and how it looks in the model's frame (original polarity)."""
 
     tensor: np.ndarray  # float32 [C, H, W], normalised
-    display: np.ndarray  # uint8 [H, W, C], fit-padded, not inverted
     inverted: bool
+    content: np.ndarray  # float32 [h, w, C] in 0-255, fitted, original polarity, before padding
+    offset: tuple[int, int]  # (top, left) of the content in the model's frame
+    pad_value: float
+
+    @cached_property
+    def display(self) -> np.ndarray:
+        """uint8 ``[H, W, C]``, fit-padded, not inverted (the attention overlay's background); made
+        only when asked for: /predict never needs it."""
+        _, height, width = self.tensor.shape
+        pad = 255.0 - self.pad_value if self.inverted else self.pad_value
+        return np.rint(_framed(self.content, height, width, self.offset, pad)).astype(np.uint8)
+
+
+def _framed(
+    content: np.ndarray, height: int, width: int, offset: tuple[int, int], value: float
+) -> np.ndarray:
+    """``content`` [h, w, C] placed at ``offset`` on an H x W canvas of ``value``."""
+    if content.shape[:2] == (height, width):
+        return content
+    canvas = np.full((height, width, content.shape[2]), value, dtype=np.float32)
+    top, left = offset
+    canvas[top : top + content.shape[0], left : left + content.shape[1]] = content
+    return canvas
 
 
 class Preprocessor:
@@ -351,20 +373,17 @@ class Preprocessor:
         scale = min(self.height / h, self.width / w)
         new_h = min(self.height, max(1, round(h * scale)))
         new_w = min(self.width, max(1, round(w * scale)))
-        resized = np.clip(_resize(array, new_h, new_w), 0.0, 255.0)
-        top, left = (self.height - new_h) // 2, (self.width - new_w) // 2
-
-        def pad(content: np.ndarray, value: float) -> np.ndarray:
-            canvas = np.full((self.height, self.width, self.channels), value, dtype=np.float32)
-            canvas[top : top + new_h, left : left + new_w] = content
-            return canvas
-
+        array = np.clip(_resize(array, new_h, new_w), 0.0, 255.0)
+        offset = ((self.height - new_h) // 2, (self.width - new_w) // 2)
         pad_value = float(pre.pad_value)
-        model_view = pad(255.0 - resized if inverted else resized, pad_value)
-        display = pad(resized, 255.0 - pad_value if inverted else pad_value)
+        model_view = _framed(
+            255.0 - array if inverted else array, self.height, self.width, offset, pad_value
+        )
         tensor = normalise(model_view.transpose(2, 0, 1), pre)
         return Prepared(
             tensor=np.ascontiguousarray(tensor, dtype=np.float32),
-            display=np.rint(display).astype(np.uint8),
             inverted=inverted,
+            content=array,
+            offset=offset,
+            pad_value=pad_value,
         )

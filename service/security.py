@@ -8,20 +8,32 @@ from __future__ import annotations
 
 import hmac
 
-from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi import Request
 from pydantic import SecretStr
 
 from service.errors import Unauthorized
 
-# Declares the scheme in the OpenAPI document; the header is parsed below to give precise messages.
-bearer_scheme = HTTPBearer(auto_error=False, description="The API key, when the service has one.")
+# The bearer scheme as the OpenAPI document declares it (service.main adds it to the components);
+# the header is parsed below to give precise messages.
+SECURITY_SCHEMES = {
+    "HTTPBearer": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "The API key, when the service has one.",
+    }
+}
+OPENAPI_SECURITY = {"security": [{"HTTPBearer": []}]}
 
 
-async def require_api_key(
-    request: Request, _credentials: HTTPAuthorizationCredentials | None = Depends(bearer_scheme)
-) -> None:
+def check_request_api_key(request: Request) -> None:
+    """401 unless the request carries the service's API key (when it has one)."""
     check_api_key(request.headers.get("authorization"), request.app.state.settings.api_key)
+
+
+async def require_api_key(request: Request) -> None:
+    """The same check as a FastAPI dependency, for routes off the inference path (declare
+    ``OPENAPI_SECURITY`` on them too)."""
+    check_request_api_key(request)
 
 
 def check_api_key(header: str | None, api_key: SecretStr | None) -> None:

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from typing import Literal
 
-from fastapi import Path, Request
+from fastapi import Request
 
 from service.metrics import Metrics
 from service.model_manager import ModelManager
 from service.model_repository import ModelLoadError
-from service.pipeline import ModelPipeline
 from service.settings import Settings
 
 logger = logging.getLogger("vitserve")
@@ -92,25 +90,3 @@ class ServiceState:
 
 def service_state(request: Request) -> ServiceState:
     return request.app.state.service
-
-
-# FastAPI dependencies: the pipeline a request runs on, held until the request is answered, so that a
-# version being replaced is released only after every request it admitted. Async, so that they run on
-# the event loop (a plain function would cost a thread hop per request).
-
-
-async def default_pipeline(request: Request) -> AsyncIterator[ModelPipeline]:
-    with service_state(request).manager.resolve(None, None).lease() as pipeline:
-        yield pipeline
-
-
-async def named_pipeline(request: Request, name: str) -> AsyncIterator[ModelPipeline]:
-    with service_state(request).manager.resolve(name, None).lease() as pipeline:
-        yield pipeline
-
-
-async def versioned_pipeline(
-    request: Request, name: str, version: int = Path(ge=1)
-) -> AsyncIterator[ModelPipeline]:
-    with service_state(request).manager.resolve(name, version).lease() as pipeline:
-        yield pipeline

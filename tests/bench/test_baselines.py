@@ -70,3 +70,16 @@ def test_the_torch_server_runs_the_weights_the_model_file_was_exported_from():
         np.float32
     )
     assert torch_model(MODEL_DIR)(x) == pytest.approx(reference_logits(images), abs=1e-4)
+
+
+def test_the_no_model_server_answers_the_same_json_without_a_model():
+    from bench.baselines.no_model_server import no_model
+
+    images, _ = load_images(2)
+    body = {"images": [{"b64": base64.b64encode(png_bytes(i)).decode()} for i in images]}
+    with TestClient(create_app(MODEL_DIR, no_model(MODEL_DIR))) as client:
+        answer = client.post("/predict", json=body).json()
+    assert len(answer["predictions"]) == 2
+    for prediction in answer["predictions"]:  # every logit 0: every class equally likely
+        assert [e["index"] for e in prediction["top_k"]] == [0, 1, 2, 3, 4]
+        assert [e["score"] for e in prediction["top_k"]] == pytest.approx([0.1] * 5)

@@ -21,7 +21,7 @@ def test_every_bench_uses_its_own_ports():
 
 def test_plan_single_images_to_every_server_32_images_to_vitserve():
     servers = compare.servers(MODEL_DIR, {"intra1": {"intra_op_threads": "1"}})
-    assert [s.key for s in servers] == ["vitserve", "intra1", "plain", "torch"]
+    assert [s.key for s in servers] == ["vitserve", "intra1", "plain", "torch", "nomodel"]
     env = servers[1].env(18111, MODEL_DIR)
     assert env["VITSERVE_INTRA_OP_THREADS"] == "1" and env["VITSERVE_PORT"] == "18111"
     assert env["VITSERVE_MODEL_REPOSITORY"] == "/repo/models"
@@ -30,7 +30,7 @@ def test_plan_single_images_to_every_server_32_images_to_vitserve():
     cases = compare.cases([s.key for s in servers], compare.LEVELS)
     by_key = {(c.server, c.images): c.levels for c in cases}
     assert by_key[("vitserve", 1)] == by_key[("plain", 1)] == (1, 16, 64, 256)
-    assert by_key[("torch", 1)] == (64, 256)
+    assert by_key[("torch", 1)] == by_key[("nomodel", 1)] == (64, 256)
     assert by_key[("vitserve", 32)] == (1, 16, 64, 256)
     assert ("plain", 32) not in by_key  # the plain server gets the same images one per request
     assert compare.Plan.for_run(quick=True).levels == (64,)
@@ -137,3 +137,12 @@ def test_markdown_shows_the_ratio_the_32_image_table_and_the_start_up():
     assert "| 64 | 3,200 (2,880-3,520) (500.0) | 1,000 (900-1,100) | 3.20x |" in text
     assert "| vitserve | 1.30 (1.20-1.40) | 0.30 + 0.90 | 146 | 200 |" in text
     assert "| 32 (best) | 1,650 (1,600-1,700) |" in text
+
+
+def test_the_ceiling_target_says_what_a_server_with_no_model_answers():
+    result = comparison()
+    assert "no model" not in result.targets()[4].measured
+    result.points += [point("nomodel", 64, 700.0, 90.0, repeat=r) for r in range(3)]
+    assert result.targets()[4].measured.endswith(
+        "; with no model at all the plain server answers 700"
+    )

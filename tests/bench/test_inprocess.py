@@ -10,9 +10,9 @@ MODEL_DIR = REPO / "models" / "fashion-mnist-vit" / "1"
 
 
 def test_model_cost_per_image_at_each_batch_size():
-    cost = model_cost(MODEL_DIR, (1, 4), repeats=2, min_time_s=0.01)
-    assert set(cost.ms_per_image) == {1, 4}
-    assert all(0 < s.median < 1000 and s.n == 2 for s in cost.ms_per_image.values())
+    cost = model_cost({"fp32": MODEL_DIR}, (1, 4), repeats=2, min_time_s=0.01)
+    assert set(cost.ms_per_image["fp32"]) == {1, 4}
+    assert all(0 < s.median < 1000 and s.n == 2 for s in cost.ms_per_image["fp32"].values())
     assert "| 4 |" in cost.markdown()
 
 

@@ -279,3 +279,29 @@ def test_a_drain_out_of_time_fails_every_unanswered_image_with_503():
         assert isinstance(result, ServiceUnavailable), result
         assert (result.status_code, result.code) == (503, "shutting_down")
         assert "shut down before this request" in result.message
+
+
+def test_a_finished_instance_takes_the_next_due_batch_before_its_callers_are_answered():
+    """Otherwise the model idles while the event loop answers (and, in a server, reads and decodes
+    the next requests of) every caller of the batch that just ran."""
+
+    async def scenario():
+        model = Model(held=1)
+        b = make(model, max_batch_size=2)
+        b.start()
+
+        async def first_caller() -> float | None:
+            await b.submit(rows(1, 2))  # taken at once, held
+            return sample(b, "vitserve_queue_depth", graph="classifier")  # as it is answered
+
+        first = asyncio.create_task(first_caller())
+        await asyncio.sleep(0.2)
+        waiting = asyncio.create_task(b.submit(rows(3, 4)))  # a full batch, due, behind it
+        await asyncio.sleep(0.2)
+        model.gates[0].set()
+        depth_when_answered = await first
+        await waiting
+        await b.stop(5)
+        return depth_when_answered
+
+    assert asyncio.run(scenario()) == 0.0
