@@ -44,7 +44,8 @@ Errors are JSON `{"error": {"code", "message", "field", "request_id"}}`; every r
 
 
 def _openapi(app: FastAPI, routers: list[APIRouter]) -> dict[str, Any]:
-    """The generated document, plus the JSON request bodies the routes parse themselves."""
+    """The generated document, plus the JSON request bodies the routes parse themselves and the
+    bearer scheme on every route that needs the API key."""
     if app.openapi_schema:
         return app.openapi_schema
     document = get_openapi(
@@ -52,9 +53,8 @@ def _openapi(app: FastAPI, routers: list[APIRouter]) -> dict[str, Any]:
     )
     components = document.setdefault("components", {})
     components["securitySchemes"] = SECURITY_SCHEMES
-    for (
-        router
-    ) in routers:  # routes behind the dependency; the inference routes declare it themselves
+    # the routes behind the require_api_key dependency (the inference routes declare it themselves)
+    for router in routers:
         for route in router.routes:
             needs_key = [*router.dependencies, *getattr(route, "dependencies", [])]
             if isinstance(route, APIRoute) and any(

@@ -31,8 +31,8 @@ def check_request_api_key(request: Request) -> None:
 
 
 async def require_api_key(request: Request) -> None:
-    """The same check as a FastAPI dependency, for routes off the inference path (declare
-    ``OPENAPI_SECURITY`` on them too)."""
+    """The same check as a FastAPI dependency, for routes off the inference path (service.main
+    declares the bearer scheme on every route that has it)."""
     check_request_api_key(request)
 
 

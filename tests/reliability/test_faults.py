@@ -507,3 +507,13 @@ def test_over_the_wire_a_chunked_body_is_cut_off_at_the_limit(small_body_server)
     import httpx
 
     assert httpx.get(f"{small_body_server.url}/health/ready", timeout=5).status_code == 200
+
+
+def test_the_openapi_document_declares_the_bearer_scheme_on_exactly_the_closed_routes(keyed):
+    document = keyed.get("/openapi.json").json()
+    assert document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    for template, methods in document["paths"].items():
+        path = template.replace("{name}", MODEL_NAME).replace("{version}", "1")
+        for method, operation in methods.items():
+            declared = operation.get("security") == [{"HTTPBearer": []}]
+            assert declared == (path not in OPEN), (method, template)
