@@ -157,6 +157,16 @@ class Comparison:
                 or bool(c1 and self.busy("plain", 1, c1)),
             )
         )
+        ours, int8 = self.spread("vitserve", 1, 64), self.spread("int8", 1, 64)
+        x = ratio(median(int8), median(ours))
+        rows.append(
+            Target(
+                "c=64, 1 image/request: the int8 model >= 1.5x the fp32 model's images/s",
+                f"{x:.3f}x ({fmt(median(int8))} vs {fmt(median(ours))})" if x else "-",
+                None if x is None else x >= 1.5,
+                self.busy("vitserve", 1, 64) or self.busy("int8", 1, 64),
+            )
+        )
         start = self.starts.get("vitserve")
         rows.append(
             Target(

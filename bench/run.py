@@ -34,6 +34,8 @@ from export.cli import command_parser
 
 MODEL_DIR = REPO / "models" / "fashion-mnist-vit" / "1"
 INT8_DIR = REPO / "models" / "fashion-mnist-vit-int8" / "1"  # the same model, quantised
+# served beside the defaults in every run (comparison.py holds it against fp32)
+INT8 = {"int8": {"model_name": INT8_DIR.parent.name}} if INT8_DIR.is_dir() else {}
 PACKAGES = (
     "onnxruntime",
     "torch",
@@ -76,7 +78,7 @@ def steps(args: argparse.Namespace, out: Path) -> dict[str, Callable[[], object]
             0.05 if quick else 0.5,
         ),
         "compare": lambda: compare.run(
-            out, MODEL_DIR, compare.Plan.for_run(quick), dict(args.variant or [])
+            out, MODEL_DIR, compare.Plan.for_run(quick), {**INT8, **dict(args.variant or [])}
         ),
         "profile": lambda: profile.run(out, MODEL_DIR, 3.0 if quick else 20.0),
         "swap": lambda: swap.run(out, MODEL_DIR, swap.Phases.for_run(quick)),

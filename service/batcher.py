@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from service import tracing
 from service.errors import ClientDisconnected, InferenceFailed, ServiceUnavailable
 from service.metrics import Metrics
 from service.statistics import BatchTimes, ModelStatistics
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 logger = logging.getLogger("vitserve")
 
@@ -332,10 +335,9 @@ class DynamicBatcher:
         started = loop.time()
         for item in batch:
             self._queue_wait.observe(started - item.enqueued)
-        span = tracing.batch_span(
+        span = tracing.start_batch(
             self.model, self.graph, instance.index, (item.wait for item in batch)
         )
-        span.__enter__()
         running = instance.executor.submit(_timed, instance.run, [item.row for item in batch])
         task = loop.create_task(self._finish(batch, instance, running, started, span))
         self._running[task] = batch
@@ -346,7 +348,7 @@ class DynamicBatcher:
         instance: _Instance,
         running: Future,
         started: float,
-        span: contextlib.AbstractContextManager[Any],
+        span: Span | None,
     ) -> None:
         loop = asyncio.get_running_loop()
         error: Exception | None = None
@@ -370,10 +372,9 @@ class DynamicBatcher:
             else:
                 self._deliver(batch, outputs, times, started, loop)
         finally:
-            span.__exit__(None, None, None)
+            tracing.end_batch(span, error)
 
     def _fail_batch(self, batch: list[_Item], error: BaseException) -> None:
-        tracing.record_failure(error)
         self._metrics.inference_failures.labels(*self._labels).inc()
         request_ids = sorted({item.request_id for item in batch if item.request_id})
         logger.exception(

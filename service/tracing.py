@@ -163,17 +163,18 @@ def enter_queue(images: int) -> QueueTrace | None:
     )
 
 
-def batch_span(
+def start_batch(
     model: str, graph: str, instance: int, waits: Iterable[QueueTrace | None]
-) -> AbstractContextManager[Any]:
-    """End the queue spans of a batch's requests and start its own span, linked to theirs."""
+) -> trace.Span | None:
+    """End the queue spans of a batch's requests and start its own span, linked to theirs (None when
+    tracing is off). Not made current: the batch starts in one task and ends in another."""
     if _tracer is None:
-        return _NULL
+        return None
     distinct = list({id(wait): wait for wait in waits if wait is not None}.values())
     for wait in distinct:
         wait.end()
     links = [trace.Link(wait.request) for wait in distinct if wait.request.is_valid]
-    return _tracer.start_as_current_span(
+    return _tracer.start_span(
         "vitserve.batch",
         context=trace.set_span_in_context(trace.INVALID_SPAN),  # a root: it serves many requests
         links=links,
@@ -186,10 +187,11 @@ def batch_span(
     )
 
 
-def record_failure(error: BaseException) -> None:
-    """Mark the current span failed with ``error`` (an error handled, not raised, in its block)."""
-    if _tracer is None:
+def end_batch(span: trace.Span | None, error: BaseException | None = None) -> None:
+    """End a batch's span, failed with ``error`` when its model run raised one."""
+    if span is None:
         return
-    current = trace.get_current_span()
-    current.record_exception(error)
-    current.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
+    if error is not None:
+        span.record_exception(error)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
+    span.end()

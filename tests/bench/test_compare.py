@@ -77,6 +77,7 @@ def comparison(ours=1500.0, plain=1000.0, our_p99=50.0, plain_p99=90.0, batch32=
                     "vitserve", c, ours * jitter, our_p99, repeat=repeat, busy=bool(kw.get("busy"))
                 ),
                 point("plain", c, plain * jitter, plain_p99, repeat=repeat),
+                point("int8", c, kw.get("int8", 2400.0) * jitter, our_p99, repeat=repeat),
                 point(
                     "vitserve",
                     c,
@@ -100,11 +101,12 @@ def verdicts(result):
 
 def test_targets_pass():
     result = comparison()
-    assert verdicts(result) == [True] * 8
+    assert verdicts(result) == [True] * 9
     first = result.targets()[0]
     assert first.measured == "1.500x (1,500 vs 1,000)" and first.verdict == "PASS"
     assert "at batch 32" in result.targets()[4].measured  # the best batch size of the ceiling
     assert "3,200 at c=64" in result.targets()[5].measured  # 32 x the 32-image request rate
+    assert result.targets()[6].measured == "1.600x (2,400 vs 1,500)"  # int8 against fp32
 
 
 def test_each_target_fails():
@@ -112,11 +114,12 @@ def test_each_target_fails():
         ours=1400.0,
         our_p99=100.0,
         batch32=40.0,
+        int8=1500.0,
         ceiling=[2000.0],
         ready=[1.5, 2.1],
         peak=400 * 1024,
     )
-    assert verdicts(result) == [False] * 8
+    assert verdicts(result) == [False] * 9
 
 
 def test_a_busy_run_marks_the_targets_it_feeds():
