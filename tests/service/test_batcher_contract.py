@@ -305,3 +305,29 @@ def test_a_finished_instance_takes_the_next_due_batch_before_its_callers_are_ans
         return depth_when_answered
 
     assert asyncio.run(scenario()) == 0.0
+
+
+def test_preferred_batch_sizes_run_the_largest_waiting_at_once_without_the_delay():
+    async def scenario():
+        model = Model()
+        b = make(model, max_batch_size=8, preferred_batch_sizes=(2, 4), max_queue_delay_s=30.0)
+        b.start()
+        seven = asyncio.create_task(b.submit(rows(1, 2, 3, 4, 5, 6, 7)))
+        await asyncio.sleep(0.2)
+        ran_before_the_eighth = list(model.batches)  # 4 of the 7; 3 wait for a preferred size
+        one = await asyncio.wait_for(b.submit(rows(8)), 5)
+        outputs = await asyncio.wait_for(seven, 5)
+        started = time.perf_counter()
+        failed = await b.stop(5)  # nothing left: the drain ends at once
+        return (
+            ran_before_the_eighth,
+            model.batches,
+            outputs,
+            one,
+            (failed, time.perf_counter() - started),
+        )
+
+    before, batches, outputs, one, (failed, stopped_in) = asyncio.run(scenario())
+    assert failed == 0 and stopped_in < 1
+    assert before == [4] and batches == [4, 4]
+    assert [float(o[0]) for o in outputs] == [1, 2, 3, 4, 5, 6, 7] and float(one[0][0]) == 8
