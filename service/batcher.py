@@ -10,6 +10,7 @@ request's images do not fit in the queue it is answered 503 with ``Retry-After``
 request not finished within its timeout gets 503; one whose client went away is cancelled and its images
 never run. A failing model run fails only the requests in that batch. ``close()`` makes the queue run
 without waiting for the delay (shutdown); ``stop()`` drains it and says how many images it had to fail.
+A request's images and their one future are in ``service/batch_request.py``.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from service import tracing
+from service.batch_request import BatchRequest, ClientGone, QueueItem, TimedOut
 from service.errors import ClientDisconnected, InferenceFailed, ServiceUnavailable
 from service.metrics import Metrics
 from service.statistics import BatchTimes, ModelStatistics
@@ -37,60 +39,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vitserve")
 
 RunBatch = Callable[[np.ndarray], Sequence[np.ndarray]]
-
-
-class _ClientGone(Exception):
-    pass
-
-
-class _TimedOut(Exception):
-    pass
-
-
-class _Request:
-    """One caller's images: their outputs gather here, and its one future is answered when the last
-    has run, or at the first failure (one future per request, not per image: the event loop's cost
-    of a request does not grow with its images)."""
-
-    __slots__ = ("future", "remaining", "rows")
-
-    def __init__(self, future: asyncio.Future, count: int) -> None:
-        self.future = future
-        self.rows: list[tuple[np.ndarray, ...] | None] = [None] * count
-        self.remaining = count
-
-    def deliver(self, index: int, row: tuple[np.ndarray, ...]) -> None:
-        if self.future.done():
-            return
-        self.rows[index] = row
-        self.remaining -= 1
-        if self.remaining == 0:
-            self.future.set_result(self.rows)
-
-    def fail(self, error: BaseException) -> bool:
-        """Answer with ``error`` unless already answered; whether it was."""
-        if self.future.done():
-            return False
-        self.future.set_exception(error)
-        return True
-
-
-@dataclass(eq=False)
-class _Item:
-    row: np.ndarray
-    request: _Request
-    index: int
-    enqueued: float
-    request_id: str | None = field(default=None)
-    # statistics and tracing: when its batch started, what the batch took, the request's queue span
-    started: float = 0.0
-    batch: BatchTimes | None = None
-    wait: tracing.QueueTrace | None = None
-
-    @property
-    def abandoned(self) -> bool:
-        """Its request was answered (a failure, a timeout, a client gone): it need not run."""
-        return self.request.future.done()
 
 
 @dataclass(eq=False)
@@ -148,8 +96,8 @@ class DynamicBatcher:
             for i, fn in enumerate(runs)
         ]
         self._idle: list[_Instance] = list(self._instances)
-        self._running: dict[asyncio.Task, list[_Item]] = {}
-        self._pending: deque[_Item] = deque()
+        self._running: dict[asyncio.Task, list[QueueItem]] = {}
+        self._pending: deque[QueueItem] = deque()
         self._wakeup = asyncio.Event()
         self._closing = False
         self._flushing = False
@@ -223,30 +171,19 @@ class DynamicBatcher:
         loop = asyncio.get_running_loop()
         now = loop.time()
         wait = tracing.enter_queue(count)
-        request = _Request(loop.create_future(), count)
-        items = [_Item(rows[i], request, i, now, request_id, wait=wait) for i in range(count)]
+        request = BatchRequest(loop.create_future(), count)
+        items = [QueueItem(rows[i], request, i, now, request_id, wait=wait) for i in range(count)]
         self._pending.extend(items)
         self._depth.set(len(self._pending))
         self._wakeup.set()
-
-        def client_left(_: object) -> None:
-            request.fail(_ClientGone())
-
-        def time_out() -> None:
-            request.fail(_TimedOut())
-
-        watch = asyncio.ensure_future(disconnected) if disconnected is not None else None
-        if watch is not None:
-            watch.add_done_callback(client_left)
-        timer = loop.call_at(now + self.timeout_s, time_out)
         try:
-            outputs = await request.future
-        except _ClientGone:
+            outputs = await request.wait(now + self.timeout_s, disconnected)
+        except ClientGone:
             self._metrics.cancelled.labels(*self._labels).inc(request.remaining)
             raise ClientDisconnected(
                 f"the client went away; {request.remaining} of {count} images were not run"
             ) from None
-        except _TimedOut:
+        except TimedOut:
             self._reject("timeout")
             raise ServiceUnavailable(
                 f"the request was not served within request_timeout_s={self.timeout_s} s "
@@ -256,14 +193,8 @@ class DynamicBatcher:
                 retry_after_s=self.retry_after_s,
             ) from None
         finally:
-            timer.cancel()
-            if watch is not None:
-                watch.remove_done_callback(client_left)
-                watch.cancel()
             if wait is not None:
                 wait.end()  # a request given up before its batch started
-            if not request.future.done():
-                request.future.cancel()  # the caller itself was cancelled
             if request.remaining:  # free its places in the queue now, not when the loop next looks
                 self._pending = deque(item for item in self._pending if not item.abandoned)
                 self._depth.set(len(self._pending))
@@ -271,7 +202,7 @@ class DynamicBatcher:
             max(round((item.started - item.enqueued) * 1e9) for item in items),
             {id(item.batch): item.batch for item in items if item.batch}.values(),
         )
-        return outputs  # type: ignore[return-value]
+        return outputs
 
     def _reject(self, reason: str) -> None:
         self._metrics.rejections.labels(*self._labels, reason).inc()
@@ -319,7 +250,7 @@ class DynamicBatcher:
             if not (due or self._flushing or self._full(waiting)):
                 break
             target = self._batch_target(waiting)
-            batch: list[_Item] = []
+            batch: list[QueueItem] = []
             while self._pending and len(batch) < target:
                 item = self._pending.popleft()
                 if not item.abandoned:
@@ -329,7 +260,7 @@ class DynamicBatcher:
         self._depth.set(len(self._pending))
 
     def _start(
-        self, batch: list[_Item], instance: _Instance, loop: asyncio.AbstractEventLoop
+        self, batch: list[QueueItem], instance: _Instance, loop: asyncio.AbstractEventLoop
     ) -> None:
         """Hand ``batch`` to ``instance``'s thread at once; a task answers its callers when it ends."""
         started = loop.time()
@@ -344,7 +275,7 @@ class DynamicBatcher:
 
     async def _finish(
         self,
-        batch: list[_Item],
+        batch: list[QueueItem],
         instance: _Instance,
         running: Future,
         started: float,
@@ -374,7 +305,7 @@ class DynamicBatcher:
         finally:
             tracing.end_batch(span, error)
 
-    def _fail_batch(self, batch: list[_Item], error: BaseException) -> None:
+    def _fail_batch(self, batch: list[QueueItem], error: BaseException) -> None:
         self._metrics.inference_failures.labels(*self._labels).inc()
         request_ids = sorted({item.request_id for item in batch if item.request_id})
         logger.exception(
@@ -393,7 +324,7 @@ class DynamicBatcher:
 
     def _deliver(
         self,
-        batch: list[_Item],
+        batch: list[QueueItem],
         outputs: Sequence[np.ndarray],
         times: BatchTimes,
         started: float,
