@@ -126,7 +126,7 @@ bench: $(TEST_STAMP) ## Run the benchmarks on a quiet machine (BENCH_ARGS=--quic
 	$(VPY) -m bench $(BENCH_ARGS)
 
 # make mutation: every mutant of the core modules ([tool.mutmut] in pyproject.toml), or those whose
-# name matches MUTATE (e.g. MUTATE='service.security*'); niced, and stopped after MUTATION_LIMIT.
+# name matches MUTATE (e.g. MUTATE='service.frontend.security*'); niced, and stopped after MUTATION_LIMIT.
 MUTATE ?=
 MUTATION_LIMIT ?= 2h
 MUTATION_CHILDREN ?= 2

@@ -21,8 +21,8 @@ import numpy as np
 import onnxruntime as ort
 
 from bench.stats import Spread, rate, spread_text, table
-from service.model_repository import CLASSIFIER_FILE, parse_metadata
-from service.preprocessing import Preprocessor
+from service.contract.model_repository import CLASSIFIER_FILE, parse_metadata
+from service.contract.preprocessing import Preprocessor
 
 BATCHES = (1, 8, 32, 64)
 

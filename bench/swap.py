@@ -28,7 +28,7 @@ from bench import hey
 from bench.payloads import b64_pngs, predict_body
 from bench.server_process import running_service
 from bench.stats import fmt, table
-from service.model_repository import version_numbers
+from service.contract.model_repository import version_numbers
 
 PORTS = range(18150, 18160)
 POLL_S = 0.5

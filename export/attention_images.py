@@ -1,6 +1,6 @@
 """Attention images for every layer and head, and the rollout, from a trained model.
 
-The maps and overlays are the service's own (``service.attention_maps``: the one rollout, the one
+The maps and overlays are the service's own (``service.contract.attention_maps``: the one rollout, the one
 colormap), so a picture here is the picture ``/attention`` would return for the same image. The
 service is imported where a map is made, so the rest of the export stage runs without it. For each
 image, ``write_attention_dir`` writes::
@@ -62,7 +62,7 @@ def attention_of(
 
 def image_maps(attention: np.ndarray, model: VisionTransformer) -> dict[str, np.ndarray]:
     """Every head of every layer and the rollout through each layer, as grid maps in [0, 1]."""
-    from service.attention_maps import attention_map
+    from service.contract.attention_maps import attention_map
 
     c = model.config
     maps = {}
@@ -108,7 +108,7 @@ def attention_pictures(
     model: VisionTransformer, split: Split, indices: list[int], spec: DatasetSpec
 ) -> list[dict]:
     """Per image: its index, labels, display, the overlay PNGs by name and the tile."""
-    from service.attention_maps import overlay_png
+    from service.contract.attention_maps import overlay_png
 
     images = split.images[indices]
     predicted, attention = attention_of(model, images, spec)

@@ -33,7 +33,7 @@ from export.data import (
     normalize,
     spec_from_metadata,
 )
-from service.model_repository import (
+from service.contract.model_repository import (
     ATTENTION_FILE,
     METADATA_KEY,
     ModelLoadError,
@@ -41,7 +41,7 @@ from service.model_repository import (
     parse_metadata,
     version_numbers,
 )
-from service.preprocessing import normalise
+from service.contract.preprocessing import normalise
 
 
 class EvaluationError(RuntimeError):

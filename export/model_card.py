@@ -29,8 +29,8 @@ from export.evaluate import (
 from export.hardware import cpu_model
 from export.report import plot_curves, read_metrics, write_report
 from export.train_settings import TrainSettings, architecture_flags
-from service.model_repository import version_numbers
-from service.preprocessing import normalise
+from service.contract.model_repository import version_numbers
+from service.contract.preprocessing import normalise
 
 REPO = Path(__file__).resolve().parents[1]
 CARD_PLOTS = ("curves.png", "confusion_matrix.png", "attention_gallery.png")

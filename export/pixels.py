@@ -2,8 +2,8 @@
 see the same pixels.
 
 The ``preprocessing`` document written into every exported model is built here, once; the service
-reads it back (``service.model_repository.Preprocessing``), and training reads its image files with
-``service.preprocessing.Preprocessor`` built from the same document: decode, EXIF orientation, shrink,
+reads it back (``service.contract.model_repository.Preprocessing``), and training reads its image files with
+``service.contract.preprocessing.Preprocessor`` built from the same document: decode, EXIF orientation, shrink,
 any mode to 0-255, to the model's channels, fit inside H x W keeping the aspect ratio, pad centred.
 The service is imported only where a file is read, so exporting a built-in dataset needs no service
 package.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from export.data import DatasetSpec
 
 if TYPE_CHECKING:
-    from service.preprocessing import Invert, Prepared, Preprocessor
+    from service.contract.preprocessing import Invert, Prepared, Preprocessor
 
 # Pillow's own decompression-bomb limit (twice MAX_IMAGE_PIXELS): a training set may hold photos far
 # larger than the service accepts in one request.
@@ -48,8 +48,8 @@ def preprocessor_for(spec: DatasetSpec) -> Preprocessor:
     Only the input and preprocessing entries steer it; the model entries it does not read describe
     a 1-pixel-patch model so that the metadata validates for any image size.
     """
-    from service.model_repository import ModelMetadata
-    from service.preprocessing import Preprocessor
+    from service.contract.model_repository import ModelMetadata
+    from service.contract.preprocessing import Preprocessor
 
     document = {
         "format": 1,
@@ -84,8 +84,8 @@ def read_image(path: Path, preprocessor: Preprocessor, invert: Invert = "auto") 
     """
     from PIL import Image, ImageOps
 
+    from service.contract.preprocessing import image_to_array, shrink
     from service.errors import ServiceError
-    from service.preprocessing import image_to_array, shrink
 
     try:
         data = path.read_bytes()

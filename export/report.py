@@ -34,7 +34,7 @@ from export.cli import command_parser, exit_status
 from export.data import Split, load_test_split, normalize, spec_from_metadata
 from export.evaluate import checkpoint_logits, classification_metrics
 from export.model import VisionTransformer
-from service.attention_maps import attention_map
+from service.contract.attention_maps import attention_map
 
 GALLERY_SIZE = 10
 
@@ -245,7 +245,7 @@ def write_report(
     plot_attention_gallery(model, test, indices, spec, run_dir / "attention_gallery.png")
     written += ["confusion_matrix.png", "attention_gallery.png"]
     if attention_dir is not None:
-        # Imported here: the attention images use the service's maps (service/attention_maps.py).
+        # Imported here: the attention images use the service's maps (service/contract/attention_maps.py).
         from export.attention_images import write_attention_dir
 
         chosen = gallery_indices(test.labels, attention_images)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import onnx
 
-from service.model_config import (
+from service.contract.model_config import (
     CONFIG_FILE,
     DataType,
     ModelConfig,
@@ -26,7 +26,7 @@ from service.model_config import (
     read_model_config,
     write_model_config,
 )
-from service.model_repository import version_numbers
+from service.contract.model_repository import version_numbers
 
 LABELS_FILE = "labels.txt"
 STAGING_PREFIX = ".staging-"

@@ -1,6 +1,6 @@
 """``python -m service``: uvicorn on the configured host and port, ready turning false on SIGTERM.
 
-Connections get the header and body deadlines and the connection cap of ``service/server.py``.
+Connections get the header and body deadlines and the connection cap of ``service/frontend/server.py``.
 
 Exit codes: 0 after a clean shutdown; 2 when the settings are invalid (one line per invalid setting,
 ``cannot start: setting VITSERVE_...: <problem>``, never its value); 3 when start-up failed (the model
@@ -17,10 +17,10 @@ import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from service.logs import uvicorn_log_config
-from service.server import guarded_protocol
+from service.engine.state import ServiceState
+from service.frontend.server import guarded_protocol
+from service.observability.logs import uvicorn_log_config
 from service.settings import Settings
-from service.state import ServiceState
 
 EXIT_BAD_SETTINGS = 2
 EXIT_START_FAILED = 3
@@ -72,9 +72,9 @@ def load_settings() -> Settings:
 
 def main() -> None:
     settings = load_settings()
-    # Imported only now: service.main builds its module-level app from the environment's settings,
+    # Imported only now: service.frontend.app builds its module-level app from the environment's settings,
     # which would fail with a traceback before load_settings could say what is wrong.
-    from service.main import create_app
+    from service.frontend.app import create_app
 
     app = create_app(settings)
     config = uvicorn.Config(

@@ -1,6 +1,6 @@
 """Service settings: every knob is an environment variable with the prefix ``VITSERVE_``.
 
-Each model's batching settings come from its ``config.pbtxt`` (service/model_config.py); the batching
+Each model's batching settings come from its ``config.pbtxt`` (service/contract/model_config.py); the batching
 variables here are overrides that win over every model's file when set.
 """
 
@@ -357,7 +357,7 @@ class Settings(BaseSettings):
         return [origin.strip() for origin in self.cors_origins.split(",") if origin.strip()]
 
     def batching_overrides(self) -> dict[str, float | int]:
-        """The batching variables that are set, in the terms of service.model_config.serving_config."""
+        """The batching variables that are set, in the terms of service.contract.model_config.serving_config."""
         values = {
             "max_batch_size": self.max_batch_size,
             "max_queue_delay_s": None

@@ -17,7 +17,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from service.main import create_app
+from service.frontend.app import create_app
 from service.settings import Settings
 from tests.support import MODEL_NAME, TINY, Reference, make_settings
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.baselines.plain_onnx_server import main
-from service.model_repository import LABELS_FILE
+from service.contract.model_repository import LABELS_FILE
 
 
 def no_model(model_dir: Path) -> Callable[[np.ndarray], np.ndarray]:

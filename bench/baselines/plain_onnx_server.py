@@ -18,8 +18,8 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from service.model_repository import CLASSIFIER_FILE, parse_metadata
-from service.preprocessing import Preprocessor
+from service.contract.model_repository import CLASSIFIER_FILE, parse_metadata
+from service.contract.preprocessing import Preprocessor
 
 MODEL_DIR = Path("models/fashion-mnist-vit/1")
 

@@ -15,7 +15,7 @@ import torch
 
 from bench.baselines.plain_onnx_server import main
 from export.checkpoint import file_sha256, load_checkpoint
-from service.model_repository import CLASSIFIER_FILE, METADATA_KEY
+from service.contract.model_repository import CLASSIFIER_FILE, METADATA_KEY
 
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
 

@@ -315,7 +315,7 @@ def test_hpa_scales_on_cpu_and_queue_depth():
 
 def test_the_queue_depth_metric_is_one_the_service_exports():
     """Checked against the service's own Prometheus registry, not against a copied name."""
-    metrics = pytest.importorskip("service.metrics")
+    metrics = pytest.importorskip("service.observability.metrics")
     registry = metrics.Metrics().registry
     names = {family.name for family in registry.collect()}
     assert "vitserve_queue_depth" in names

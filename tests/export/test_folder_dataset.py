@@ -23,8 +23,8 @@ from export.folder import (
 )
 from export.model import VisionTransformer
 from export.onnx import describe
-from service.model_repository import ModelMetadata
-from service.preprocessing import Preprocessor
+from service.contract.model_repository import ModelMetadata
+from service.contract.preprocessing import Preprocessor
 
 
 def save(path: Path, image: Image.Image, image_format: str = "PNG", **options) -> Path:

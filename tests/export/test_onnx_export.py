@@ -21,9 +21,9 @@ from export.data import get_dataset_spec, load_dataset, normalize
 from export.model import VisionTransformer
 from export.report import plot_curves
 from export.repository import RepositoryError, write_version
-from service.model_config import read_model_config
-from service.model_repository import Preprocessing
-from service.preprocessing import normalise
+from service.contract.model_config import read_model_config
+from service.contract.model_repository import Preprocessing
+from service.contract.preprocessing import normalise
 from tests.export.runs import init_from_args, save_altered_copy
 from tests.support import FASHION_INPUT
 

@@ -23,8 +23,8 @@ from export.evaluate import (
     onnx_runner,
 )
 from export.train import evaluate_split
-from service.model_repository import Preprocessing
-from service.preprocessing import normalise
+from service.contract.model_repository import Preprocessing
+from service.contract.preprocessing import normalise
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Attention maps (rollout and raw heads), written once in service/attention_maps.py and used by the
+"""Attention maps (rollout and raw heads), written once in service/contract/attention_maps.py and used by the
 service and the export's report; checked here against the recipe written out independently."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from export.model import VisionTransformer
-from service.attention_maps import attention_map, normalise, rollout
+from service.contract.attention_maps import attention_map, normalise, rollout
 
 
 # -- the independent reference: batches, (batch, layers, heads, tokens, tokens) -----------------

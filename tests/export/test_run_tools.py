@@ -15,7 +15,7 @@ from PIL import Image
 from export import report, summary
 from export.checkpoint import load_checkpoint
 from export.data import load_test_split, spec_from_metadata
-from service.attention_maps import overlay_png
+from service.contract.attention_maps import overlay_png
 
 
 def rows_of(run: Path) -> list[dict[str, str]]:

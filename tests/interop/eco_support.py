@@ -16,7 +16,7 @@ import numpy as np
 from fastapi.testclient import TestClient
 
 from bench import server_process
-from service.main import create_app
+from service.frontend.app import create_app
 from tests.support import (
     INTEROP,
     Reference,

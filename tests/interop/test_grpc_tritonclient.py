@@ -25,7 +25,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from service.logs import ContextFilter
+from service.observability.logs import ContextFilter
 from tests.interop.eco_support import (
     eco_app,
     eco_server,

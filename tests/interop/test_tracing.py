@@ -26,8 +26,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from service import tracing
-from service.main import create_app
+from service.frontend.app import create_app
+from service.observability import tracing
 from tests.interop.eco_support import ECO, eco_server, grpc_port
 from tests.support import MODEL_NAME, free_port, make_settings, run_python, server_env
 
@@ -76,8 +76,8 @@ def test_off_imports_neither_the_sdk_nor_the_instrumentation(model_repository):
     script = """
 import sys
 from fastapi.testclient import TestClient
-from service import tracing
-from service.main import create_app
+from service.observability import tracing
+from service.frontend.app import create_app
 from service.settings import Settings
 app = create_app(Settings())
 with TestClient(app) as client:

@@ -19,7 +19,7 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
-from service.main import create_app
+from service.frontend.app import create_app
 from tests.interop.eco_support import ECO, eco_server
 from tests.support import MODEL_NAME, b64, encode, make_settings
 

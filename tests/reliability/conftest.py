@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.main import create_app
+from service.frontend.app import create_app
 from service.settings import Settings
 from tests.support import RELIABILITY, make_settings
 

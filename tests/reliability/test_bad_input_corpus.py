@@ -19,7 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from service.main import create_app
+from service.frontend.app import create_app
 from tests.support import (
     MAX_BODY_BYTES,
     MAX_IMAGES,

@@ -8,8 +8,8 @@ from html.parser import HTMLParser
 import pytest
 from fastapi.testclient import TestClient
 
-from service.docs import CONTENT_SECURITY_POLICY
-from service.main import create_app
+from service.frontend.app import create_app
+from service.frontend.docs import CONTENT_SECURITY_POLICY
 from tests.support import RELIABILITY, make_settings
 
 EXPECTED_TYPES = {".js": "text/javascript", ".css": "text/css", ".png": "image/png"}

@@ -21,8 +21,8 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image, ImageFile
 
-from service.main import create_app
-from service.preprocessing import ACCEPTED_FORMATS
+from service.contract.preprocessing import ACCEPTED_FORMATS
+from service.frontend.app import create_app
 from tests.support import (
     MODEL_NAME,
     NUM_CLASSES,

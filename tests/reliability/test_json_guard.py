@@ -1,4 +1,4 @@
-"""service/json_guard.py: JSON bodies bounded on their raw bytes, before any parser sees them (issue 17).
+"""service/frontend/json_guard.py: JSON bodies bounded on their raw bytes, before any parser sees them (issue 17).
 
 The value count is compared with an independent count over the parsed document; the bounds are shown
 never to refuse the largest valid request and always to refuse the bombs; over HTTP, a refused body
@@ -17,16 +17,17 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from service.errors import InvalidInput, PayloadTooLarge, ServiceError, install_error_handlers
-from service.inputs import INLINE_JSON_BYTES, read_json
-from service.json_guard import (
+from service.errors import InvalidInput, PayloadTooLarge, ServiceError
+from service.frontend.error_responses import install_error_handlers
+from service.frontend.inputs import INLINE_JSON_BYTES, read_json
+from service.frontend.json_guard import (
     ImageJsonLimits,
     check_image_json,
     check_infer_json,
     count_values,
     parse_header_length,
 )
-from service.schemas import AttentionRequest, PredictRequest
+from service.frontend.schemas import AttentionRequest, PredictRequest
 from tests.support import MAX_BODY_BYTES, assert_error
 
 LIMITS = ImageJsonLimits(max_images=8, max_pixels=10_000, max_values=1_000_000)

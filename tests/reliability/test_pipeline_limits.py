@@ -12,10 +12,10 @@ import httpx
 import numpy as np
 import pytest
 
-from service.batcher import DynamicBatcher
+from service.engine.batcher import DynamicBatcher
+from service.engine.pipeline import DecodeGate
 from service.errors import ServiceUnavailable
-from service.metrics import Metrics
-from service.pipeline import DecodeGate
+from service.observability.metrics import Metrics
 from service.settings import Settings
 from tests.support import RELIABILITY, metric, running_server
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.python import asgi
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from service.main import create_app
+from service.frontend.app import create_app
 from tests.support import RELIABILITY, make_settings
 
 API_KEY = "fuzz-key"

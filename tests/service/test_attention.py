@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.attention_maps import attention_map, colorize, overlay_png
+from service.contract.attention_maps import attention_map, colorize, overlay_png
 from tests.export.test_rollout import attention_rollout, last_layer_heads, normalise_maps, to_grid
 from tests.support import Reference, assert_error, b64, encode
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.batcher import DynamicBatcher
+from service.engine.batcher import DynamicBatcher
 from service.errors import InferenceFailed, ServiceUnavailable
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 from tests.support import assert_error, encode
 
 
@@ -246,7 +246,7 @@ def test_decoding_runs_at_most_max_concurrent_decodes_at_once(client, monkeypatc
         return real_from_image(*args, **kwargs)
 
     monkeypatch.setattr(pipeline.preprocessor, "from_image", slow_from_image)
-    # larger than the thumbnails that are decoded on the event loop (service.pipeline.INLINE_PIXELS)
+    # larger than the thumbnails that are decoded on the event loop (service.engine.pipeline.INLINE_PIXELS)
     png = encode(Image.fromarray(fashion_images[0]).resize((200, 200)))
     with ThreadPoolExecutor(max_workers=3 * limit) as pool:
         responses = list(
@@ -269,8 +269,8 @@ def test_an_empty_api_key_is_refused_at_start():
 
 
 def test_only_small_images_are_decoded_on_the_event_loop(fashion_images):
-    from service.inputs import RawImage
-    from service.pipeline import INLINE_PIXELS, declared_pixels, decode_inline
+    from service.engine.pipeline import INLINE_PIXELS, declared_pixels, decode_inline
+    from service.frontend.inputs import RawImage
 
     thumbnail = Image.fromarray(fashion_images[0])
     side = int(INLINE_PIXELS**0.5)

@@ -2,7 +2,7 @@
 before start and while closing, a full batch not waiting, the metrics per graph, the log of a failed
 batch, a timed-out request leaving the queue, and a drain that runs out of time.
 
-Written to kill the mutants that `make mutation` found surviving in service/batcher.py
+Written to kill the mutants that `make mutation` found surviving in service/engine/batcher.py
 (docs/testing.md); tests/service/test_batcher.py covers batching, ordering and the queue policy.
 """
 
@@ -16,9 +16,9 @@ import time
 import numpy as np
 import pytest
 
-from service.batcher import DynamicBatcher
+from service.engine.batcher import DynamicBatcher
 from service.errors import InferenceFailed, ServiceUnavailable
-from service.metrics import Metrics
+from service.observability.metrics import Metrics
 
 
 class Model:

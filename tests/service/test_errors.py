@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.main import create_app
-from service.schemas import first_non_number
+from service.frontend.app import create_app
+from service.frontend.schemas import first_non_number
 from tests.support import assert_error, b64, encode, make_settings
 
 

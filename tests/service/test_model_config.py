@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from service import model_config as mc
-from service.model_config import (
+from service.contract import model_config as mc
+from service.contract.model_config import (
     ModelConfigError,
     ServingConfig,
     default_model_config,

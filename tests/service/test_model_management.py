@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.main import create_app
-from service.model_repository import ModelLoadError
+from service.contract.model_repository import ModelLoadError
+from service.frontend.app import create_app
 from tests.support import MODEL_NAME, assert_error, make_settings
 
 POLL_S = 0.1

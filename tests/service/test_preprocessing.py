@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from service.contract.model_repository import ModelMetadata
+from service.contract.preprocessing import Preprocessor, should_invert
 from service.errors import InvalidInput, UnsupportedMediaType
-from service.model_repository import ModelMetadata
-from service.preprocessing import Preprocessor, should_invert
 from tests.support import encode
 
 MEAN, STD = 0.286, 0.353

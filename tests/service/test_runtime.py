@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service import runtime
+from service.engine import runtime
 from service.settings import Settings
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from service.main import create_app
+from service.frontend.app import create_app
 from tests.support import assert_error, make_settings
 
 KEY = "k3y-with-no-space"

@@ -124,7 +124,15 @@ def test_attention_png_over_http(http, fashion_images):
 
 def test_full_queue_and_timeout_over_http(model_repository, tmp_path, fashion_images):
     """uvicorn's own CLI on the module-level app: a batch that never fills, a queue of 8 images."""
-    command = ["-m", "uvicorn", "service.main:app", "--host", "127.0.0.1", "--port", "{port}"]
+    command = [
+        "-m",
+        "uvicorn",
+        "service.frontend.app:app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+    ]
     settings = {
         "max_queue_size": 8,
         "max_batch_size": 16,

@@ -16,8 +16,8 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from service.__main__ import _Server
-from service.main import create_app
-from service.model_repository import ModelLoadError
+from service.contract.model_repository import ModelLoadError
+from service.frontend.app import create_app
 from service.settings import Settings
 from tests.support import (
     MODEL_NAME,
@@ -187,7 +187,7 @@ def test_the_service_never_imports_torch(model_repository):
 import sys
 from fastapi.testclient import TestClient
 import service.__main__
-from service.main import create_app
+from service.frontend.app import create_app
 from service.settings import Settings
 app = create_app(Settings(model_repository={str(model_repository)!r}, model_name={MODEL_NAME!r},
                           max_batch_size=2, attention_max_batch_size=1))

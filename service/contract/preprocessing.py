@@ -1,0 +1,389 @@
+"""Turn any accepted image into exactly what the model was trained on.
+
+Steps, in order: identify the format from its magic bytes (PNG, JPEG, WebP, BMP, GIF only), check the
+pixel count from the header before decoding (decompression bombs), decode the first frame, apply the EXIF
+orientation, box-filter a large image down to a few times its size in the model's frame, bring any mode (palette, alpha, 16-bit, CMYK, ...) to 0-255 floats, reduce or expand to the
+model's channels, decide the polarity, fit the image inside the model's H x W keeping its aspect ratio,
+pad it centred, scale and normalise with the metadata's mean and std. Everything after decoding is numpy.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Literal
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from service.contract.model_repository import ModelMetadata, Preprocessing
+from service.errors import InvalidInput, UnsupportedMediaType
+
+Invert = Literal["auto", "always", "never"]
+
+ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF")
+ACCEPTED_TEXT = "PNG, JPEG, WebP, BMP or GIF"
+
+# Magic bytes of the accepted formats, and of common others so that they get a 415 that names them.
+_ACCEPTED_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "PNG"),
+    (b"\xff\xd8\xff", "JPEG"),
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"BM", "BMP"),
+)
+_OTHER_MAGIC = (
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+    (b"%PDF", "PDF"),
+    (b"\x00\x00\x01\x00", "ICO"),
+    (b"8BPS", "PSD"),
+    (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"),
+    (b"\xff\x4f\xff\x51", "JPEG 2000"),
+    (b"qoif", "QOI"),
+    (b"\x76\x2f\x31\x01", "OpenEXR"),
+    (b"<svg", "SVG"),
+    (b"<?xml", "SVG/XML"),
+    (b"P1", "PBM"),
+    (b"P4", "PBM"),
+    (b"P2", "PGM"),
+    (b"P5", "PGM"),
+    (b"P3", "PPM"),
+    (b"P6", "PPM"),
+)
+
+# ITU-R 601-2 luma, as Pillow's convert("L") uses.
+# The pixel limit is checked on the header in decode_image (a 4xx naming the setting); Pillow's own
+# warning below its hard limit would only repeat it, once per image, and catch_warnings per image
+# costs as much as decoding a thumbnail.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
+_LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
+
+
+def sniff_format(data: bytes, field: str) -> str:
+    """The Pillow format name of ``data``; 415 for a known other format, 422 for unknown bytes."""
+    if not data:
+        raise InvalidInput(
+            f"{field}: the image is empty (0 bytes)", field=field, code="empty_image"
+        )
+    for magic, name in _ACCEPTED_MAGIC:
+        if data.startswith(magic):
+            return name
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    other = None
+    for magic, name in _OTHER_MAGIC:
+        if data.startswith(magic):
+            other = name
+    if other is None and data[4:8] == b"ftyp":
+        other = "HEIF/AVIF"
+    if other is not None:
+        raise UnsupportedMediaType(
+            f"{field}: {other} images are not supported; send a {ACCEPTED_TEXT} file",
+            field=field,
+            code="unsupported_image_format",
+        )
+    raise InvalidInput(
+        f"{field}: not a recognisable image (expected a {ACCEPTED_TEXT} file)",
+        field=field,
+        code="undecodable_image",
+    )
+
+
+def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> Image.Image:
+    """Decode the first frame, upright, after checking the header's pixel count against the limit."""
+    image_format = sniff_format(data, field)
+    too_many = (
+        f"{field}: the image has too many pixels; the limit is max_pixels_per_image={max_pixels}"
+    )
+    try:
+        image = Image.open(io.BytesIO(data), formats=[image_format])
+    except Image.DecompressionBombError as error:
+        raise InvalidInput(too_many, field=field, code="too_many_pixels") from error
+    except Exception as error:  # Pillow raises many exception types for malformed headers
+        raise InvalidInput(
+            f"{field}: cannot decode the {image_format} image ({error})",
+            field=field,
+            code="undecodable_image",
+        ) from error
+    width, height = image.size
+    if width < 1 or height < 1:
+        raise InvalidInput(
+            f"{field}: the image is {width}x{height} pixels", field=field, code="empty_image"
+        )
+    if width * height > max_pixels:
+        raise InvalidInput(
+            f"{too_many} ({width}x{height} = {width * height} pixels)",
+            field=field,
+            code="too_many_pixels",
+        )
+    try:
+        image.draft(
+            None, (draft_size, draft_size)
+        )  # JPEG only: decode at a reduced scale when it can
+        image.load()
+        ImageOps.exif_transpose(image, in_place=True)  # a copy per image otherwise
+    except Exception as error:
+        raise InvalidInput(
+            f"{field}: cannot decode the {image_format} image ({error})",
+            field=field,
+            code="undecodable_image",
+        ) from error
+    return image
+
+
+def _composite_on_white(rgb: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    weight = alpha[..., None] / 255.0
+    return rgb * weight + 255.0 * (1.0 - weight)
+
+
+# How much larger than its place in the model's frame an image stays before it becomes floats.
+SHRINK_MARGIN = 4
+
+
+def shrink(image: Image.Image, height: int, width: int) -> Image.Image:
+    """A large image, box-filtered in Pillow (C, 8/32-bit) to ``SHRINK_MARGIN`` times the size it
+    takes in the model's H x W, so that no full-size float copy is ever made: a 65 kB PNG of
+    4096 x 4096 RGBA pixels would otherwise cost about 0.8 GB and seconds of CPU. Modes are first
+    brought where :func:`image_to_array` brings them; the fit-pad geometry that follows is unchanged."""
+    w, h = image.size
+    scale = min(height / h, width / w)
+    if scale * SHRINK_MARGIN >= 1:
+        return image
+    fit_w = min(width, max(1, round(w * scale)))
+    fit_h = min(height, max(1, round(h * scale)))
+    mode = image.mode
+    if mode == "1":
+        image = image.convert("L")
+    elif mode in ("P", "PA"):
+        has_alpha = mode == "PA" or "transparency" in image.info
+        image = image.convert("RGBA" if has_alpha else "RGB")
+    elif mode.startswith("I;16"):
+        image = image.convert("I")
+    elif mode not in ("L", "LA", "La", "RGB", "RGBA", "RGBa", "I", "F"):
+        image = image.convert("RGB")
+    size = (min(w, SHRINK_MARGIN * fit_w), min(h, SHRINK_MARGIN * fit_h))
+    return image.resize(size, Image.Resampling.BOX)
+
+
+def image_to_array(image: Image.Image) -> np.ndarray:
+    """Any Pillow mode -> float32 ``[H, W, 1 or 3]`` in 0-255; transparency is composited on white."""
+    mode = image.mode
+    if mode.startswith("I;16"):
+        return (np.asarray(image, dtype=np.float32) / 257.0)[..., None]
+    if mode == "I":
+        return np.clip(np.asarray(image, dtype=np.float32) / 257.0, 0, 255)[..., None]
+    if mode == "F":
+        return np.clip(np.asarray(image, dtype=np.float32), 0, 255)[..., None]
+    if mode == "1":
+        image, mode = image.convert("L"), "L"
+    if mode == "P" or mode == "PA":
+        has_alpha = mode == "PA" or "transparency" in image.info
+        image = image.convert("RGBA" if has_alpha else "RGB")
+        mode = image.mode
+    if mode in ("LA", "La"):
+        array = np.asarray(image.convert("LA"), dtype=np.float32)
+        return _composite_on_white(array[..., :1], array[..., 1])
+    if mode in ("RGBA", "RGBa"):
+        array = np.asarray(image.convert("RGBA"), dtype=np.float32)
+        return _composite_on_white(array[..., :3], array[..., 3])
+    if mode == "L":
+        return np.asarray(image, dtype=np.float32)[..., None]
+    if mode != "RGB":  # CMYK, YCbCr, LAB, HSV, RGBX: Pillow knows the conversion
+        image = image.convert("RGB")
+    return np.asarray(image, dtype=np.float32)
+
+
+def pixels_to_array(pixels: Any, field: str, max_pixels: int) -> np.ndarray:
+    """A nested list H x W or C x H x W (C = 1 or 3) of 0-255 values -> float32 ``[H, W, C]``."""
+    try:
+        with np.errstate(over="ignore"):  # 1e40 becomes inf, refused below with its position
+            array = np.asarray(pixels, dtype=np.float32)
+    except OverflowError as error:  # an integer beyond any float (JSON has no limit on digits)
+        raise InvalidInput(
+            f"{field}: values must be numbers from 0 to 255; found an integer too large to represent",
+            field=field,
+            code="invalid_pixels",
+        ) from error
+    except (ValueError, TypeError) as error:
+        reason = (
+            "rows of different lengths"
+            if "inhomogeneous" in str(error)
+            else "a value that is not a number"
+        )
+        raise InvalidInput(
+            f"{field}: must be a rectangular nested list of numbers, H x W or C x H x W; found {reason}",
+            field=field,
+            code="invalid_pixels",
+        ) from error
+    if array.ndim == 2:
+        array = array[..., None]
+    elif array.ndim == 3:
+        if array.shape[0] not in (1, 3):
+            raise InvalidInput(
+                f"{field}: a 3-dimensional pixel array is C x H x W with C = 1 or 3; got shape "
+                f"{list(array.shape)}",
+                field=field,
+                code="invalid_pixels",
+            )
+        array = np.moveaxis(array, 0, -1)
+    else:
+        raise InvalidInput(
+            f"{field}: must be H x W or C x H x W; got {array.ndim} dimension(s), shape {list(array.shape)}",
+            field=field,
+            code="invalid_pixels",
+        )
+    height, width = array.shape[:2]
+    if height < 1 or width < 1:
+        raise InvalidInput(
+            f"{field}: the image is empty ({height}x{width})", field=field, code="empty_image"
+        )
+    if height * width > max_pixels:
+        raise InvalidInput(
+            f"{field}: {width}x{height} = {width * height} pixels is over the limit "
+            f"max_pixels_per_image={max_pixels}",
+            field=field,
+            code="too_many_pixels",
+        )
+    bad = ~np.isfinite(array) | (array < 0) | (array > 255)
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        index = index[:2] if array.shape[2] == 1 else (index[2], index[0], index[1])
+        raise InvalidInput(
+            f"{field}: values must be numbers from 0 to 255; found {array[np.nonzero(bad)][0]} at "
+            f"{list(index)}",
+            field=field,
+            code="invalid_pixels",
+        )
+    return array
+
+
+def _border_mean(array: np.ndarray) -> float:
+    """The mean of a frame about 5% of the shorter side thick (the whole image when that is all frame):
+    the whole sum less the inside's, in float64, without copying the frame out."""
+    height, width = array.shape[:2]
+    thickness = max(1, round(min(height, width) * 0.05))
+    if 2 * thickness >= min(height, width):
+        return float(array.mean(dtype=np.float64))
+    inside = array[thickness:-thickness, thickness:-thickness]
+    frame_sum = array.sum(dtype=np.float64) - inside.sum(dtype=np.float64)
+    return float(frame_sum / (array.size - inside.size))
+
+
+def should_invert(array: np.ndarray, polarity: str, invert: Invert) -> bool:
+    """``auto`` inverts when the image's border says it is the opposite of what training saw."""
+    if invert == "always":
+        return True
+    if invert == "never" or polarity == "natural":
+        return False
+    border = _border_mean(array)
+    return border > 127.5 if polarity == "light-on-dark" else border < 127.5
+
+
+def _resize(array: np.ndarray, height: int, width: int) -> np.ndarray:
+    if array.shape[:2] == (height, width):
+        return array
+    channels = [
+        np.asarray(
+            Image.fromarray(np.ascontiguousarray(array[..., c])).resize(
+                (width, height), Image.Resampling.BILINEAR
+            ),
+            dtype=np.float32,
+        )
+        for c in range(array.shape[2])
+    ]
+    return np.stack(channels, axis=-1)
+
+
+def normalise(pixels: np.ndarray, preprocessing: Preprocessing) -> np.ndarray:
+    """0-255 pixels ``[..., C, H, W]`` -> the model's float32 input, as the metadata says:
+    ``x * scale``, then ``(x - mean) / std`` per channel."""
+    channels = len(preprocessing.mean)
+    pixels = np.asarray(pixels, dtype=np.float32)
+    if pixels.ndim < 3 or pixels.shape[-3] != channels:
+        raise ValueError(
+            f"pixels of shape {list(pixels.shape)} are not [..., C, H, W] with C = {channels}"
+        )
+    mean = np.asarray(preprocessing.mean, dtype=np.float32).reshape(-1, 1, 1)
+    std = np.asarray(preprocessing.std, dtype=np.float32).reshape(-1, 1, 1)
+    return (pixels * np.float32(preprocessing.scale) - mean) / std
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One image ready for the model, and how it looks in the model's frame (original polarity)."""
+
+    tensor: np.ndarray  # float32 [C, H, W], normalised
+    inverted: bool
+    content: np.ndarray  # float32 [h, w, C] in 0-255, fitted, original polarity, before padding
+    offset: tuple[int, int]  # (top, left) of the content in the model's frame
+    pad_value: float
+
+    @cached_property
+    def display(self) -> np.ndarray:
+        """uint8 ``[H, W, C]``, fit-padded, not inverted (the attention overlay's background); made
+        only when asked for: /predict never needs it."""
+        _, height, width = self.tensor.shape
+        pad = 255.0 - self.pad_value if self.inverted else self.pad_value
+        return np.rint(_framed(self.content, height, width, self.offset, pad)).astype(np.uint8)
+
+
+def _framed(
+    content: np.ndarray, height: int, width: int, offset: tuple[int, int], value: float
+) -> np.ndarray:
+    """``content`` [h, w, C] placed at ``offset`` on an H x W canvas of ``value``."""
+    if content.shape[:2] == (height, width):
+        return content
+    canvas = np.full((height, width, content.shape[2]), value, dtype=np.float32)
+    top, left = offset
+    canvas[top : top + content.shape[0], left : left + content.shape[1]] = content
+    return canvas
+
+
+class Preprocessor:
+    """The metadata's preprocessing, as one callable per input kind."""
+
+    def __init__(self, metadata: ModelMetadata, max_pixels: int) -> None:
+        self.metadata = metadata
+        self.max_pixels = max_pixels
+        spec = metadata.input
+        self.channels, self.height, self.width = spec.channels, spec.height, spec.width
+
+    def from_bytes(self, data: bytes, field: str, invert: Invert = "auto") -> Prepared:
+        draft = max(self.height, self.width)
+        image = decode_image(data, field, self.max_pixels, draft)
+        return self.from_image(shrink(image, self.height, self.width), invert)
+
+    def from_image(self, image: Image.Image, invert: Invert = "auto") -> Prepared:
+        return self.from_array(image_to_array(image), invert)
+
+    def from_pixels(self, pixels: Any, field: str, invert: Invert = "auto") -> Prepared:
+        return self.from_array(pixels_to_array(pixels, field, self.max_pixels), invert)
+
+    def from_array(self, array: np.ndarray, invert: Invert = "auto") -> Prepared:
+        """float32 ``[h, w, 1 or 3]`` in 0-255 -> the model's input."""
+        if array.shape[2] != self.channels:
+            array = array @ _LUMA[:, None] if self.channels == 1 else np.repeat(array, 3, axis=2)
+        pre = self.metadata.preprocessing
+        inverted = should_invert(array, pre.polarity, invert)
+        h, w = array.shape[:2]
+        scale = min(self.height / h, self.width / w)
+        new_h = min(self.height, max(1, round(h * scale)))
+        new_w = min(self.width, max(1, round(w * scale)))
+        array = np.clip(_resize(array, new_h, new_w), 0.0, 255.0)
+        offset = ((self.height - new_h) // 2, (self.width - new_w) // 2)
+        pad_value = float(pre.pad_value)
+        model_view = _framed(
+            255.0 - array if inverted else array, self.height, self.width, offset, pad_value
+        )
+        tensor = normalise(model_view.transpose(2, 0, 1), pre)
+        return Prepared(
+            tensor=np.ascontiguousarray(tensor, dtype=np.float32),
+            inverted=inverted,
+            content=array,
+            offset=offset,
+            pad_value=pad_value,
+        )

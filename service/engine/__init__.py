@@ -1,0 +1,1 @@
+"""The engine: model versions, dynamic batching and onnxruntime. Imports no web framework."""

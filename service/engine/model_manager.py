@@ -1,0 +1,411 @@
+"""Every model of the repository, each version loaded, swapped and released without a failed request.
+
+Triton's model control modes: ``none`` loads at start-up only; ``poll`` follows the repository every
+``repository_poll_s`` (a new version is loaded once its files have stayed the same for two scans, so a
+directory still being copied is never half-loaded; a changed version is loaded again; a removed one is
+released); ``explicit`` loads and unloads a model when asked (``/v2/repository/models/{name}/load``).
+
+A version takes traffic only once it is loaded, checked against its metadata and warmed up; the version it
+replaces stops taking new requests at that moment and is released once the requests it admitted are
+answered. A version that fails to load is UNAVAILABLE with its reason, and what was served keeps serving.
+Which versions are served follows each model's ``version_policy`` (config.pbtxt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+from service.contract.model_config import (
+    ServingConfig,
+    select_versions,
+)
+from service.contract.model_repository import (
+    CONFIG_FILE,
+    ModelLoadError,
+    VersionFiles,
+    model_names,
+    version_numbers,
+)
+from service.engine.model_versions import (
+    ManagedModel,
+    Signature,
+    VersionStatus,
+    file_signature,
+    scan_version,
+    serving_settings,
+)
+from service.engine.pipeline import DecodeGate, ModelPipeline
+from service.engine.runtime import Runtime
+from service.errors import NotFound, ServiceUnavailable
+from service.observability.metrics import Metrics
+from service.settings import Settings
+
+logger = logging.getLogger("vitserve")
+
+
+class ModelManager:
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.gate = DecodeGate(settings, metrics)
+        self.models: dict[str, ManagedModel] = {}
+        self.default_name: str | None = None
+        self._seen: dict[tuple[str, int], Signature] = {}  # poll: a new version's first sighting
+        self._lock = asyncio.Lock()
+        self._poller: asyncio.Task | None = None
+        self._retiring: set[asyncio.Task] = set()
+        self._retired: set[ModelPipeline] = set()  # released, still answering what they admitted
+
+    @property
+    def repository(self) -> Path:
+        return Path(self.settings.model_repository)
+
+    # --- start and stop ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load every model (or those named), then follow the repository in poll mode. Fails when
+        the default model, or a model named in VITSERVE_MODELS, has no version that loads."""
+        available = model_names(self.repository)
+        named = self.settings.model_list
+        missing = [name for name in named if name not in available]
+        if missing:
+            raise ModelLoadError(
+                f"VITSERVE_MODELS names {', '.join(map(repr, missing))}, not in {self.repository}; "
+                f"available: {', '.join(available) or 'none'}"
+            )
+        names = named or available
+        default = self.settings.model_name or (names[0] if names else None)
+        if default is None or default not in names:
+            raise ModelLoadError(
+                f"model {default!r} not found in {self.repository}; available: "
+                f"{', '.join(names) or 'none'} (set VITSERVE_MODEL_NAME)"
+            )
+        self.default_name = default
+        async with self._lock:
+            for name in names:
+                await self._sync_model(name, initial=True)
+        required = set(named) | {default}
+        for name in sorted(required):
+            model = self.models.get(name)
+            if model is None or not model.ready_versions():
+                reasons = "; ".join(
+                    f"version {s.version}: {s.reason}"
+                    for s in (model.versions.values() if model else [])
+                )
+                raise ModelLoadError(
+                    f"model {name!r} has no version that loads: {reasons or 'none'}"
+                )
+        if self.settings.model_control == "poll":
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever(), name="poll")
+
+    def flush(self) -> None:
+        """Shutdown has begun: every batcher runs what is queued without waiting for its delay."""
+        for model in self.models.values():
+            for status in model.versions.values():
+                if status.pipeline is not None:
+                    status.pipeline.flush()
+
+    def fail_unanswered(self) -> int:
+        """Answer 503 to every image still queued or running (the drain's deadline); how many."""
+        return sum(
+            batcher.fail_all("the service shut down before this request was answered")
+            for model in self.models.values()
+            for status in model.versions.values()
+            if status.pipeline is not None
+            for batcher in status.pipeline.batchers
+        ) + sum(
+            batcher.fail_all("the service shut down before this request was answered")
+            for pipeline in self._retired
+            for batcher in pipeline.batchers
+        )
+
+    async def stop(self, timeout_s: float) -> int:
+        """Stop following the repository and release every version; how many images were failed."""
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        pipelines = [
+            status.pipeline
+            for model in self.models.values()
+            for status in model.versions.values()
+            if status.pipeline is not None
+        ]
+        for model in self.models.values():
+            model.versions.clear()
+        results = await asyncio.gather(
+            *(pipeline.retire(timeout_s) for pipeline in pipelines), *self._retiring
+        )
+        return sum(r for r in results if isinstance(r, int))
+
+    # --- lookup -----------------------------------------------------------------------------------
+
+    def model(self, name: str | None) -> ManagedModel:
+        if self.default_name is None:
+            raise ServiceUnavailable(
+                "the models are not loaded yet; retry shortly",
+                code="not_ready",
+                retry_after_s=self.settings.retry_after_s,
+            )
+        name = name or self.default_name
+        model = self.models.get(name)
+        if model is None:
+            served = ", ".join(sorted(self.models)) or "none"
+            raise NotFound(f"unknown model '{name}': served models: {served}", field="model")
+        return model
+
+    def resolve(self, name: str | None = None, version: int | None = None) -> ModelPipeline:
+        """The pipeline for a request: 404 for an unknown model or version, 503 while loading."""
+        model = self.model(name)
+        pipeline = model.pipeline(version)
+        if pipeline is not None:
+            return pipeline
+        if version is not None and version not in model.versions:
+            ready = ", ".join(f"version {v}" for v in model.ready_versions()) or "none"
+            raise NotFound(
+                f"unknown version '{version}' of model '{model.name}' (ready: {ready})",
+                field="version",
+            )
+        state = model.versions[version].state if version is not None else "UNAVAILABLE"
+        raise ServiceUnavailable(
+            f"model {model.name!r}{'' if version is None else f' version {version}'} is not ready "
+            f"({state.lower()}); retry shortly",
+            code="not_ready",
+            retry_after_s=self.settings.retry_after_s,
+        )
+
+    @property
+    def ready(self) -> bool:
+        try:
+            return self.resolve().healthy
+        except (NotFound, ServiceUnavailable):
+            return False
+
+    def index(self) -> list[tuple[str, int | None, str, str]]:
+        """(name, version, state, reason) of every model version known, Triton's repository index;
+        a model with no version known is listed once with version None."""
+        rows: list[tuple[str, int | None, str, str]] = []
+        for name in sorted(self._known_names()):
+            model = self.models.get(name)
+            if model is None or not model.versions:
+                reason = "unloaded" if model is not None and model.unloaded else "not loaded"
+                rows.append((name, None, "UNAVAILABLE", reason))
+                continue
+            rows.extend(
+                (name, v, status.state, status.reason)
+                for v, status in sorted(model.versions.items())
+            )
+        return rows
+
+    def _known_names(self) -> set[str]:
+        try:
+            return set(model_names(self.repository)) | set(self.models)
+        except ModelLoadError:
+            return set(self.models)
+
+    # --- loading ----------------------------------------------------------------------------------
+
+    def _serving(self, name: str) -> ServingConfig:
+        pinned = self.settings.model_version if name == self.default_name else None
+        return serving_settings(self.repository, name, self.settings, pinned)
+
+    async def _sync_model(self, name: str, initial: bool = False) -> list[str]:
+        """Bring one model in line with the repository: load what its policy wants and is new or
+        changed, release what it no longer wants; the reasons of the loads that failed. Call with
+        the lock held."""
+        failures: list[str] = []
+        model = self.models.get(name)
+        config_signature = file_signature(self.repository / name / CONFIG_FILE)
+        try:
+            serving = self._serving(name)
+        except ModelLoadError as error:
+            self._failed(name, None, str(error))
+            if model is None:
+                self.models[name] = ManagedModel(name, serving=None)
+            return [str(error)]
+        if model is None:
+            model = self.models[name] = ManagedModel(name, serving, config_signature)
+        config_changed = model.config_signature != config_signature
+        model.serving, model.config_signature = serving, config_signature
+        available = version_numbers(self.repository / name)
+        wanted = select_versions(serving.version_policy, available)
+        scanned = {version: self._scan(name, version, initial) for version in available}
+        for version in wanted:
+            files, signature, problem, settled = scanned[version]
+            status = model.versions.get(version)
+            if status is not None and status.signature == signature and not config_changed:
+                continue
+            if not settled:
+                continue
+            if files is None:
+                self._record_failure(model, version, status, signature, problem)
+                failures.append(problem)
+            elif (
+                failure := await self._load_version(model, version, files, signature)
+            ) is not None:
+                failures.append(failure)
+        # what is served now keeps serving until a version the policy wants is ready to replace it
+        replaced = not wanted or any(
+            model.versions.get(v) is not None and model.versions[v].state == "READY" for v in wanted
+        )
+        for version, status in list(model.versions.items()):
+            if version in wanted:
+                continue
+            if status.pipeline is not None and replaced:
+                self._retire(model, version, "removed from the repository or the version policy")
+            elif status.pipeline is None:
+                del model.versions[version]
+        for key in [k for k in self._seen if k[0] == name and k[1] not in available]:
+            del self._seen[key]
+        if serving.version_policy[0] == "specific":
+            for version in sorted(set(serving.version_policy[1]) - set(available)):
+                model.versions[version] = VersionStatus(
+                    version,
+                    "UNAVAILABLE",
+                    f"version {version} of model {name!r} not found in {self.repository / name}; "
+                    f"available: {', '.join(map(str, available)) or 'none'}",
+                )
+        return failures
+
+    def _scan(
+        self, name: str, version: int, initial: bool
+    ) -> tuple[VersionFiles | None, Signature, str, bool]:
+        """A version's files, their signature, why they cannot be read, and whether they have settled:
+        looked the same on the previous scan (a directory still being copied in changes between
+        scans; an atomic rename never does)."""
+        files, signature, problem = scan_version(self.repository, name, version)
+        settled = initial or self._seen.get((name, version)) == signature
+        self._seen[(name, version)] = signature
+        return files, signature, problem, settled
+
+    async def _load_version(
+        self, model: ManagedModel, version: int, files: VersionFiles, signature: Signature
+    ) -> str | None:
+        """Load one version and route to it; the reason when it fails (what was served stays)."""
+        previous = model.versions.get(version)
+        if previous is None:
+            model.versions[version] = VersionStatus(version, "LOADING", signature=signature)
+        try:
+            runtime = await asyncio.to_thread(Runtime.load, files, self.settings, model.serving)
+        except ModelLoadError as error:
+            self._record_failure(model, version, previous, signature, str(error))
+            return str(error)
+        pipeline = ModelPipeline(
+            model.name, runtime, model.serving, self.settings, self.metrics, self.gate
+        )
+        pipeline.start()
+        old = previous.pipeline if previous is not None else None
+        model.versions[version] = VersionStatus(
+            version, "READY", pipeline=pipeline, signature=signature
+        )
+        model.unloaded = False
+        labels = (model.name, str(version))
+        self.metrics.model_load_seconds.labels(*labels, "load").set(runtime.load_seconds)
+        self.metrics.model_load_seconds.labels(*labels, "warmup").set(runtime.warmup_seconds)
+        self.metrics.model_info.labels(*labels, runtime.provider, runtime.metadata.precision).set(1)
+        logger.info(
+            "serving %s version %s from %s on %s (loaded in %.2f s, warmed up in %.2f s; "
+            "max batch %d, %d instance(s))",
+            model.name,
+            version,
+            files.directory,
+            runtime.provider,
+            runtime.load_seconds,
+            runtime.warmup_seconds,
+            model.serving.max_batch_size,
+            model.serving.instance_count,
+        )
+        if old is not None:
+            self._release(old)
+        return None
+
+    def _record_failure(
+        self,
+        model: ManagedModel,
+        version: int,
+        previous: VersionStatus | None,
+        signature: Signature,
+        reason: str,
+    ) -> None:
+        self._failed(model.name, version, reason)
+        if previous is not None and previous.pipeline is not None:
+            # the files changed and the new ones do not load: keep serving what was loaded
+            previous.reason = f"kept the loaded files; the new ones failed: {reason}"
+            previous.signature = signature
+            return
+        model.versions[version] = VersionStatus(version, "UNAVAILABLE", reason, signature=signature)
+
+    def _failed(self, name: str, version: int | None, reason: str) -> None:
+        self.metrics.model_load_failures.labels(name).inc()
+        logger.error("cannot load %s version %s: %s", name, version if version else "-", reason)
+
+    def _retire(self, model: ManagedModel, version: int, why: str) -> None:
+        status = model.versions.pop(version)
+        logger.info("releasing %s version %s: %s", model.name, version, why)
+        if status.pipeline is not None:
+            self.metrics.model_info.remove(
+                model.name,
+                str(version),
+                status.pipeline.runtime.provider,
+                status.pipeline.metadata.precision,
+            )
+            self._release(status.pipeline)
+
+    def _release(self, pipeline: ModelPipeline) -> None:
+        """Release a version no longer routed to, once the requests it admitted are answered."""
+        task = asyncio.get_running_loop().create_task(
+            pipeline.retire(self.settings.graceful_shutdown_s)
+        )
+        self._retiring.add(task)
+        self._retired.add(pipeline)
+        task.add_done_callback(self._retiring.discard)
+        task.add_done_callback(lambda _: self._retired.discard(pipeline))
+
+    # --- control ----------------------------------------------------------------------------------
+
+    async def poll_once(self) -> None:
+        async with self._lock:
+            names = self.settings.model_list or model_names(self.repository)
+            for name in names:
+                if (self.repository / name).is_dir():
+                    await self._sync_model(name)
+                elif name in self.models:
+                    for version in list(self.models[name].versions):
+                        self._retire(self.models[name], version, "model directory removed")
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.repository_poll_s)
+            try:
+                await self.poll_once()
+            except Exception:  # a scan error must not end the polling
+                logger.exception("scanning the model repository %s failed", self.repository)
+
+    async def load(self, name: str) -> None:
+        """Explicit control: (re)load a model's versions as its policy says; 400 with the reason
+        when none loads."""
+        if name not in self._known_names() or not (self.repository / name).is_dir():
+            raise NotFound(
+                f"model {name!r} is not in the repository {self.repository}", field="model"
+            )
+        async with self._lock:
+            model = self.models.get(name)
+            if model is not None:
+                model.config_signature = ()  # an explicit load re-reads everything
+            failures = await self._sync_model(name, initial=True)
+            model = self.models[name]
+        if failures or not model.ready_versions():
+            kept = model.ready_versions()
+            still = f"; still serving version(s) {kept}" if kept else ""
+            raise ModelLoadError(f"{'; '.join(failures) or 'no version directory'}{still}")
+
+    async def unload(self, name: str) -> None:
+        """Explicit control: stop routing to every version of a model and release them once drained."""
+        async with self._lock:
+            model = self.model(name)
+            for version in list(model.versions):
+                self._retire(model, version, "unloaded on request")
+            model.unloaded = True

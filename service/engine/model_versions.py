@@ -1,0 +1,113 @@
+"""What the model manager knows of one model: its versions and their states, and its serving settings
+(config.pbtxt with the environment's overrides)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from service.contract.model_config import (
+    ModelConfig,
+    ModelConfigError,
+    ServingConfig,
+    read_model_config,
+    serving_config,
+)
+from service.contract.model_repository import (
+    CONFIG_FILE,
+    ModelLoadError,
+    VersionFiles,
+    version_files,
+)
+from service.engine.pipeline import ModelPipeline
+from service.settings import Settings
+
+State = Literal["LOADING", "READY", "UNAVAILABLE", "UNLOADING"]
+Signature = tuple
+
+
+@dataclass
+class VersionStatus:
+    version: int
+    state: State
+    reason: str = ""
+    pipeline: ModelPipeline | None = None
+    signature: Signature = ()
+
+
+@dataclass
+class ManagedModel:
+    name: str
+    serving: ServingConfig | None
+    config_signature: Signature = ()
+    versions: dict[int, VersionStatus] = field(default_factory=dict)
+    unloaded: bool = False
+
+    def ready_versions(self) -> list[int]:
+        return sorted(v for v, s in self.versions.items() if s.state == "READY" and s.pipeline)
+
+    def pipeline(self, version: int | None = None) -> ModelPipeline | None:
+        ready = self.ready_versions()
+        if version is None:
+            return self.versions[ready[-1]].pipeline if ready else None
+        return self.versions[version].pipeline if version in ready else None
+
+
+DEFAULT_MAX_QUEUE_SIZE = 512
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+
+
+def default_config(name: str) -> ModelConfig:
+    """Serving settings of a model whose directory has no config.pbtxt."""
+    config = ModelConfig(name=name, max_batch_size=32)
+    config.dynamic_batching.max_queue_delay_microseconds = 2000
+    return config
+
+
+def file_signature(path: Path) -> Signature:
+    try:
+        stat = path.stat()
+    except OSError:
+        return ()
+    return (stat.st_size, stat.st_mtime_ns)
+
+
+def serving_settings(
+    repository: Path, name: str, settings: Settings, pinned_version: int | None = None
+) -> ServingConfig:
+    """The model's config.pbtxt with the environment's overrides (a model without the file gets
+    :func:`default_config`). A queue without a size or timeout there gets the service's bounds: an
+    unbounded queue is not a setting this service offers."""
+    path = repository / name / CONFIG_FILE
+    overrides: dict[str, object] = dict(settings.batching_overrides())
+    if pinned_version is not None:
+        overrides["version_policy"] = ("specific", (pinned_version,))
+    try:
+        config = read_model_config(path) if path.is_file() else default_config(name)
+        serving = serving_config(config, overrides)
+    except ModelConfigError as error:
+        raise ModelLoadError(str(error)) from error
+    serving = replace(
+        serving,
+        max_queue_size=serving.max_queue_size or DEFAULT_MAX_QUEUE_SIZE,
+        request_timeout_s=serving.request_timeout_s or DEFAULT_REQUEST_TIMEOUT_S,
+    )
+    if serving.max_queue_size < settings.max_images_per_request:
+        raise ModelLoadError(
+            f"{name}: max_queue_size ({serving.max_queue_size}) must be at least "
+            f"max_images_per_request ({settings.max_images_per_request}), or a full-sized "
+            "request could never be queued"
+        )
+    return serving
+
+
+def scan_version(
+    repository: Path, name: str, version: int
+) -> tuple[VersionFiles | None, Signature, str]:
+    """The files of a version and their signature, or why they cannot be read."""
+    try:
+        files = version_files(repository, name, version)
+        return files, files.signature(), ""
+    except (ModelLoadError, OSError) as error:
+        return None, ("unreadable", str(error)), str(error)

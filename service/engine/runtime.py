@@ -1,0 +1,255 @@
+"""onnxruntime sessions for one model version: the classifier (one session per instance) and, when the
+version has one, the attention graph.
+
+Picks the CUDA execution provider when onnxruntime offers it (unless told otherwise), reports the provider
+really in use, checks the graphs against their metadata, and warms them up at the batch sizes the
+batchers will run. ``InferenceSession.run`` releases the GIL, so batches run in worker threads while the
+event loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from service.contract.model_config import ServingConfig
+from service.contract.model_repository import (
+    ModelLoadError,
+    ModelMetadata,
+    VersionFiles,
+    check_labels,
+    check_pair,
+    parse_metadata,
+)
+from service.settings import Settings
+
+logger = logging.getLogger("vitserve")
+
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+
+
+def choose_providers(settings: Settings) -> list[str | tuple[str, dict[str, str]]]:
+    """The provider list to ask onnxruntime for, CUDA first when it is wanted and offered."""
+    if settings.provider == "cpu":
+        return [CPU]
+    available = ort.get_available_providers()
+    if CUDA not in available:
+        if settings.provider == "cuda":
+            raise ModelLoadError(
+                f"VITSERVE_PROVIDER=cuda but this onnxruntime offers only {', '.join(available)}; "
+                "install onnxruntime-gpu or set VITSERVE_PROVIDER=auto or cpu"
+            )
+        return [CPU]
+    options = {
+        "device_id": str(settings.cuda_device_id),
+        "cudnn_conv_algo_search": settings.cudnn_conv_algo_search,
+    }
+    if settings.cuda_mem_limit_bytes is not None:
+        options["gpu_mem_limit"] = str(settings.cuda_mem_limit_bytes)
+    return [(CUDA, options), CPU]
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def intra_op_threads(settings: Settings, instances: int) -> int:
+    """The setting when given; else every core but one, shared out among the instances (at least one
+    thread each): the one left is the event loop's, which parses, decodes and answers every request
+    while the model runs (BENCHMARKS.md measures the alternatives)."""
+    if settings.intra_op_threads:
+        return settings.intra_op_threads
+    return max(1, (usable_cores() - 1) // instances)
+
+
+def session_options(settings: Settings, instances: int = 1) -> ort.SessionOptions:
+    """onnxruntime session options for these settings and this many instances of a graph."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads(settings, instances)
+    options.inter_op_num_threads = settings.inter_op_threads
+    options.add_session_config_entry(
+        "session.intra_op.allow_spinning", "1" if settings.allow_spinning else "0"
+    )
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3  # errors only; onnxruntime warnings are noise here
+    return options
+
+
+def warm_up_sizes(max_batch_size: int, session: ort.InferenceSession) -> list[int]:
+    """Batch sizes to run once before serving.
+
+    On CUDA every size: each new input shape costs a cuDNN/kernel set-up on its first run. On the CPU
+    onnxruntime has no per-shape set-up to hide, so the smallest and largest sizes, which check the
+    graph's batch axis, are enough and start-up stays short.
+    """
+    if session.get_providers()[0] == CUDA:
+        return list(range(1, max_batch_size + 1))
+    return sorted({1, max_batch_size})
+
+
+def open_session(path: Path, settings: Settings, instances: int = 1) -> ort.InferenceSession:
+    try:
+        session = ort.InferenceSession(
+            str(path),
+            sess_options=session_options(settings, instances),
+            providers=choose_providers(settings),
+        )
+    except ModelLoadError:
+        raise
+    except Exception as error:  # onnxruntime raises several pybind classes for a bad file
+        raise ModelLoadError(f"{path}: onnxruntime cannot load this model: {error}") from error
+    used = session.get_providers()[0]
+    if settings.provider == "cuda" and used != CUDA:
+        raise ModelLoadError(
+            f"{path}: VITSERVE_PROVIDER=cuda but onnxruntime fell back to {used} "
+            "(are the CUDA and cuDNN libraries installed?)"
+        )
+    return session
+
+
+def _check_graph(
+    session: ort.InferenceSession, meta: ModelMetadata, path: Path, graph: str
+) -> None:
+    inputs = session.get_inputs()
+    spec = meta.input
+    if len(inputs) != 1 or inputs[0].name != spec.name:
+        names = [i.name for i in inputs]
+        raise ModelLoadError(f"{path}: expected one input {spec.name!r}, the graph has {names}")
+    shape = list(inputs[0].shape)
+    if inputs[0].type != "tensor(float)":
+        raise ModelLoadError(
+            f"{path}: input {spec.name!r} is {inputs[0].type}, expected tensor(float)"
+        )
+    if len(shape) != 4 or shape[1:] != [spec.channels, spec.height, spec.width]:
+        raise ModelLoadError(
+            f"{path}: input shape {shape} does not match the metadata "
+            f"[batch, {spec.channels}, {spec.height}, {spec.width}]"
+        )
+    if isinstance(shape[0], int):
+        raise ModelLoadError(
+            f"{path}: the batch axis is fixed at {shape[0]}; export it with a dynamic batch axis"
+        )
+    outputs = {o.name: list(o.shape) for o in session.get_outputs()}
+    wanted = [meta.outputs.logits] + ([meta.outputs.attention] if graph == "attention" else [])
+    for name in wanted:
+        if name not in outputs:
+            raise ModelLoadError(
+                f"{path}: output {name!r} missing; the graph has {sorted(outputs)}"
+            )
+    classes = outputs[meta.outputs.logits][1:]
+    if classes and isinstance(classes[0], int) and classes[0] != meta.num_classes:
+        raise ModelLoadError(
+            f"{path}: logits have {classes[0]} classes but the metadata lists {meta.num_classes} labels"
+        )
+
+
+@dataclass
+class Runtime:
+    """The sessions of one model version, ready to run."""
+
+    files: VersionFiles
+    metadata: ModelMetadata
+    classifiers: list[ort.InferenceSession]
+    attention: ort.InferenceSession | None
+    provider: str
+    load_seconds: float = 0.0
+    warmup_seconds: float = 0.0
+
+    @classmethod
+    def load(cls, files: VersionFiles, settings: Settings, serving: ServingConfig) -> Runtime:
+        """Open, check and warm up one version. Blocking: call it from a thread."""
+        started = time.perf_counter()
+        count = serving.instance_count
+        path = files.classifier_path
+        first = open_session(path, settings, count)
+        metadata = parse_metadata(first.get_modelmeta().custom_metadata_map, path, "classifier")
+        _check_graph(first, metadata, path, "classifier")
+        check_labels(metadata, files)
+        classifiers = [first] + [open_session(path, settings, count) for _ in range(count - 1)]
+        attention = None
+        if files.attention_path is not None and metadata.describes_attention:
+            attention = open_session(files.attention_path, settings)
+            attention_metadata = parse_metadata(
+                attention.get_modelmeta().custom_metadata_map, files.attention_path, "attention"
+            )
+            _check_graph(attention, attention_metadata, files.attention_path, "attention")
+            check_pair(metadata, attention_metadata, files)
+        runtime = cls(files, metadata, classifiers, attention, first.get_providers()[0])
+        runtime.load_seconds = time.perf_counter() - started
+        runtime.warm_up(serving.max_batch_size, settings.attention_max_batch_size)
+        return runtime
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        spec = self.metadata.input
+        return (spec.channels, spec.height, spec.width)
+
+    def classify(self, images: np.ndarray, instance: int = 0) -> np.ndarray:
+        """Logits ``[batch, classes]`` from one instance's session."""
+        meta = self.metadata
+        (logits,) = self.classifiers[instance].run([meta.outputs.logits], {meta.input.name: images})
+        return logits
+
+    def classify_with(self, instance: int) -> Callable[[np.ndarray], tuple[np.ndarray]]:
+        """The batch runner of one instance, for the batcher."""
+        return lambda images: (self.classify(images, instance),)
+
+    def attend(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Logits and attention ``[batch, layers, heads, tokens, tokens]``."""
+        if self.attention is None:
+            raise RuntimeError(f"{self.files.directory} has no attention graph")
+        meta = self.metadata
+        logits, attention = self.attention.run(
+            [meta.outputs.logits, meta.outputs.attention], {meta.input.name: images}
+        )
+        return logits, attention
+
+    def warm_up(self, max_batch_size: int, attention_max_batch_size: int) -> None:
+        """Run the batch sizes the batchers will use once on every session, and check the outputs
+        against the metadata."""
+        started = time.perf_counter()
+        meta = self.metadata
+        images = np.random.default_rng(0).standard_normal(
+            (max(max_batch_size, attention_max_batch_size), *self.input_shape), dtype=np.float32
+        )
+        try:
+            for instance, session in enumerate(self.classifiers):
+                for size in warm_up_sizes(max_batch_size, session):
+                    logits = self.classify(images[:size], instance)
+                    if logits.shape != (size, meta.num_classes):
+                        raise ModelLoadError(
+                            f"{self.files.classifier_path}: batch of {size} gave logits "
+                            f"{logits.shape}, expected {(size, meta.num_classes)}"
+                        )
+            if self.attention is not None:
+                expected = (meta.depth, meta.heads, meta.tokens, meta.tokens)
+                for size in warm_up_sizes(attention_max_batch_size, self.attention):
+                    logits, attention = self.attend(images[:size])
+                    if logits.shape != (size, meta.num_classes) or attention.shape[1:] != expected:
+                        raise ModelLoadError(
+                            f"{self.files.attention_path}: batch of {size} gave logits "
+                            f"{logits.shape} and attention {attention.shape}, expected "
+                            f"{(size, meta.num_classes)} and {(size, *expected)}"
+                        )
+                reference = self.classify(images[:1])
+                difference = float(np.max(np.abs(reference - self.attend(images[:1])[0])))
+                if difference > 1e-3 * max(1.0, float(np.max(np.abs(reference)))):
+                    logger.warning(
+                        "%s and %s disagree on the same input (max logit difference %.3g)",
+                        self.files.classifier_path.name,
+                        self.files.attention_path.name if self.files.attention_path else "-",
+                        difference,
+                    )
+        except ModelLoadError:
+            raise
+        except Exception as error:
+            raise ModelLoadError(f"{self.files.directory}: warm-up run failed: {error}") from error
+        self.warmup_seconds = time.perf_counter() - started

@@ -1,0 +1,109 @@
+"""Tensors in and out of the Open Inference Protocol's gRPC messages (``ModelInferRequest`` and
+``ModelInferResponse`` of Triton's ``service.proto``, as shipped in tritonclient).
+
+The input is checked and normalised by service/frontend/oip/codec.py, as over HTTP: the same datatypes (``FP32``,
+``UINT8``), shapes, limits and messages. Its elements come either as ``raw_input_contents`` (little-endian
+bytes, what ``tritonclient.grpc`` sends) or as typed ``contents``: ``fp32_contents`` for FP32,
+``uint_contents`` for UINT8 (the protocol carries 8-bit integers in 32-bit fields). Outputs are answered
+as ``raw_output_contents``, as Triton does; the classification extension is the requested output's
+``classification`` parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import service_pb2
+
+from service.contract.model_repository import ModelMetadata
+from service.frontend.oip.codec import (
+    Decoded,
+    OipError,
+    all_outputs,
+    byte_count,
+    check_input,
+    checked_values,
+    output_tensors,
+    requested_output,
+    to_batch,
+    values_from_bytes,
+)
+
+_TYPED_FIELD = {"FP32": "fp32_contents", "UINT8": "uint_contents"}
+_TYPED_DTYPE = {"FP32": np.float32, "UINT8": np.int64}
+
+
+def parameter(value: service_pb2.InferParameter) -> Any:
+    """An ``InferParameter``'s value, whichever of its fields is set (None when none is)."""
+    which = value.WhichOneof("parameter_choice")
+    return None if which is None else getattr(value, which)
+
+
+def decode_infer_request(
+    request: service_pb2.ModelInferRequest, meta: ModelMetadata, max_images: int
+) -> Decoded:
+    """Validate a ModelInferRequest against the model's metadata (blocking: a thread)."""
+    if not request.inputs:
+        raise OipError(f"the request has no inputs; model '{meta.name}' takes '{meta.input.name}'")
+    tensor = request.inputs[0]
+    shape = list(tensor.shape)
+    names = [t.name for t in request.inputs]
+    where, elements = check_input(names, tensor.datatype, shape, meta, max_images)
+    raw = request.raw_input_contents
+    if raw:
+        if len(raw) != len(request.inputs):
+            raise OipError(
+                f"raw_input_contents holds {len(raw)} tensors for {len(request.inputs)} inputs"
+            )
+        if tensor.HasField("contents"):
+            raise OipError(f"{where}: give either raw_input_contents or contents, not both")
+        expected = byte_count(tensor.datatype, elements)
+        if len(raw[0]) != expected:
+            raise OipError(
+                f"{where}: raw_input_contents[0] holds {len(raw[0])} bytes; shape {shape} of "
+                f"{tensor.datatype} needs {expected} bytes"
+            )
+        values = values_from_bytes(raw[0], tensor.datatype, where)
+    else:
+        field = _TYPED_FIELD[tensor.datatype]
+        others = [f.name for f, _ in tensor.contents.ListFields() if f.name != field]
+        if others:
+            raise OipError(
+                f"{where}: datatype {tensor.datatype} takes contents.{field}, not "
+                f"contents.{others[0]}"
+            )
+        typed = getattr(tensor.contents, field)
+        if len(typed) != elements:
+            raise OipError(
+                f"{where}: contents.{field} holds {len(typed)} elements; shape {shape} needs "
+                f"{elements} (or send raw_input_contents)"
+            )
+        array = np.asarray(typed, dtype=_TYPED_DTYPE[tensor.datatype])
+        values = checked_values(array, tensor.datatype, f"{where}: contents.{field}")
+    outputs = [] if request.outputs else all_outputs(meta, True)
+    for requested in request.outputs:
+        classification = (
+            parameter(requested.parameters["classification"])
+            if "classification" in requested.parameters
+            else None
+        )
+        outputs.append(requested_output(requested.name, True, classification, meta, outputs))
+    return Decoded(to_batch(values, tensor.datatype, meta), outputs)
+
+
+def encode_infer_response(
+    request: service_pb2.ModelInferRequest,
+    decoded: Decoded,
+    logits: np.ndarray,
+    meta: ModelMetadata,
+    name: str,
+    version: str,
+) -> service_pb2.ModelInferResponse:
+    response = service_pb2.ModelInferResponse(model_name=name, model_version=version, id=request.id)
+    for _, tensor in output_tensors(decoded, logits, meta):
+        response.outputs.add(
+            name=tensor.name, datatype=tensor.datatype, shape=list(tensor.values.shape)
+        )
+        response.raw_output_contents.append(tensor.to_bytes())
+    return response

@@ -1,0 +1,296 @@
+"""The Open Inference Protocol over gRPC: Triton's ``inference.GRPCInferenceService``, as ``tritonclient.grpc``
+speaks it, on ``VITSERVE_GRPC_PORT`` (default 8001, Triton's; 0 turns it off).
+
+The wire format is tritonclient's own generated code (``service_pb2``, ``service_pb2_grpc``); the server is
+``grpc.aio`` on the app's event loop, started once the models are loaded and stopped with the app, letting
+the calls in flight finish (``graceful_shutdown_s``). Every call does what its HTTP route does, through
+the same functions: live, ready, server and model metadata, model ready, ``ModelConfig`` and
+``ModelStatistics`` (service/frontend/oip/extensions.py), ``ModelInfer`` through the model's pipeline like
+``/v2/models/{name}/infer`` (same batcher, decode slots, queue and limits; service/frontend/oip/grpc_codec.py) and
+the repository index, load and unload (service/frontend/oip/repository.py). Streaming, shared memory, trace and log
+settings answer UNIMPLEMENTED.
+
+The API key, when the service has one, is the ``authorization: Bearer <key>`` metadata, needed for
+everything but live, ready and server metadata. Errors are gRPC statuses with the HTTP route's message:
+400 -> INVALID_ARGUMENT, 401 -> UNAUTHENTICATED, 404 -> NOT_FOUND, 503 -> UNAVAILABLE (with a
+``retry-after`` trailer), 500 -> INTERNAL; a message over ``max_body_bytes`` is RESOURCE_EXHAUSTED. Every
+answer carries the ``x-request-id`` trailer (the client's, when it sends a valid one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from starlette.requests import Request
+from starlette.types import Message
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from service.engine.state import ServiceState
+from service.errors import NotFound, ServiceError
+from service.frontend.oip import extensions, repository
+from service.frontend.oip.codec import Decoded, OipError
+from service.frontend.oip.grpc_codec import decode_infer_request, encode_infer_response, parameter
+from service.frontend.oip.routes import metadata_of, model_is_ready, version_number
+from service.frontend.oip.schemas import EXTENSIONS, SERVER_NAME
+from service.frontend.security import check_api_key
+from service.observability import logs, tracing
+
+logger = logging.getLogger("vitserve")
+
+SERVICE = "inference.GRPCInferenceService"
+_STATUS = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    415: grpc.StatusCode.INVALID_ARGUMENT,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    499: grpc.StatusCode.CANCELLED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+Context = grpc.aio.ServicerContext
+
+
+def status_code(error: ServiceError) -> grpc.StatusCode:
+    """The gRPC status of a service error (an unlisted 4xx is INVALID_ARGUMENT, a 5xx INTERNAL)."""
+    default = (
+        grpc.StatusCode.INTERNAL if error.status_code >= 500 else grpc.StatusCode.INVALID_ARGUMENT
+    )
+    return _STATUS.get(error.status_code, default)
+
+
+def _rpc(protected: bool) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Any]]:
+    """A call: its request id, its span, the API key when ``protected``, errors as statuses."""
+
+    def wrap(method: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        async def handler(self: InferenceServicer, request: Any, context: Context) -> Any:
+            metadata = tuple(context.invocation_metadata() or ())
+            headers = {key.lower(): value for key, value in metadata if isinstance(value, str)}
+            request_id = logs.request_id(headers.get("x-request-id"))
+            token = logs.REQUEST_ID.set(request_id)
+            trailers = [("x-request-id", request_id)]
+            context.set_trailing_metadata(trailers)
+            try:
+                with tracing.server_span(SERVICE, method.__name__, metadata):
+                    if protected:
+                        check_api_key(headers.get("authorization"), self.state.settings.api_key)
+                    return await method(self, request, context, request_id)
+            except ServiceError as error:
+                if error.status_code >= 500:
+                    logger.error("%s [request %s]: %s", error.code, request_id, error.message)
+                if "Retry-After" in error.headers:
+                    trailers.append(("retry-after", error.headers["Retry-After"]))
+                    context.set_trailing_metadata(trailers)
+                await context.abort(status_code(error), error.message)
+            except Exception as error:
+                if isinstance(error, grpc.aio.AbortError):
+                    raise
+                logger.exception("unhandled error [request %s]", request_id, exc_info=error)
+                await context.abort(
+                    grpc.StatusCode.INTERNAL,
+                    f"internal error; quote request id {request_id} when reporting it",
+                )
+            finally:
+                logs.REQUEST_ID.reset(token)
+
+        return handler
+
+    return wrap
+
+
+def _required_name(name: str, field: str = "name") -> str:
+    if not name:
+        raise OipError(f"{field} is empty: name the model")
+    return name
+
+
+def _http_request(request_id: str, context: Context) -> Request:
+    """What the pipeline takes from a request: its id, and a ``receive`` that answers
+    ``http.disconnect`` once the call is over (cancelled by the client, or timed out)."""
+    loop = asyncio.get_running_loop()
+    over = asyncio.Event()
+
+    def done(_: object) -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(over.set)
+
+    context.add_done_callback(done)
+
+    async def receive() -> Message:
+        await over.wait()
+        return {"type": "http.disconnect"}
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": f"/{SERVICE}/ModelInfer",
+        "headers": [],
+        "state": {"request_id": request_id},
+    }
+    return Request(scope, receive)
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, state: ServiceState, version: str) -> None:
+        self.state = state
+        self.version = version
+
+    @_rpc(protected=False)
+    async def ServerLive(self, request: Any, context: Context, request_id: str) -> Any:
+        return service_pb2.ServerLiveResponse(live=True)
+
+    @_rpc(protected=False)
+    async def ServerReady(self, request: Any, context: Context, request_id: str) -> Any:
+        return service_pb2.ServerReadyResponse(ready=self.state.ready)
+
+    @_rpc(protected=False)
+    async def ServerMetadata(self, request: Any, context: Context, request_id: str) -> Any:
+        return service_pb2.ServerMetadataResponse(
+            name=SERVER_NAME, version=self.version, extensions=EXTENSIONS
+        )
+
+    @_rpc(protected=True)
+    async def ModelReady(self, request: Any, context: Context, request_id: str) -> Any:
+        try:
+            ready = model_is_ready(
+                self.state, _required_name(request.name), request.version or None
+            )
+        except NotFound:
+            ready = False  # as Triton answers for a model or version it does not know
+        return service_pb2.ModelReadyResponse(ready=ready)
+
+    @_rpc(protected=True)
+    async def ModelMetadata(self, request: Any, context: Context, request_id: str) -> Any:
+        metadata = metadata_of(self.state, _required_name(request.name), request.version or None)
+        return json_format.ParseDict(metadata.model_dump(), service_pb2.ModelMetadataResponse())
+
+    @_rpc(protected=True)
+    async def ModelConfig(self, request: Any, context: Context, request_id: str) -> Any:
+        config = extensions.served_config(
+            self.state.manager,
+            _required_name(request.name),
+            version_number(request.version or None),
+        )
+        return service_pb2.ModelConfigResponse(config=config)
+
+    @_rpc(protected=True)
+    async def ModelStatistics(self, request: Any, context: Context, request_id: str) -> Any:
+        stats = extensions.statistics(
+            self.state.manager, request.name or None, version_number(request.version or None)
+        )
+        response = service_pb2.ModelStatisticsResponse()
+        for entry in stats:
+            json_format.ParseDict(entry, response.model_stats.add())
+        return response
+
+    @_rpc(protected=True)
+    async def ModelInfer(self, request: Any, context: Context, request_id: str) -> Any:
+        manager = self.state.manager
+        name = _required_name(request.model_name, "model_name")
+        pipeline = manager.resolve(name, version_number(request.model_version or None))
+        with pipeline.lease():
+            limit = pipeline.settings.max_images_per_request
+            decoded: list[Decoded] = []
+
+            def decode() -> Any:
+                decoded.append(decode_infer_request(request, pipeline.metadata, limit))
+                return decoded[0].batch
+
+            logits = await pipeline.infer(decode, _http_request(request_id, context))
+            return encode_infer_response(
+                request, decoded[0], logits, pipeline.metadata, name, str(pipeline.version)
+            )
+
+    @_rpc(protected=True)
+    async def RepositoryIndex(self, request: Any, context: Context, request_id: str) -> Any:
+        response = service_pb2.RepositoryIndexResponse()
+        for model in repository.index_of(self.state, request.ready):
+            response.models.add(**model.model_dump())
+        return response
+
+    @_rpc(protected=True)
+    async def RepositoryModelLoad(self, request: Any, context: Context, request_id: str) -> Any:
+        parameters = {key: parameter(value) for key, value in request.parameters.items()}
+        repository.refuse_load_parameters(parameters)
+        await repository.load_model(self.state, _required_name(request.model_name, "model_name"))
+        return service_pb2.RepositoryModelLoadResponse()
+
+    @_rpc(protected=True)
+    async def RepositoryModelUnload(self, request: Any, context: Context, request_id: str) -> Any:
+        name = _required_name(request.model_name, "model_name")
+        await repository.unload_model(self.state, name)
+        return service_pb2.RepositoryModelUnloadResponse()
+
+
+def _unimplemented(name: str) -> Callable[..., Any]:
+    async def handler(self: InferenceServicer, request: Any, context: Context) -> None:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"{name} is not implemented by vitserve; it serves unary ModelInfer and the health, "
+            f"metadata, config, statistics and repository calls (extensions: "
+            f"{', '.join(EXTENSIONS)})",
+        )
+
+    handler.__name__ = name
+    return handler
+
+
+for _name in (
+    "ModelStreamInfer",
+    "SystemSharedMemoryStatus",
+    "SystemSharedMemoryRegister",
+    "SystemSharedMemoryUnregister",
+    "CudaSharedMemoryStatus",
+    "CudaSharedMemoryRegister",
+    "CudaSharedMemoryUnregister",
+    "TraceSetting",
+    "LogSettings",
+):
+    setattr(InferenceServicer, _name, _unimplemented(_name))
+
+
+class GrpcServer:
+    """The gRPC listener of one app: started after the models load, stopped before they are released."""
+
+    def __init__(self, state: ServiceState, version: str) -> None:
+        self.state = state
+        self.version = version
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        settings = self.state.settings
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", settings.max_body_bytes),
+                ("grpc.so_reuseport", 0),  # a port in use is an error, not shared
+            ]
+        )
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+            InferenceServicer(self.state, self.version), server
+        )
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        address = f"{host}:{settings.grpc_port}"
+        try:
+            self.port = server.add_insecure_port(address)
+        except RuntimeError as error:
+            raise OSError(
+                f"cannot listen for gRPC on {address} ({error}): is the port in use? Set "
+                "VITSERVE_GRPC_PORT to a free port, or 0 to turn gRPC off"
+            ) from None
+        await server.start()
+        self.server = server
+        logger.info("gRPC (Open Inference Protocol) listening on %s", address)
+
+    async def stop(self, grace_s: float) -> None:
+        """Refuse new calls at once; give the calls in flight ``grace_s`` to finish."""
+        if self.server is not None:
+            await self.server.stop(grace_s)
+            self.server = None

@@ -1,0 +1,256 @@
+"""Open Inference Protocol routes: clients built for Triton and KServe (``tritonclient.http``, KServe's
+``InferenceRESTClient``, plain ``curl``) talk to vitserve unchanged.
+
+- ``GET /v2``: server metadata ``{"name", "version", "extensions"}``.
+- ``GET /v2/health/live``, ``GET /v2/health/ready``: ``{"live": true}``, ``{"ready": true|false}`` (as
+  KServe's servers answer), 200 when true, 400 when not (as Triton's).
+- ``GET /v2/models/{name}[/versions/{version}]``: model metadata (inputs and outputs as named tensors).
+- ``GET /v2/models/{name}[/versions/{version}]/ready``: 200 when ready, 400 when not.
+- ``POST /v2/models/{name}[/versions/{version}]/infer``: named tensors in, named tensors out
+  (service/frontend/oip/codec.py), through the model's pipeline like ``/predict``.
+- The model repository extension (service/frontend/oip/repository.py); the model configuration and statistics
+  extensions (service/frontend/oip/extensions.py). The same calls over gRPC: service/frontend/oip/grpc_service.py.
+
+Every error is ``{"error": "<message>"}`` (service/errors.py formats it): 400 for a bad request, 404 for an
+unknown model or version, 401 for a missing or wrong API key (when one is configured: it applies to
+``/v2/models/...`` and ``/v2/repository/...``; server metadata and health stay open), 503 with
+``Retry-After`` when not ready, the queue is full or the request timed out, 500 when the model failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
+
+from service.engine.pipeline import ModelPipeline
+from service.engine.state import ServiceState, service_state
+from service.errors import NotFound, ServiceError
+from service.frontend.oip.codec import decode_request, encode_response
+from service.frontend.oip.schemas import (
+    EXTENSIONS,
+    HEADER_LENGTH,
+    PLATFORM,
+    PROBABILITIES,
+    SERVER_NAME,
+    InferRequest,
+    MetadataTensor,
+    ModelMetadataResponse,
+    ServerLive,
+    ServerMetadata,
+    ServerReady,
+)
+from service.frontend.security import require_api_key
+
+router = APIRouter(prefix="/v2", tags=["open inference protocol"])
+PROTECTED = [Depends(require_api_key)]
+
+_ERRORS = {
+    400: "Bad request: the message names the tensor, field and limit.",
+    401: "API key missing or wrong (only when the service has one).",
+    404: "No such model or version.",
+    503: "Not ready, queue full or timed out; see Retry-After.",
+}
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "string"}},
+}
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"description": text, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+    for status, text in _ERRORS.items()
+}
+
+
+def version_number(version: str | None) -> int | None:
+    """A protocol version string as the repository's integer; 404 for anything else."""
+    if version is None:
+        return None
+    if not (version.isascii() and version.isdigit()) or int(version) < 1:
+        raise NotFound(f"unknown version '{version}': versions are positive integers")
+    return int(version)
+
+
+def _pipeline(request: Request, name: str, version: str | None) -> ModelPipeline:
+    return service_state(request).manager.resolve(name, version_number(version))
+
+
+def metadata_of(state: ServiceState, name: str, version: str | None) -> ModelMetadataResponse:
+    """A model's metadata (every transport): the inputs and outputs of the version asked for."""
+    pipeline = state.manager.resolve(name, version_number(version))
+    meta, spec = pipeline.metadata, pipeline.metadata.input
+    classes = meta.num_classes
+    return ModelMetadataResponse(
+        name=name,
+        versions=[str(v) for v in state.manager.model(name).ready_versions()],
+        platform=PLATFORM,
+        inputs=[
+            MetadataTensor(
+                name=spec.name, datatype="FP32", shape=[-1, spec.channels, spec.height, spec.width]
+            )
+        ],
+        outputs=[
+            MetadataTensor(name=meta.outputs.logits, datatype="FP32", shape=[-1, classes]),
+            MetadataTensor(name=PROBABILITIES, datatype="FP32", shape=[-1, classes]),
+        ],
+    )
+
+
+def model_is_ready(state: ServiceState, name: str, version: str | None) -> bool:
+    """Whether a model (version) takes requests now; 404 for an unknown model or version."""
+    model = state.manager.model(name)
+    wanted = version_number(version)
+    if wanted is not None and wanted not in model.versions:
+        raise NotFound(f"unknown version '{version}' of model '{name}'")
+    return state.phase == "ready" and model.pipeline(wanted) is not None
+
+
+def _versioned(path: str, register: Callable[[str], Callable], endpoint: Callable) -> None:
+    """Register ``endpoint`` on ``/models/{name}<path>`` and ``/models/{name}/versions/{version}<path>``
+    (its ``version`` parameter is None on the first)."""
+    register(f"/models/{{name}}{path}")(endpoint)
+    register(f"/models/{{name}}/versions/{{version}}{path}")(endpoint)
+
+
+@router.get("", response_model=ServerMetadata, summary="Server metadata")
+async def server_metadata(request: Request) -> ServerMetadata:
+    return ServerMetadata(name=SERVER_NAME, version=request.app.version, extensions=EXTENSIONS)
+
+
+@router.get("/health/live", response_model=ServerLive, summary='Live: 200, {"live": true}')
+async def live() -> ServerLive:
+    return ServerLive(live=True)
+
+
+@router.get(
+    "/health/ready",
+    response_model=ServerReady,
+    summary="Ready: 200 once the default model is loaded and warmed up, 400 while starting or "
+    "shutting down",
+    responses={400: {"model": ServerReady, "description": "Not ready: starting or shutting down"}},
+)
+async def ready(request: Request) -> JSONResponse:
+    ready = service_state(request).ready
+    return JSONResponse(ServerReady(ready=ready).model_dump(), status_code=200 if ready else 400)
+
+
+async def model_metadata(
+    request: Request, name: str, version: str | None = None
+) -> ModelMetadataResponse:
+    return metadata_of(service_state(request), name, version)
+
+
+async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
+    ready = model_is_ready(service_state(request), name, version)
+    return Response(status_code=200 if ready else 400)
+
+
+async def infer(request: Request, name: str, version: str | None = None) -> Response:
+    pipeline = _pipeline(request, name, version)
+    with pipeline.lease():
+        body = await request.body()
+        header_length = request.headers.get(HEADER_LENGTH)
+        limit = pipeline.settings.max_images_per_request
+        decoded: list = []
+
+        def decode() -> Any:
+            decoded.extend(
+                decode_request(
+                    body, header_length, pipeline.metadata, limit, pipeline.settings.max_json_values
+                )
+            )
+            return decoded[1].batch
+
+        logits = await pipeline.infer(decode, request)
+        infer_request, tensors = decoded
+        return await run_in_threadpool(
+            encode_response,
+            infer_request,
+            tensors,
+            logits,
+            pipeline.metadata,
+            name,
+            str(pipeline.version),
+        )
+
+
+_versioned(
+    "",
+    lambda path: router.get(
+        path,
+        response_model=ModelMetadataResponse,
+        summary="Model metadata",
+        dependencies=PROTECTED,
+        responses=RESPONSES,
+    ),
+    model_metadata,
+)
+_versioned(
+    "/ready",
+    lambda path: router.get(
+        path,
+        summary="Model ready: 200 when ready, 400 when not",
+        dependencies=PROTECTED,
+        response_class=Response,
+        responses=RESPONSES,
+    ),
+    model_ready,
+)
+_versioned(
+    "/infer",
+    lambda path: router.post(
+        path,
+        summary="Inference (Open Inference Protocol)",
+        dependencies=PROTECTED,
+        responses=RESPONSES,
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/InferRequest"}},
+                    "application/octet-stream": {
+                        "schema": {"type": "string", "format": "binary"},
+                        "description": "binary_tensor_data: the JSON request, then the tensors' "
+                        "bytes; the header Inference-Header-Content-Length gives the JSON's length.",
+                    },
+                },
+            }
+        },
+    ),
+    infer,
+)
+OPENAPI_MODELS = (InferRequest,)
+
+
+def not_in_protocol_route(routers: list[APIRouter]) -> APIRouter:
+    """A catch-all under /v2, registered last: 405 for a known route and another method, else 404,
+    both in the protocol's error shape."""
+    catch_all = APIRouter(prefix="/v2", include_in_schema=False)
+    routes = [route for r in routers for route in r.routes if isinstance(route, APIRoute)]
+
+    @catch_all.api_route(
+        "/{path:path}", methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+    )
+    async def not_in_protocol(path: str, request: Request) -> Response:
+        for route in routes:
+            if route.path_regex.match(request.url.path) and request.method not in (
+                route.methods or set()
+            ):
+                allowed = ", ".join(sorted(route.methods or ()))
+                raise ServiceError(
+                    f"method {request.method} is not allowed on {request.url.path}; use {allowed}",
+                    status_code=405,
+                    code="method_not_allowed",
+                    headers={"Allow": allowed},
+                )
+        raise NotFound(
+            f"/v2/{path} is not served: vitserve implements the Open Inference Protocol's health, "
+            "metadata, ready and infer routes and the extensions "
+            f"{', '.join(EXTENSIONS)}"
+        )
+
+    return catch_all

@@ -1,0 +1,58 @@
+"""One handler, three routes: the default model (``/predict``), a model by name
+(``/models/{name}/predict``) and one version of it (``/models/{name}/versions/{version}/predict``).
+
+The routes check the API key and lease the pipeline themselves rather than through FastAPI
+dependencies: on the inference path a generator dependency (an exit stack, a shielded context) and a
+security sub-dependency cost more of the event loop than decoding a thumbnail does. The OpenAPI
+document still declares the bearer scheme for them (``service.frontend.security.OPENAPI_SECURITY``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Path, Request
+
+from service.engine.pipeline import ModelPipeline
+from service.engine.state import service_state
+from service.frontend.security import OPENAPI_SECURITY, check_request_api_key
+
+Handler = Callable[[Request, ModelPipeline], Awaitable[Any]]
+
+
+async def _serve(handler: Handler, request: Request, name: str | None, version: int | None) -> Any:
+    check_request_api_key(request)
+    with service_state(request).manager.resolve(name, version).lease() as pipeline:
+        return await handler(request, pipeline)
+
+
+def add_model_routes(
+    router: APIRouter, suffix: str, handler: Handler, *, summary: str, **route: Any
+) -> None:
+    """Register ``handler`` as POST ``suffix`` under each prefix, with the pipeline it runs on."""
+
+    async def default_model(request: Request) -> Any:
+        return await _serve(handler, request, None, None)
+
+    async def named_model(request: Request, name: str) -> Any:
+        return await _serve(handler, request, name, None)
+
+    async def one_version(request: Request, name: str, version: int = Path(ge=1)) -> Any:
+        return await _serve(handler, request, name, version)
+
+    openapi_extra = {**route.pop("openapi_extra", {}), **OPENAPI_SECURITY}
+    for prefix, endpoint, which in (
+        ("", default_model, ""),
+        ("/models/{name}", named_model, " (a model by name)"),
+        ("/models/{name}/versions/{version}", one_version, " (one version of a model)"),
+    ):
+        router.add_api_route(
+            prefix + suffix,
+            endpoint,
+            methods=["POST"],
+            name=f"{handler.__name__}{prefix.replace('/', '_').replace('{', '').replace('}', '')}",
+            summary=summary + which,
+            openapi_extra=openapi_extra,
+            **route,
+        )

@@ -1,0 +1,96 @@
+"""GET /models and /models/{name}: every model, its versions and their states, and how each is served."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from service.contract.preprocessing import ACCEPTED_FORMATS
+from service.engine.model_versions import ManagedModel
+from service.engine.state import ServiceState, service_state
+from service.frontend.routers._openapi import ERROR_RESPONSES
+from service.frontend.schemas import (
+    BatchingInfo,
+    InputInfo,
+    LimitsInfo,
+    ModelInfo,
+    ModelsResponse,
+    VersionInfo,
+)
+from service.frontend.security import require_api_key
+from service.settings import Settings
+
+router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key)])
+
+
+def _limits(settings: Settings) -> LimitsInfo:
+    return LimitsInfo(
+        max_body_bytes=settings.max_body_bytes,
+        max_images_per_request=settings.max_images_per_request,
+        max_pixels_per_image=settings.max_pixels_per_image,
+        max_pixels_per_request=settings.max_pixels_per_request,
+        accepted_formats=list(ACCEPTED_FORMATS),
+    )
+
+
+def model_info(state: ServiceState, model: ManagedModel) -> ModelInfo:
+    settings = state.settings
+    versions = [
+        VersionInfo(version=v, state=status.state, reason=status.reason)
+        for v, status in sorted(model.versions.items())
+    ]
+    common = {
+        "name": model.name,
+        "default": model.name == state.manager.default_name,
+        "versions": versions,
+        "limits": _limits(settings),
+    }
+    pipeline = model.pipeline()
+    if pipeline is None:
+        return ModelInfo(version=None, **common)
+    meta, serving = pipeline.metadata, pipeline.serving
+    return ModelInfo(
+        version=pipeline.version,
+        labels=meta.labels,
+        input=InputInfo(**meta.input.model_dump()),
+        preprocessing=meta.preprocessing.model_dump(),
+        attention=pipeline.attention is not None,
+        grid=meta.grid if meta.patch is not None else None,
+        pooling=meta.pooling,
+        depth=meta.depth,
+        heads=meta.heads,
+        precision=meta.precision,
+        dataset=meta.dataset,
+        test_accuracy=meta.test_accuracy,
+        provider=pipeline.runtime.provider,
+        batching=BatchingInfo(
+            max_batch_size=serving.max_batch_size,
+            preferred_batch_sizes=list(serving.preferred_batch_sizes),
+            attention_max_batch_size=settings.attention_max_batch_size,
+            max_queue_delay_ms=serving.max_queue_delay_s * 1000.0,
+            max_queue_size=serving.max_queue_size,
+            request_timeout_s=serving.request_timeout_s,
+            instance_count=serving.instance_count,
+        ),
+        **common,
+    )
+
+
+@router.get(
+    "/models", response_model=ModelsResponse, summary="The models served", responses=ERROR_RESPONSES
+)
+async def models(request: Request) -> ModelsResponse:
+    state = service_state(request)
+    return ModelsResponse(
+        models=[model_info(state, model) for _, model in sorted(state.manager.models.items())]
+    )
+
+
+@router.get(
+    "/models/{name}",
+    response_model=ModelInfo,
+    summary="One model: its versions and how it is served",
+    responses=ERROR_RESPONSES,
+)
+async def model(name: str, request: Request) -> ModelInfo:
+    state = service_state(request)
+    return model_info(state, state.manager.model(name))

@@ -1,0 +1,104 @@
+"""POST /predict (the default model), /models/{name}/predict and /models/{name}/versions/{version}/predict:
+classify one or more images (JSON or multipart/form-data)."""
+
+from __future__ import annotations
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+from pydantic_core import to_json
+
+from service.engine.pipeline import ModelPipeline
+from service.errors import InvalidInput
+from service.frontend.inputs import (
+    MULTIPART,
+    image_from_json,
+    read_json,
+    read_multipart,
+    require_body_type,
+)
+from service.frontend.predictions import check_top_k, predictions
+from service.frontend.routers._openapi import ERROR_RESPONSES, request_body
+from service.frontend.routers._routes import add_model_routes
+from service.frontend.schemas import (
+    EXAMPLE_PNG_B64,
+    PredictOptions,
+    PredictRequest,
+    PredictResponse,
+)
+
+router = APIRouter(
+    tags=["inference"]
+)  # the routes check the API key (service/frontend/routers/_routes.py)
+
+_MULTIPART = {
+    "type": "object",
+    "required": ["files"],
+    "properties": {
+        "files": {
+            "type": "array",
+            "items": {"type": "string", "format": "binary"},
+            "description": "One or more image files (PNG, JPEG, WebP, BMP, GIF), each a part named 'files'.",
+        },
+        "top_k": {"type": "integer", "minimum": 1, "default": 5},
+        "invert": {"type": "string", "enum": ["auto", "always", "never"], "default": "auto"},
+    },
+}
+_EXAMPLES = {
+    "b64": {"summary": "A base64 PNG", "value": {"images": [{"b64": EXAMPLE_PNG_B64}], "top_k": 3}},
+    "pixels": {
+        "summary": "Raw pixels, H x W",
+        "value": {"images": [{"pixels": [[0, 255], [255, 0]]}]},
+    },
+}
+
+
+async def predict(request: Request, pipeline: ModelPipeline) -> Response:
+    limit = pipeline.settings.max_images_per_request
+    if require_body_type(request) == MULTIPART:
+        images, options = await read_multipart(request, "files", limit, PredictOptions)
+        if not images:
+            raise InvalidInput(
+                "files: no file part; send one or more parts named 'files'", field="files"
+            )
+    else:
+        body = await read_json(request, PredictRequest)
+        if len(body.images) > limit:
+            raise InvalidInput(
+                f"images: {len(body.images)} images; the limit is max_images_per_request={limit}",
+                field="images",
+                code="too_many_images",
+            )
+        images = [image_from_json(image, f"images[{i}]") for i, image in enumerate(body.images)]
+        options = body
+    if len(images) > limit:
+        raise InvalidInput(
+            f"files: {len(images)} files; the limit is max_images_per_request={limit}",
+            field="files",
+            code="too_many_images",
+        )
+    labels = pipeline.metadata.labels
+    top_k = check_top_k(options.top_k, labels, given="top_k" in options.model_fields_set)
+    logits = await pipeline.classify(images, options.invert, request)
+    # built as JSON directly: the dicts have PredictResponse's shape (tests check it against the
+    # schema), without a second validation of every number by the response model
+    body = {
+        "model": {"name": pipeline.name, "version": pipeline.version},
+        "predictions": predictions(np.stack(logits), labels, top_k),
+    }
+    return Response(to_json(body), media_type="application/json")
+
+
+add_model_routes(
+    router,
+    "/predict",
+    predict,
+    summary="Classify images",
+    response_model=PredictResponse,
+    description=(
+        'JSON `{"images": [{"b64": ...} or {"pixels": ...}], "top_k": 5, "invert": "auto"}` or '
+        "multipart/form-data with file parts named `files` and optional fields `top_k`, `invert`. "
+        "One prediction per image, in order."
+    ),
+    responses=ERROR_RESPONSES,
+    openapi_extra=request_body("PredictRequest", _MULTIPART, _EXAMPLES),
+)

@@ -1,0 +1,197 @@
+"""The HTTP connections of ``python -m service``: deadlines for headers and body, a connection cap.
+
+uvicorn has a keep-alive timeout for idle connections but none for a request that is being sent: a
+client could hold a connection forever with half-sent headers, or a body trickled a byte at a time
+(and hold up a graceful shutdown with it). ``guarded_protocol`` makes a subclass of uvicorn's
+httptools protocol (the one ``uvicorn[standard]`` runs) that adds
+
+- a header deadline: the request headers must be complete ``header_timeout_s`` after the connection
+  opened, or after the previous response on it;
+- a body deadline: ``body_timeout_s`` plus one second per ``body_min_bytes_per_s`` bytes received, so
+  a client at least that fast is never cut off; time the server itself is not reading (flow control)
+  does not count;
+- a connection cap: a connection beyond ``max_connections`` is answered 503 with Retry-After as soon
+  as its request headers arrive (or after one second) and closed, without reaching the app.
+
+A deadline that passes is answered 408 (when no response has started) and the connection closed. The
+app, if it was reading the body, sees the client gone (``error_responses.CUT_OFF`` in the request's state
+says why).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from service.frontend.error_responses import CUT_OFF
+from service.settings import Settings
+
+_EARLY_BYTES = 64 * 1024  # what an over-cap connection may send before it is answered
+_OVER_CAP_WAIT_S = 1.0  # how long an over-cap connection may take to send its request headers
+
+
+def _response(status: int, reason: str, code: str, message: str, retry_after: int | None) -> bytes:
+    body = json.dumps(
+        {"error": {"code": code, "message": message, "field": None, "request_id": None}}
+    ).encode()
+    headers = [
+        f"HTTP/1.1 {status} {reason}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+        "connection: close",
+    ]
+    if retry_after is not None:
+        headers.append(f"retry-after: {retry_after}")
+    return ("\r\n".join(headers) + "\r\n\r\n").encode() + body
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the deadlines and the cap above (class attributes: see
+    ``guarded_protocol``)."""
+
+    header_timeout_s = 30.0
+    body_timeout_s = 30.0
+    body_min_bytes_per_s = 16 * 1024
+    max_connections = 512
+    retry_after_s = 1
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._body_since = 0.0
+        self._body_bytes = 0
+        self._over_cap = False
+        self._early = 0
+        self._tail = b""
+
+    # --- timers -----------------------------------------------------------------------------------
+
+    def _arm(self, delay: float, callback: Any) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(delay, callback)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _close_with(
+        self, status: int, reason: str, code: str, message: str, *, answer: bool = True
+    ) -> None:
+        """Answer (unless ``answer`` is false: a response has started) and close."""
+        if self.transport.is_closing():
+            return
+        if answer:
+            retry = self.retry_after_s if status == 503 else None
+            self.transport.write(_response(status, reason, code, message, retry))
+        self.transport.close()
+
+    def _headers_late(self) -> None:
+        self._deadline = None
+        self._close_with(
+            408,
+            "Request Timeout",
+            "request_timeout",
+            "the request headers were not complete within header_timeout_s="
+            f"{self.header_timeout_s:g} seconds",
+        )
+
+    def _body_check(self) -> None:
+        self._deadline = None
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body or cycle.response_complete:
+            return
+        now = self.loop.time()
+        if self.flow.read_paused:  # the server is not reading: the client cannot be late
+            self._body_since, self._body_bytes = now, 0
+            self._arm(self.body_timeout_s, self._body_check)
+            return
+        allowed = self.body_timeout_s + self._body_bytes / self.body_min_bytes_per_s
+        late = now - self._body_since - allowed
+        if late < 0:
+            self._arm(-late, self._body_check)
+            return
+        cycle.scope["state"][CUT_OFF] = "body_timeout_s"  # type: ignore[typeddict-unknown-key]
+        self._close_with(
+            408,
+            "Request Timeout",
+            "request_timeout",
+            f"the request body did not arrive in time: body_timeout_s={self.body_timeout_s:g} "
+            f"seconds plus one per body_min_bytes_per_s={self.body_min_bytes_per_s} bytes",
+            answer=not cycle.response_started,
+        )
+
+    def _refuse_over_cap(self) -> None:
+        self._deadline = None
+        self._close_with(
+            503,
+            "Service Unavailable",
+            "too_many_connections",
+            f"the server has max_connections={self.max_connections} connections open; retry later",
+        )
+
+    # --- uvicorn's protocol -----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            self._over_cap = True
+            self._arm(min(_OVER_CAP_WAIT_S, self.header_timeout_s), self._refuse_over_cap)
+        else:
+            self._arm(self.header_timeout_s, self._headers_late)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._over_cap:
+            super().data_received(data)
+            return
+        # Never parsed: answered once the request headers are in (or enough bytes for them).
+        self._early += len(data)
+        window = self._tail + data
+        self._tail = window[-3:]
+        if b"\r\n\r\n" in window or self._early > _EARLY_BYTES:
+            self._disarm()
+            self._refuse_over_cap()
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._body_since, self._body_bytes = self.loop.time(), 0
+        self._arm(self.body_timeout_s, self._body_check)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        # The body is in: its deadline ends. (When the answer went out before the body was read,
+        # the timer running is already the next request's header deadline, which stays.)
+        if self.cycle is None or not self.cycle.response_complete:
+            self._disarm()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        pipelined = bool(self.pipeline)  # a next request whose headers are in already
+        super().on_response_complete()
+        if not self.transport.is_closing() and not pipelined:
+            self._arm(self.header_timeout_s, self._headers_late)
+
+
+def guarded_protocol(settings: Settings) -> type[GuardedProtocol]:
+    """The protocol class for ``uvicorn.Config(http=...)`` with the deadlines of ``settings``."""
+    return type(
+        "VitserveHttpProtocol",
+        (GuardedProtocol,),
+        {
+            "header_timeout_s": settings.header_timeout_s,
+            "body_timeout_s": settings.body_timeout_s,
+            "body_min_bytes_per_s": settings.body_min_bytes_per_s,
+            "max_connections": settings.max_connections,
+            "retry_after_s": settings.retry_after_s,
+        },
+    )

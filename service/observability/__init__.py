@@ -1,0 +1,1 @@
+"""Metrics, tracing and logs, shared by the engine and the front ends."""
