@@ -12,17 +12,16 @@ from __future__ import annotations
 import signal
 import sys
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
-from pydantic import ValidationError
-from pydantic_settings import SettingsError
 
-from service.engine.state import ServiceState
-from service.frontend.server import guarded_protocol
+from service.launcher.cli import parse_settings
 from service.observability.logs import uvicorn_log_config
-from service.settings import Settings
 
-EXIT_BAD_SETTINGS = 2
+if TYPE_CHECKING:  # imported by main() only after the command line is parsed: --help stays quick
+    from service.engine.state import ServiceState
+
 EXIT_START_FAILED = 3
 # uvicorn cancels open requests this long after the service's own drain deadline, which answers what
 # is left 503: long enough for those answers to be written.
@@ -41,40 +40,12 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def settings_problems(error: ValidationError) -> list[str]:
-    """One line per invalid setting, naming its environment variable and never its value (pydantic's
-    own text quotes the input, which for a model-level check is every setting, the API key too)."""
-    lines = []
-    for problem in error.errors(include_url=False, include_input=False, include_context=False):
-        location = problem.get("loc") or ()
-        message = problem.get("msg", "invalid").removeprefix("Value error, ")
-        if location:
-            name = str(location[0])  # a field, or the alias it was read from (VITSERVE_PORT)
-            variable = name if name.isupper() else f"VITSERVE_{name.upper()}"
-            lines.append(f"setting {variable}: {message}")
-        else:
-            lines.append(f"settings: {message}")
-    return lines
-
-
-def load_settings() -> Settings:
-    """The settings from the environment; on a problem, its lines on stderr and exit code 2."""
-    try:
-        return Settings()
-    except ValidationError as error:
-        problems = settings_problems(error)
-    except SettingsError as error:  # a value pydantic-settings could not even read
-        problems = [f"settings: {error}"]
-    for problem in problems:
-        print(f"cannot start: {problem}", file=sys.stderr)
-    sys.exit(EXIT_BAD_SETTINGS)
-
-
 def main() -> None:
-    settings = load_settings()
+    settings = parse_settings(sys.argv[1:])
     # Imported only now: service.frontend.app builds its module-level app from the environment's settings,
-    # which would fail with a traceback before load_settings could say what is wrong.
+    # which would fail with a traceback before parse_settings could say what is wrong.
     from service.frontend.app import create_app
+    from service.frontend.server import guarded_protocol
 
     app = create_app(settings)
     config = uvicorn.Config(
