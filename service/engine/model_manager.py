@@ -3,7 +3,10 @@
 Triton's model control modes: ``none`` loads at start-up only; ``poll`` follows the repository every
 ``repository_poll_s`` (a new version is loaded once its files have stayed the same for two scans, so a
 directory still being copied is never half-loaded; a changed version is loaded again; a removed one is
-released); ``explicit`` loads and unloads a model when asked (``/v2/repository/models/{name}/load``).
+released); ``explicit`` loads and unloads a model when asked (``/v2/repository/models/{name}/load``)
+and, as Triton's, loads at start-up only the models named (``--load-model``, ``VITSERVE_MODELS``; ``*``
+for all): a model not loaded answers 404 naming it, the index lists it UNAVAILABLE ("unloaded"), and
+the service is ready once it is up.
 
 A version takes traffic only once it is loaded, checked against its metadata and warmed up; the version it
 replaces stops taking new requests at that moment and is released once the requests it admitted are
@@ -67,7 +70,8 @@ class ModelManager:
 
     async def start(self) -> None:
         """Load every model (or those named), then follow the repository in poll mode. Fails when
-        the default model, or a model named in VITSERVE_MODELS, has no version that loads."""
+        the default model, or a model named in VITSERVE_MODELS, has no version that loads; in
+        explicit mode the default model may be one that is not loaded yet."""
         available = model_names(self.repository)
         named = self.settings.model_list
         missing = [name for name in named if name not in available]
@@ -76,9 +80,10 @@ class ModelManager:
                 f"VITSERVE_MODELS names {', '.join(map(repr, missing))}, not in {self.repository}; "
                 f"available: {', '.join(available) or 'none'}"
             )
-        names = named or available
-        default = self.settings.model_name or (names[0] if names else None)
-        if default is None or default not in names:
+        names = available if self.settings.loads_every_model else named
+        servable = available if self._explicit else names
+        default = self.settings.model_name or (names or servable or [None])[0]
+        if default is None or default not in servable:
             raise ModelLoadError(
                 f"model {default!r} not found in {self.repository}; available: "
                 f"{', '.join(names) or 'none'} (set VITSERVE_MODEL_NAME)"
@@ -87,7 +92,7 @@ class ModelManager:
         async with self._lock:
             for name in names:
                 await self._sync_model(name, initial=True)
-        required = set(named) | {default}
+        required = set(named) | ({default} & set(names))
         for name in sorted(required):
             model = self.models.get(name)
             if model is None or not model.ready_versions():
@@ -143,6 +148,10 @@ class ModelManager:
 
     # --- lookup -----------------------------------------------------------------------------------
 
+    @property
+    def _explicit(self) -> bool:
+        return self.settings.model_control == "explicit"
+
     def model(self, name: str | None) -> ManagedModel:
         if self.default_name is None:
             raise ServiceUnavailable(
@@ -152,6 +161,8 @@ class ModelManager:
             )
         name = name or self.default_name
         model = self.models.get(name)
+        if model is None and self._explicit and name in self._known_names():
+            raise self._not_loaded(name)
         if model is None:
             served = ", ".join(sorted(self.models)) or "none"
             raise NotFound(f"unknown model '{name}': served models: {served}", field="model")
@@ -169,6 +180,8 @@ class ModelManager:
                 f"unknown version '{version}' of model '{model.name}' (ready: {ready})",
                 field="version",
             )
+        if model.unloaded or (self._explicit and not model.versions):
+            raise self._not_loaded(model.name)
         state = model.versions[version].state if version is not None else "UNAVAILABLE"
         raise ServiceUnavailable(
             f"model {model.name!r}{'' if version is None else f' version {version}'} is not ready "
@@ -177,8 +190,26 @@ class ModelManager:
             retry_after_s=self.settings.retry_after_s,
         )
 
+    def _not_loaded(self, name: str) -> NotFound:
+        """Explicit mode: a model that is not loaded stays so until asked; retrying will not help."""
+        return NotFound(
+            f"model '{name}' is not loaded (model control 'explicit': POST "
+            f"/v2/repository/models/{name}/load loads it)",
+            field="model",
+            code="model_not_loaded",
+        )
+
     @property
     def ready(self) -> bool:
+        """The default model serves; in explicit mode, as Triton's, the service is ready once up
+        (every model loaded is healthy), whichever models are loaded."""
+        if self._explicit and self.default_name is not None:
+            return all(
+                status.pipeline.healthy
+                for model in self.models.values()
+                for status in model.versions.values()
+                if status.pipeline is not None
+            )
         try:
             return self.resolve().healthy
         except (NotFound, ServiceUnavailable):
@@ -191,7 +222,8 @@ class ModelManager:
         for name in sorted(self._known_names()):
             model = self.models.get(name)
             if model is None or not model.versions:
-                reason = "unloaded" if model is not None and model.unloaded else "not loaded"
+                unloaded = self._explicit or (model is not None and model.unloaded)
+                reason = "unloaded" if unloaded else "not loaded"
                 rows.append((name, None, "UNAVAILABLE", reason))
                 continue
             rows.extend(
