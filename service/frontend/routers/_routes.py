@@ -56,8 +56,7 @@ def add_model_routes(
             prefix + suffix,
             endpoint,
             methods=["POST"],
-            name=handler.__name__ + kind,
-            operation_id=handler.__name__ + kind,  # predict, predict_model, predict_model_version
+            name=handler.__name__ + kind,  # and operation id: predict, predict_model, ...
             summary=summary + which,
             openapi_extra=openapi_extra,
             **route,
