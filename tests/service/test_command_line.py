@@ -4,12 +4,15 @@ that follows the HTTP port, so that two instances started with two ``PORT``s bot
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
+import service.__main__ as service_main
 from bench import server_process
 from service.launcher.cli import flag, parse_settings
 from service.settings import Settings
@@ -176,3 +179,9 @@ def test_two_instances_started_with_port_alone_both_become_ready(model_repositor
             server_process.stop_process(process)
     for process, port, log in processes:
         assert process.returncode == 0, f"instance on {port}:\n{server_process.log_tail(log)}"
+
+
+def test_the_vitserve_script_runs_the_same_command_line():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    module, _, function = project["scripts"]["vitserve"].partition(":")
+    assert getattr(importlib.import_module(module), function) is service_main.main
