@@ -20,7 +20,7 @@ import sys
 import typing
 from collections.abc import Sequence
 
-from pydantic import AliasChoices, ValidationError
+from pydantic import AliasChoices, SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import SettingsError
 
@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, field in Settings.model_fields.items():
         flags = [flag(name), *ALIASES.get(name, ())]
         repeat = " Repeatable, or comma-separated." if name in REPEATABLE else ""
+        if SecretStr in typing.get_args(field.annotation):
+            repeat += " Prefer the variable: other users can read a flag in the process list."
         help_text = (
             f"{field.description}{repeat} [default: {_shown_default(field)}; "
             f"env: {_variables(name, field)}]"
