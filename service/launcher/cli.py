@@ -125,7 +125,9 @@ def settings_problems(error: ValidationError, given: Sequence[str] = ()) -> list
         message = problem.get("msg", "invalid").removeprefix("Value error, ")
         if location:
             name = str(location[0])  # a field, or the alias it was read from (VITSERVE_PORT)
-            where = name if name.isupper() else flag(name) if name in given else variable(name)
+            where = name if name.isupper() else variable(name)
+            if name in given:  # the flag, by each of its names: the user typed one of them
+                where = " / ".join([flag(name), *ALIASES.get(name, ())])
             lines.append(f"setting {where}: {message}")
         else:
             lines.append(f"settings: {message}")

@@ -105,7 +105,7 @@ def test_tritons_flag_names():
         ),
         (
             ["--load-model", "*", "--load-model", "a"],
-            "cannot start: setting --models: '*' (every model) cannot be combined",
+            "cannot start: setting --models / --load-model: '*' (every model) cannot be combined",
         ),
         (
             ["--port", "65535"],
