@@ -60,8 +60,8 @@ $(TEST_STAMP): | $(VPY)
 	rm -f $(VENV)/.installed-test-* $(VENV)/.installed-serve-*
 	touch $@ $(SERVE_STAMP)
 
-serve: $(SERVE_STAMP) ## Serve the shipped model at http://127.0.0.1:PORT (PORT=8000); installs no torch.
-	@echo "vitserve: http://$(HOST):$(PORT)  (OpenAPI docs: http://$(HOST):$(PORT)/docs)"
+serve: $(SERVE_STAMP) ## Serve the shipped model at http://127.0.0.1:PORT (PORT=8000; gRPC on PORT+1); installs no torch.
+	@echo "vitserve: http://$(HOST):$(PORT)  (OpenAPI docs: http://$(HOST):$(PORT)/docs; gRPC: $(HOST):$${VITSERVE_GRPC_PORT:-$$(( $(PORT) + 1 ))})"
 	VITSERVE_HOST=$(HOST) VITSERVE_PORT=$(PORT) exec $(VPY) -m service
 
 test: lint hadolint compose-check k8s-check pytest ## Lint, check the Dockerfile, compose file and Kubernetes manifests, run every test.

@@ -130,6 +130,8 @@ class Engine:
             models=models,
             retry_after_s=self.settings.retry_after_s,
             healthy=self.manager.ready,
+            explicit=self.settings.model_control == "explicit",
+            repository_names=self.manager.repository_names,
         )
 
     # --- work -------------------------------------------------------------------------------------

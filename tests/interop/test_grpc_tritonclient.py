@@ -396,7 +396,7 @@ def test_statistics_count_exactly_what_was_sent(client, http):
 def test_repository_index_load_and_unload(model_repository, fashion_images):
     tensor = Reference.normalise(fashion_images[:1])
     with (
-        eco_app(model_repository, model_control="explicit") as app_client,
+        eco_app(model_repository, model_control="explicit", models=MODEL_NAME) as app_client,
         triton.InferenceServerClient(
             f"127.0.0.1:{app_client.app.state.settings.grpc_port}"
         ) as grpc_client,
@@ -410,7 +410,7 @@ def test_repository_index_load_and_unload(model_repository, fashion_images):
         assert not grpc_client.is_model_ready(MODEL_NAME)
         with pytest.raises(InferenceServerException) as error:
             grpc_client.infer(MODEL_NAME, [fp32_input(tensor)])
-        assert_status(error, grpc.StatusCode.UNAVAILABLE, "not ready")
+        assert_status(error, grpc.StatusCode.NOT_FOUND, f"'{MODEL_NAME}' is not loaded")
         with pytest.raises(InferenceServerException) as error:
             grpc_client.load_model(MODEL_NAME, config='{"max_batch_size": 2}')
         message = assert_status(

@@ -171,13 +171,20 @@ def test_rolling_back_by_removing_the_new_version(polling, repository, fashion_i
 
 
 def test_explicit_load_and_unload(repository, fashion_images):
-    settings = make_settings(repository, model_control="explicit")
+    settings = make_settings(repository, model_control="explicit", models=MODEL_NAME)
     with TestClient(create_app(settings)) as client:
         name = MODEL_NAME
         assert client.post(f"/v2/repository/models/{name}/unload").status_code == 200
-        assert index(client)[(name, "")]["state"] == "UNAVAILABLE"
-        assert_error(client.post("/predict", json=body(fashion_images)), 503, "not ready")
-        assert client.get("/health/ready").status_code == 503  # the default model is gone
+        assert index(client)[(name, "")] == {
+            "name": name,
+            "version": "",
+            "state": "UNAVAILABLE",
+            "reason": "unloaded",
+        }
+        unloaded = client.post("/predict", json=body(fashion_images))
+        assert_error(unloaded, 404, f"model '{name}' is not loaded", f"models/{name}/load")
+        assert "retry-after" not in unloaded.headers  # it will not come back by itself
+        assert client.get("/health/ready").status_code == 200  # Triton's: ready once up
         assert client.post(f"/v2/repository/models/{name}/load").status_code == 200
         assert index(client)[(name, "1")]["state"] == "READY"
         assert client.post("/predict", json=body(fashion_images)).status_code == 200
@@ -187,6 +194,36 @@ def test_explicit_load_and_unload(repository, fashion_images):
         failed = client.post(f"/v2/repository/models/{name}/load")
         assert failed.status_code == 400 and "onnxruntime cannot load" in failed.json()["error"]
         assert client.post("/predict", json=body(fashion_images)).status_code == 200  # kept
+
+
+def test_explicit_mode_loads_only_the_models_named_at_start_up(repository, fashion_images):
+    """Triton's --model-control-mode=explicit: no --load-model loads nothing; '*' loads all."""
+    shutil.copytree(repository / MODEL_NAME, repository / "second")
+    nothing = make_settings(repository, model_control="explicit", models=None, model_name=None)
+    with TestClient(create_app(nothing)) as client:
+        rows = index(client)
+        assert {key: row["reason"] for key, row in rows.items()} == {
+            (MODEL_NAME, ""): "unloaded",
+            ("second", ""): "unloaded",
+        }
+        assert {row["state"] for row in rows.values()} == {"UNAVAILABLE"}
+        assert client.get("/health/ready").status_code == 200
+        assert client.get("/v2/health/ready").json() == {"ready": True}
+        for path in ("/predict", "/models/second/predict"):
+            answer = client.post(path, json=body(fashion_images))
+            assert_error(answer, 404, "is not loaded")
+        assert client.post("/v2/repository/models/second/load").status_code == 200
+        assert client.post("/models/second/predict", json=body(fashion_images)).status_code == 200
+        assert index(client)[(MODEL_NAME, "")]["reason"] == "unloaded"
+    one = make_settings(repository, model_control="explicit", models="second", model_name=None)
+    with TestClient(create_app(one)) as client:
+        assert {row["state"] for row in index(client).values()} == {"READY", "UNAVAILABLE"}
+        assert (
+            client.post("/predict", json=body(fashion_images)).json()["model"]["name"] == "second"
+        )
+    every = make_settings(repository, model_control="explicit", models="*", model_name=None)
+    with TestClient(create_app(every)) as client:
+        assert {row["state"] for row in index(client).values()} == {"READY"}
 
 
 def test_load_and_unload_need_explicit_mode(client):
