@@ -167,9 +167,9 @@ def test_files_that_change_between_scans_are_not_tried_until_they_stop(hand_poll
 # --- releasing a replaced version ------------------------------------------------------------------
 
 
-def batcher_threads() -> list[str]:
+def batcher_threads() -> set[threading.Thread]:
     """The batchers' worker threads (one per graph and instance, named vitserve-<graph>-<i>)."""
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("vitserve-"))
+    return {t for t in threading.enumerate() if t.name.startswith("vitserve-")}
 
 
 def test_a_reloaded_version_releases_the_old_one_threads_and_sessions(repository):
@@ -178,6 +178,7 @@ def test_a_reloaded_version_releases_the_old_one_threads_and_sessions(repository
     collection alone does not count), then its pipeline, runtime and onnxruntime sessions are
     freed."""
     settings = make_settings(repository, model_control="explicit")
+    others = batcher_threads()  # other apps' of this test session
     with TestClient(create_app(settings)) as client:
         manager = client.app.state.service.manager
 
@@ -187,7 +188,7 @@ def test_a_reloaded_version_releases_the_old_one_threads_and_sessions(repository
             assert attention.status_code == 200
 
         exercise()
-        threads = batcher_threads()
+        threads = batcher_threads() - others
         assert len(threads) == 2, threads  # the classifier's and the attention graph's
         old = manager.resolve()
         old_batchers = old.batchers  # held: only a stop ends their threads now
@@ -197,7 +198,9 @@ def test_a_reloaded_version_releases_the_old_one_threads_and_sessions(repository
         assert client.post(f"/v2/repository/models/{MODEL_NAME}/load").status_code == 200
         assert manager.resolve() is not refs[0]()
         exercise()
-        wait_until(lambda: batcher_threads() == threads, "the old batchers' threads to end", 20)
+        assert len(batcher_threads() - others - threads) == 2  # the new version's
+        ended = lambda: not any(thread.is_alive() for thread in threads)  # noqa: E731
+        wait_until(ended, "the old batchers' threads to end", timeout_s=20)
         del old_batchers
 
         def freed() -> bool:
