@@ -360,3 +360,65 @@ def test_grpc_outputs_and_their_classification(meta):
     bad.raw_input_contents.append(bytes(PIXELS))
     bad.outputs.add(name="logits").parameters["classification"].int64_param = 0
     grpc_refused(meta, bad, "parameters.classification is 0")
+
+
+# --- what the mutation run of the codec found unpinned (docs/testing.md) ------------------------------
+
+
+def test_a_long_non_number_is_quoted_to_40_characters(meta):
+    data = [*zeros()[:-1], "x" * 100]
+    message = refused(meta, request(data))
+    shown = json.dumps("x" * 100)[:40]
+    assert f"element 783 is {shown}, not a number" in message
+
+
+def test_the_largest_finite_fp32_is_accepted(meta):
+    largest = float(np.finfo(np.float32).max)
+    data = [*[0.0] * (PIXELS - 1), largest]
+    _, decoded = decode(meta, request(data, datatype="FP32", shape=[1, 1, 28, 28]))
+    assert decoded.batch[0, 0, 27, 27] == np.float32(largest)
+
+
+def test_a_bad_binary_element_is_named_with_its_input(meta):
+    nan = np.zeros(PIXELS, "<f4")
+    nan[3] = np.nan
+    body = request(datatype="FP32", shape=[1, 1, 28, 28], binary=nan.tobytes())
+    refused(meta, body, "input 'images': element 3 is nan")
+
+
+def test_the_shape_message_shows_every_shape_the_model_takes(meta):
+    refused(
+        meta,
+        request(shape=[1, 28, 27]),
+        "shape [1, 28, 27] does not match the model's [N, 1, 28, 28] or [N, 28, 28] for "
+        "datatype UINT8",
+    )
+    refused(meta, request(datatype="INT32"), "UINT8 (raw 0-255 pixels, normalised here)")
+
+
+def test_the_json_value_limit_applies_when_given(meta):
+    from service.errors import ServiceError
+
+    body = request(zeros())
+    decode(meta, body)  # no limit given: accepted
+    with pytest.raises(ServiceError) as error:
+        codec.decode_request(body[0], body[1], meta, max_images=8, max_values=100)
+    assert error.value.status_code == 413 and "max_json_values=100" in error.value.message
+
+
+def test_classification_ties_keep_the_lower_index_among_many_classes():
+    """Past 16 elements numpy's default sort is not stable: ties must still go to the lower index."""
+    labels = [f"c{i}" for i in range(40)]
+    values = np.zeros((1, 40), np.float32)
+    values[0, [3, 17, 25, 33]] = 1.0
+    ranked = codec._classify(values, 40, labels)[0].tolist()
+    assert [entry.split(":")[1] for entry in ranked] == [
+        str(i) for i in [3, 17, 25, 33, *[j for j in range(40) if j not in (3, 17, 25, 33)]]
+    ]
+
+
+def test_a_json_answer_says_it_is_json(meta):
+    infer, decoded = decode(meta, request(zeros()))
+    logits = np.zeros((1, 10), np.float32)
+    response = codec.encode_response(infer, decoded, logits, meta, "m", "1")
+    assert response.headers["content-type"] == "application/json"
