@@ -19,7 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.frontend.app import create_app
-from tests.support import MAX_IMAGES, assert_error, encode, make_settings
+from tests.support import MAX_IMAGES, assert_error, b64, encode, make_settings
 
 BUDGET = 1000  # pixels per request
 PER_IMAGE = 100  # pixels per image, for the /attention body bound
@@ -60,16 +60,10 @@ def test_images_that_fill_the_budget_exactly_are_served(budgeted):
 
 
 def test_the_pixel_budget_applies_to_base64_json_and_to_attention(budgeted):
-    body = {"images": [{"b64": b64} for b64 in (_b64(png(40, 20)), _b64(png(20, 40)))]}
+    body = {"images": [{"b64": b64} for b64 in (b64(png(40, 20)), b64(png(20, 40)))]}
     assert_error(budgeted.post("/predict", json=body), 422, f"max_pixels_per_request={BUDGET}")
-    big = {"image": {"b64": _b64(png(40, 30))}}  # 1200 pixels, one image
+    big = {"image": {"b64": b64(png(40, 30))}}  # 1200 pixels, one image
     assert_error(budgeted.post("/attention", json=big), 422, f"max_pixels_per_request={BUDGET}")
-
-
-def _b64(data: bytes) -> str:
-    import base64
-
-    return base64.b64encode(data).decode("ascii")
 
 
 @pytest.fixture(scope="module")
