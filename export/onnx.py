@@ -374,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         VerificationError,
         CheckpointError,
         DatasetError,
-        FileExistsError,
         RepositoryError,
+        OSError,  # FileExistsError, or a write that failed (the staged files are removed)
     ) as error:
         print(f"export failed, nothing written: {error}", file=sys.stderr)
         return 1
