@@ -111,7 +111,7 @@ def hand_polled(model_repository: Path, tmp_path: Path) -> Iterator[TestClient]:
 
 
 def scan(client: TestClient) -> None:
-    client.portal.call(client.app.state.service.manager.poll_once)
+    client.portal.call(client.app.state.engine.manager.poll_once)
 
 
 def load_failures(client: TestClient) -> float:
@@ -177,10 +177,10 @@ def test_a_reloaded_version_releases_the_old_one_threads_and_sessions(repository
     stopped (their worker threads end even while something still refers to them: garbage
     collection alone does not count), then its pipeline, runtime and onnxruntime sessions are
     freed."""
-    settings = make_settings(repository, model_control="explicit")
+    settings = make_settings(repository, model_control="explicit", models=MODEL_NAME)
     others = batcher_threads()  # other apps' of this test session
     with TestClient(create_app(settings)) as client:
-        manager = client.app.state.service.manager
+        manager = client.app.state.engine.manager
 
         def exercise() -> None:  # a batcher's thread starts with its first batch
             assert client.post("/predict", json=image()).status_code == 200
@@ -213,9 +213,9 @@ def test_a_reloaded_version_releases_the_old_one_threads_and_sessions(repository
 def test_a_replaced_version_waits_for_its_last_leased_request(repository):
     """Two requests hold the old version; the first one ending does not release it, the second
     one does."""
-    settings = make_settings(repository, model_control="explicit")
+    settings = make_settings(repository, model_control="explicit", models=MODEL_NAME)
     with TestClient(create_app(settings)) as client:
-        pipeline = client.app.state.service.manager.resolve()
+        pipeline = client.app.state.engine.manager.resolve()
 
         async def scenario() -> tuple[bool, bool]:
             first, second = pipeline.lease(), pipeline.lease()
