@@ -142,6 +142,52 @@ def busy_check(
     return judge(before, Snapshot.take(), own, os.cpu_count() or 1, threshold, _cmdline)
 
 
+def descendants(parents: dict[int, int], root: int) -> set[int]:
+    """``root`` and every process under it, from each process's parent (``{pid: ppid}``)."""
+    tree = {root} if root in parents else set()
+    grown = True
+    while grown:
+        grown = False
+        for pid, parent in parents.items():
+            if parent in tree and pid not in tree:
+                tree.add(pid)
+                grown = True
+    return tree
+
+
+def process_tree(root: int) -> dict[int, int]:
+    """``root``'s process and every process under it (a server's workers, a tritonserver and its
+    stubs), each with the CPU clock ticks it has used so far."""
+    parents, ticks = {}, {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                text = Path(entry.path, "stat").read_text()
+                _, used = parse_pid_stat(text)
+            except (OSError, ValueError, IndexError):
+                continue
+            parents[int(entry.name)] = int(text[text.rindex(")") + 2 :].split()[1])
+            ticks[int(entry.name)] = used
+    return {pid: ticks[pid] for pid in descendants(parents, root)}
+
+
+def cores_used(before: dict[int, int], after: dict[int, int], seconds: float) -> float:
+    """Cores a process tree used between two :func:`process_tree` readings ``seconds`` apart (a
+    process that started in between counts from 0; one that ended in between is lost)."""
+    ticks = sum(used - before.get(pid, 0) for pid, used in after.items())
+    return ticks / CLOCK_TICKS / seconds if seconds > 0 else 0.0
+
+
+def tree_memory_kib(root: int) -> dict[str, int | None]:
+    """VmRSS and VmHWM summed over ``root``'s process tree, in KiB (shared pages count once per
+    process: an upper bound)."""
+    found = [process_memory_kib(pid) for pid in process_tree(root)]
+    return {
+        key: sum(v for m in found if (v := m[key]) is not None) or None
+        for key in ("VmRSS", "VmHWM")
+    }
+
+
 def process_memory_kib(pid: int) -> dict[str, int | None]:
     """VmRSS (resident now) and VmHWM (peak resident) of a process, in KiB."""
     values: dict[str, int | None] = {"VmRSS": None, "VmHWM": None}
