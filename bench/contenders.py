@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.baselines import MAX_BATCH, MAX_WAIT_MS
 from bench.baselines.triton_server import PNG_SUFFIX
 from bench.baselines.venvs import MOSEC, TRITON, Venv
 from bench.server_process import REPO, SERVICE, clean_env, service_env
@@ -83,6 +84,8 @@ def servers(
     ours = {PNG: Route("/predict", PREDICT), TENSOR: infer}
     one = [Server("w1", "vitserve, VITSERVE_WORKERS=1", SERVICE, {"workers": "1"}, ours)]
 
+    batching = f"max batch {MAX_BATCH}, {MAX_WAIT_MS} ms wait"
+
     def plain(key: str, label: str, module: str) -> Server:
         return Server(key, label, (sys.executable, "-m", f"bench.baselines.{module}", *baseline))
 
@@ -101,8 +104,8 @@ def servers(
         plain("nomodel", "the plain server with no model (every logit 0)", "no_model_server"),
         Server(
             "mosec",
-            f"mosec 0.9.8: Rust HTTP, {workers} decode processes, one batched onnxruntime stage "
-            "(max batch 64, 2 ms wait)",
+            f"mosec {MOSEC.pin('mosec')}: Rust HTTP, {workers} decode processes, one batched "
+            f"onnxruntime stage ({batching})",
             (
                 *(str(MOSEC.python), "-m", "bench.baselines.mosec_server", *baseline),
                 *("--address", "127.0.0.1", "--decoders", str(workers)),
@@ -112,8 +115,8 @@ def servers(
         ),
         Server(
             "triton",
-            "Triton (nvidia-pytriton 0.7.0's tritonserver): C++ HTTP and dynamic batcher (max batch "
-            "64, 2 ms), a Python callable that decodes and runs onnxruntime",
+            f"Triton (nvidia-pytriton {TRITON.pin('nvidia-pytriton')}'s tritonserver): C++ HTTP "
+            f"and dynamic batcher ({batching}), a Python callable that decodes and runs onnxruntime",
             (str(TRITON.python), "-m", "bench.baselines.triton_server", *baseline),
             routes={PNG: Route(f"/v2/models/{name}{PNG_SUFFIX}/infer", OIP_PNG), TENSOR: infer},
             venv=TRITON,

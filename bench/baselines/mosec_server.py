@@ -1,9 +1,9 @@
-"""The shipped model on mosec 0.9.8 (issue 23's anchor): mosec's Rust HTTP front end, ``--decoders``
-processes that parse the /predict JSON and decode its base64 images with vitserve's preprocessing, then
-one process that runs the model on dynamic batches (at most 64 requests, 2 ms wait) and answers
-vitserve's /predict JSON (bench/baselines/classifier.py). mosec's default JSON (de)serialisation and
-pickled hand-offs between the stages, as its tutorial server. Runs in its own venv
-(bench/baselines/venvs.py); GET / answers 200 once every stage is up.
+"""The shipped model on mosec (issue 23's anchor; pinned in requirements/bench-mosec.txt): mosec's
+Rust HTTP front end, ``--decoders`` processes that parse the /predict JSON and decode its base64 images
+with vitserve's preprocessing, then one process that runs the model on dynamic batches
+(bench/baselines/__init__.py) and answers vitserve's /predict JSON (bench/baselines/classifier.py).
+mosec's default JSON (de)serialisation and pickled hand-offs between the stages, as its tutorial
+server. Runs in its own venv (bench/baselines/venvs.py); GET / answers 200 once every stage is up.
 
     .venv-mosec/bin/python -m bench.baselines.mosec_server --port 18116 [--decoders 2]
 """
@@ -17,11 +17,10 @@ from pathlib import Path
 import numpy as np
 from mosec import Server, Worker
 
+from bench.baselines import MAX_BATCH, MAX_WAIT_MS
 from bench.baselines.classifier import MODEL_DIR, Classifier, default_threads
 
 ROUTE = "/predict"
-MAX_BATCH = 64  # requests per model run
-MAX_WAIT_MS = 2
 ENV_MODEL_DIR, ENV_THREADS = "BENCH_MODEL_DIR", "BENCH_THREADS"  # to the spawned stage workers
 
 

@@ -1,6 +1,6 @@
 """The shipped model on Triton Inference Server (issue 23's anchor): the ``tritonserver`` that
-nvidia-pytriton 0.7.0 ships (C++ HTTP front end and dynamic batcher; its only backend is Python), with
-two models, each one Python callable batched by Triton (at most 64 requests, 2 ms queue delay):
+nvidia-pytriton ships (requirements/bench-triton.txt; C++ HTTP front end and dynamic batcher; its only backend is Python), with
+two models, each one Python callable batched by Triton (bench/baselines/__init__.py):
 
 - ``fashion-mnist-vit``: the Open Inference Protocol on the model's own tensors, FP32 ``images``
   ``[N, 1, 28, 28]`` in, ``logits`` out (what Triton serves for a model repository's ONNX file);
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from bench.baselines import MAX_BATCH, MAX_WAIT_MS
 from bench.baselines.classifier import MODEL_DIR, Classifier, default_threads
 
 if (
@@ -31,8 +32,6 @@ if (
 ):  # pytriton is in the Triton venv only; the bench imports this module for its names
     from pytriton.triton import Triton
 
-MAX_BATCH = 64
-MAX_WAIT_US = 2000
 TOP_K = 5
 PNG_SUFFIX = "-png"  # the PNG model's name is the model's name with this suffix
 
@@ -46,7 +45,7 @@ def bind(triton: Triton, classifier: Classifier) -> None:
     shape = (meta.input.channels, meta.input.height, meta.input.width)
     config = ModelConfig(
         max_batch_size=MAX_BATCH,
-        batcher=DynamicBatcher(max_queue_delay_microseconds=MAX_WAIT_US),
+        batcher=DynamicBatcher(max_queue_delay_microseconds=MAX_WAIT_MS * 1000),
     )
 
     @batch

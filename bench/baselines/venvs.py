@@ -63,6 +63,15 @@ class Venv:
             [str(self.python), *PIP, "-r", str(self.requirements)],
         ]
 
+    def pin(self, package: str) -> str:
+        """The version ``package`` is pinned to (``==``) in this venv's requirements."""
+        for file in requirement_files(self.requirements):
+            for line in file.read_text().splitlines():
+                name, sep, version = line.split("#")[0].strip().partition("==")
+                if sep and name.strip().lower() == package:
+                    return version.strip()
+        raise KeyError(f"{package} is not pinned in {self.requirements}")
+
     def ready(self) -> bool:
         return self.stamp().is_file()
 

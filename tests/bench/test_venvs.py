@@ -76,3 +76,11 @@ def test_the_anchor_pins_agree_with_the_other_requirements_files():
             assert version == others[name], f"{name}: {version} here, {others[name]} elsewhere"
     serve = pins(REQUIREMENTS / "serve.txt")
     assert "mosec" not in serve and "nvidia-pytriton" not in serve
+
+
+def test_a_pin_is_read_through_the_included_files():
+    assert MOSEC.pin("mosec") == pins(REQUIREMENTS / "bench-mosec.txt")["mosec"]
+    assert MOSEC.pin("numpy") == pins(REQUIREMENTS / "serve.txt")["numpy"]  # via -r serve.txt
+    assert TRITON.pin("nvidia-pytriton") == "0.7.0"
+    with pytest.raises(KeyError, match="torch"):
+        TRITON.pin("torch")
