@@ -5,10 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bench.stats import Spread, fmt, median, ratio, spread_text, table
-from bench.targets import MiB, Target, issue13, issue23
+from bench.targets import (
+    ANCHOR_LEVELS,
+    PNG,
+    TENSOR,
+    TENSOR_LEVELS,
+    MiB,
+    Target,
+    issue13,
+    issue23,
+)
 
-PNG = "png"  # bench/contenders.py's kinds of request
-ANCHOR_POINTS = ((PNG, 1), (PNG, 64), (PNG, 256), ("tensor", 64))  # issue 23's
+ANCHOR_POINTS = [(PNG, c) for c in ANCHOR_LEVELS] + [(TENSOR, c) for c in TENSOR_LEVELS]
 ANCHOR_SERVERS = ("vitserve", "w1", "plain", "mosec", "triton")
 
 
@@ -25,7 +33,7 @@ class Point:
     errors: int
     busy: bool
     avg_batch: float | None = None
-    kind: str = PNG  # base64 PNGs, or the model's FP32 tensor (bench/contenders.py)
+    kind: str = PNG  # or TENSOR (bench/contenders.py)
     cores: float | None = None  # used by the server's whole process tree during the run
 
     @property
@@ -203,7 +211,7 @@ class Comparison:
                 [
                     self._row(k, n, c, kind)
                     for k in keys
-                    for kind in (PNG, "tensor")
+                    for kind in (PNG, TENSOR)
                     for n in (1, 32)
                     for c in self.levels(k, n, kind)
                 ],

@@ -4,11 +4,13 @@
   and each ``--variant`` (one setting changed);
 - plain: bench/baselines/plain_onnx_server.py, FastAPI + onnxruntime, batch 1, one intra-op thread;
 - torch: bench/baselines/torch_eager_server.py, the same server with PyTorch eager;
-- nomodel: bench/baselines/no_model_server.py, the plain server with no model run at all;
+- nomodel: bench/baselines/no_model_server.py, the plain server with no model run at all (what
+  everything but the model costs a FastAPI server here: the bound the in-process ceiling meets);
 - mosec and triton, issue 23's anchors (bench/baselines/mosec_server.py, triton_server.py), each in its
   own venv (bench/baselines/venvs.py).
 
-Two kinds of request: ``png``, base64 PNGs (vitserve's /predict JSON; to Triton the same base64 text as
+Single PNGs go to every server, 32 PNGs per request to vitserve (the plain server's images/s for the
+same images is its single-image rate). Two kinds of request: ``png``, base64 PNGs (vitserve's /predict JSON; to Triton the same base64 text as
 an Open Inference Protocol BYTES tensor), and ``tensor``, the model's FP32 input ``[1, 1, 28, 28]`` as
 an Open Inference Protocol JSON tensor on /v2/models/{name}/infer.
 """
@@ -25,12 +27,9 @@ from bench.baselines import MAX_BATCH, MAX_WAIT_MS
 from bench.baselines.triton_server import PNG_SUFFIX
 from bench.baselines.venvs import MOSEC, TRITON, Venv
 from bench.server_process import REPO, SERVICE, clean_env, service_env
+from bench.targets import ANCHOR_LEVELS, PNG, TARGET_LEVELS, TENSOR, TENSOR_LEVELS
 
-PNG, TENSOR = "png", "tensor"
 LEVELS = (1, 16, 64, 256)
-TARGET_LEVELS = (64, 256)  # issue 13's and issue 23's
-ANCHOR_LEVELS = (1, 64, 256)  # issue 23's points for mosec and Triton
-TENSOR_LEVELS = (64,)
 BATCH_IMAGES = 32  # images per request of vitserve's multi-image case
 # body styles: how a server is sent images
 PREDICT, OIP_TENSOR, OIP_PNG = "predict", "oip-tensor", "oip-png"

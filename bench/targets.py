@@ -11,7 +11,10 @@ from bench.stats import fmt, median, ratio
 if TYPE_CHECKING:
     from bench.comparison import Comparison
 
-TARGET_LEVELS = (64, 256)
+PNG, TENSOR = "png", "tensor"  # the kinds of request: base64 PNGs, or the model's FP32 tensor
+TARGET_LEVELS = (64, 256)  # issue 13's and issue 23's concurrency levels
+ANCHOR_LEVELS = (1, 64, 256)  # issue 23's points for base64 PNGs ...
+TENSOR_LEVELS = (64,)  # ... and for the FP32 tensor on /v2
 MiB = 1024  # KiB per MiB
 
 
@@ -129,7 +132,7 @@ def issue23(result: Comparison) -> list[Target]:
     rows = []
     for c in TARGET_LEVELS:
         what = f"c={c}, one base64 PNG per request"
-        rows.append(_faster(result, "mosec", c, "png", 1.15, what))
+        rows.append(_faster(result, "mosec", c, PNG, 1.15, what))
         ours, theirs = (result.spread(k, 1, c, "p99_ms") for k in ("vitserve", "mosec"))
         both = ours is not None and theirs is not None
         rows.append(
@@ -140,7 +143,8 @@ def issue23(result: Comparison) -> list[Target]:
                 result.busy("vitserve", 1, c) or result.busy("mosec", 1, c),
             )
         )
-    rows.append(_faster(result, "triton", 64, "tensor", 1.2, "c=64, FP32 JSON tensor on /v2"))
+    (c,) = TENSOR_LEVELS
+    rows.append(_faster(result, "triton", c, TENSOR, 1.2, f"c={c}, FP32 JSON tensor on /v2"))
     ours, plain = (result.spread(k, 1, 1, "p50_ms") for k in ("vitserve", "plain"))
     x = ratio(median(ours), median(plain))
     rows.append(
