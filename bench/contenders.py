@@ -10,9 +10,10 @@
   own venv (bench/baselines/venvs.py).
 
 Single PNGs go to every server, 32 PNGs per request to vitserve (the plain server's images/s for the
-same images is its single-image rate). Two kinds of request: ``png``, base64 PNGs (vitserve's /predict JSON; to Triton the same base64 text as
-an Open Inference Protocol BYTES tensor), and ``tensor``, the model's FP32 input ``[1, 1, 28, 28]`` as
-an Open Inference Protocol JSON tensor on /v2/models/{name}/infer.
+same images is its single-image rate), and the FP32 tensor to every server that serves /v2. Two kinds
+of request: ``png``, base64 PNGs (vitserve's /predict JSON; to Triton the same base64 text as an Open
+Inference Protocol BYTES tensor), and ``tensor``, the model's FP32 input ``[1, 1, 28, 28]`` as an Open
+Inference Protocol JSON tensor on /v2/models/{name}/infer.
 """
 
 from __future__ import annotations
