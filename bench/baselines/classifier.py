@@ -68,3 +68,13 @@ class Classifier:
             "model": {"name": self.metadata.name, "version": self.metadata.version},
             "predictions": predictions,
         }
+
+    def answer_each(self, requests: list[tuple[np.ndarray, int]]) -> list[dict]:
+        """Each request's ``([N, C, H, W] images, top_k)`` -> its answer, from one model run over all
+        of their images (a dynamic batch)."""
+        logits = self.logits(np.concatenate([images for images, _ in requests]))
+        answers, start = [], 0
+        for images, k in requests:
+            answers.append(self.answer(logits[start : start + len(images)], k))
+            start += len(images)
+        return answers

@@ -48,13 +48,7 @@ class Infer(Worker):
         self.classifier = _classifier(int(os.environ.get(ENV_THREADS, "1")))
 
     def forward(self, data: list[dict]) -> list[dict]:
-        logits = self.classifier.logits(np.concatenate([item["x"] for item in data]))
-        answers, start = [], 0
-        for item in data:
-            end = start + len(item["x"])
-            answers.append(self.classifier.answer(logits[start:end], item["top_k"]))
-            start = end
-        return answers
+        return self.classifier.answer_each([(item["x"], item["top_k"]) for item in data])
 
 
 def main() -> None:

@@ -36,6 +36,16 @@ TOP_K = 5
 PNG_SUFFIX = "-png"  # the PNG model's name is the model's name with this suffix
 
 
+def classify_pngs(classifier: Classifier, images: np.ndarray) -> np.ndarray:
+    """A batch of BYTES ``[N, 1]`` base64 PNGs -> ``[N, TOP_K]`` of ``"<score>:<index>:<label>"``."""
+    logits = classifier.logits(np.stack([classifier.tensor(row[0]) for row in images]))
+    top = [
+        [f"{e['score']:f}:{e['index']}:{e['label']}".encode() for e in classifier.top_k(r, TOP_K)]
+        for r in logits
+    ]
+    return np.array(top, dtype=np.object_)
+
+
 def bind(triton: Triton, classifier: Classifier) -> None:
     """Both models of the module's docstring on ``triton``."""
     from pytriton.decorators import batch
@@ -54,15 +64,7 @@ def bind(triton: Triton, classifier: Classifier) -> None:
 
     @batch
     def pngs(image: np.ndarray) -> dict[str, np.ndarray]:
-        logits = classifier.logits(np.stack([classifier.tensor(row[0]) for row in image]))
-        top = [
-            [
-                f"{e['score']:f}:{e['index']}:{e['label']}".encode()
-                for e in classifier.top_k(r, TOP_K)
-            ]
-            for r in logits
-        ]
-        return {"top_k": np.array(top, dtype=np.object_)}
+        return {"top_k": classify_pngs(classifier, image)}
 
     triton.bind(
         meta.name,
