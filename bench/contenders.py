@@ -26,7 +26,7 @@ from pathlib import Path
 
 from bench.baselines import MAX_BATCH, MAX_WAIT_MS
 from bench.baselines.triton_server import PNG_SUFFIX
-from bench.baselines.venvs import MOSEC, TRITON, Venv
+from bench.baselines.venvs import LIBDIR_CODE, MOSEC, TRITON, Venv
 from bench.server_process import REPO, SERVICE, clean_env, service_env
 from bench.targets import ANCHOR_LEVELS, PNG, TARGET_LEVELS, TENSOR, TENSOR_LEVELS
 
@@ -54,6 +54,8 @@ class Server:
 
     def shown(self) -> str:
         python = str(self.venv.python.relative_to(REPO)) if self.venv else "python"
+        if self.venv and self.venv.libpython:
+            python = f'LD_LIBRARY_PATH="$({python} -c "{LIBDIR_CODE}")" {python}'
         argv = " ".join([python, *self.argv[1:]]).replace("{port}", "PORT")
         return f"{_settings(self.settings)} {argv}" if self.settings else argv
 

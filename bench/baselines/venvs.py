@@ -84,10 +84,12 @@ class Venv:
         return {"LD_LIBRARY_PATH": f"{libdir}:{rest}" if rest else libdir}
 
 
+LIBDIR_CODE = "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"
+
+
 def _libdir(python: Path) -> str:
-    code = "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"
     return subprocess.run(
-        [str(python), "-c", code], capture_output=True, text=True, check=True
+        [str(python), "-c", LIBDIR_CODE], capture_output=True, text=True, check=True
     ).stdout.strip()
 
 

@@ -39,6 +39,10 @@ def test_the_anchors_run_in_their_venvs_on_their_routes():
     assert mosec.shown().startswith(".venv-mosec/bin/python -m bench.baselines.mosec_server")
     assert mosec.ready_path == "/" and mosec.routes[contenders.PNG].path == "/predict"
     assert triton.argv[0] == str(TRITON.python)
+    assert triton.shown().startswith(
+        """LD_LIBRARY_PATH="$(.venv-triton/bin/python -c "import sysconfig; """
+        """print(sysconfig.get_config_var('LIBDIR'))")" .venv-triton/bin/python -m"""
+    )
     assert triton.routes[contenders.PNG].path == "/v2/models/fashion-mnist-vit-png/infer"
     assert triton.routes[contenders.PNG].body == contenders.OIP_PNG
     assert triton.ready_path == "/v2/models/fashion-mnist-vit-png/ready"
