@@ -45,11 +45,14 @@ def load_breakdown(metrics: str | None) -> dict[str, float]:
     return phases
 
 
-def batch_counters(metrics: str | None) -> tuple[float, float]:
-    """(images, batches) the classifier has run so far, from ``vitserve_batch_size``."""
+def batch_counters(
+    metrics: str | None, histogram: str = "vitserve_batch_size"
+) -> tuple[float, float]:
+    """(images, batches) the classifier has run so far, from the server's batch-size ``histogram``
+    (vitserve's, or mosec's, which counts requests: here each of one image)."""
     images = batches = 0.0
     for family in text_string_to_metric_families(metrics or ""):
-        if family.name == "vitserve_batch_size":
+        if family.name == histogram:
             for sample in family.samples:
                 if sample.labels.get("graph", "classifier") != "classifier":
                     continue
@@ -212,12 +215,12 @@ def _point(
     plan: Plan,
 ) -> Point:
     check = busy_check(own, interval_s=1.0)
-    url, ours = urls[case.server], server.settings is not None
-    before = batch_counters(http_get(url + "/metrics")) if ours else (0.0, 0.0)
+    url, histogram = urls[case.server], server.batch_histogram
+    before = batch_counters(http_get(url + "/metrics"), histogram) if histogram else (0.0, 0.0)
     ticks, began = process_tree(pids[case.server]), time.monotonic()
     measured = hey.run(argv, wall_limit_s=plan.duration_s + 90)
     cores = cores_used(ticks, process_tree(pids[case.server]), time.monotonic() - began)
-    after = batch_counters(http_get(url + "/metrics")) if ours else (0.0, 0.0)
+    after = batch_counters(http_get(url + "/metrics"), histogram) if histogram else (0.0, 0.0)
     batches = after[1] - before[1]
     return Point(
         case.server,

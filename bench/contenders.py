@@ -51,6 +51,7 @@ class Server:
     routes: Mapping[str, Route] = field(default_factory=lambda: {PNG: Route("/predict", PREDICT)})
     venv: Venv | None = None  # runs in this venv (argv[0] is its python)
     ready_path: str = "/health/ready"
+    batch_histogram: str | None = None  # on its /metrics: the batch sizes its model ran
 
     def shown(self) -> str:
         python = str(self.venv.python.relative_to(REPO)) if self.venv else "python"
@@ -84,23 +85,25 @@ def servers(
     name = model_dir.parent.name
     infer = Route(f"/v2/models/{name}/infer", OIP_TENSOR)
     ours = {PNG: Route("/predict", PREDICT), TENSOR: infer}
-    one = [Server("w1", "vitserve, VITSERVE_WORKERS=1", SERVICE, {"workers": "1"}, ours)]
-
     batching = f"max batch {MAX_BATCH}, {MAX_WAIT_MS} ms wait"
+
+    def vitserve(key: str, settings: dict[str, str], routes: Mapping | None = None) -> Server:
+        return Server(
+            key,
+            f"vitserve, {_settings(settings)}",
+            SERVICE,
+            settings,
+            routes or {PNG: ours[PNG]},
+            batch_histogram="vitserve_batch_size",
+        )
 
     def plain(key: str, label: str, module: str) -> Server:
         return Server(key, label, (sys.executable, "-m", f"bench.baselines.{module}", *baseline))
 
     return [
-        Server(
-            "vitserve",
-            f"vitserve, VITSERVE_WORKERS={workers}",
-            SERVICE,
-            {"workers": str(workers)},
-            ours,
-        ),
-        *(one if workers > 1 else []),
-        *(Server(k, f"vitserve, {_settings(v)}", SERVICE, v) for k, v in variants.items()),
+        vitserve("vitserve", {"workers": str(workers)}, ours),
+        *([vitserve("w1", {"workers": "1"}, ours)] if workers > 1 else []),
+        *(vitserve(k, v) for k, v in variants.items()),
         plain("plain", "plain FastAPI + onnxruntime, batch 1, 1 thread", "plain_onnx_server"),
         plain("torch", "plain FastAPI + PyTorch eager, batch 1", "torch_eager_server"),
         plain("nomodel", "the plain server with no model (every logit 0)", "no_model_server"),
@@ -114,6 +117,7 @@ def servers(
             ),
             venv=MOSEC,
             ready_path="/",
+            batch_histogram="mosec_service_batch_size",
         ),
         Server(
             "triton",

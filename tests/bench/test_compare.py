@@ -132,3 +132,22 @@ def test_the_ceiling_target_says_what_a_server_with_no_model_answers():
     assert result.targets()[4].measured.endswith(
         "; with no model at all the plain server answers 700"
     )
+
+
+MOSEC_METRICS = """# HELP mosec_service_batch_size batch size.
+# TYPE mosec_service_batch_size histogram
+mosec_service_batch_size_sum{stage="Infer_2",connection="1"} 96.0
+mosec_service_batch_size_count{stage="Infer_2",connection="1"} 3
+mosec_service_batch_size_bucket{le="64.0",stage="Infer_2",connection="1"} 3
+mosec_service_batch_size_bucket{le="+Inf",stage="Infer_2",connection="1"} 3
+mosec_service_remaining_task 0
+"""
+
+
+def test_batch_counters_read_mosecs_histogram_too():
+    assert compare.batch_counters(MOSEC_METRICS, "mosec_service_batch_size") == (96.0, 3.0)
+    assert compare.batch_counters(MOSEC_METRICS) == (0.0, 0.0)  # not vitserve's
+    found = {s.key: s.batch_histogram for s in compare.servers(MODEL_DIR, {"x": {}}, workers=2)}
+    assert found["vitserve"] == found["w1"] == found["x"] == "vitserve_batch_size"
+    assert found["mosec"] == "mosec_service_batch_size"
+    assert found["plain"] is found["triton"] is None  # no batches, or no /metrics on its port
