@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -98,9 +99,14 @@ def main() -> None:
         allow_metrics=False,
         log_verbose=0,
     )
-    with Triton(config=config) as triton:
-        bind(triton, Classifier(args.model_dir, threads=args.threads))
-        triton.serve()
+    # pytriton stops (and removes its workspace) on SIGINT; the bench stops servers with SIGTERM
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        with Triton(config=config) as triton:
+            bind(triton, Classifier(args.model_dir, threads=args.threads))
+            triton.serve()
+    except KeyboardInterrupt:  # stopped, and its workspace removed
+        pass
 
 
 if __name__ == "__main__":
