@@ -10,7 +10,8 @@ two models, each one Python callable batched by Triton (bench/baselines/__init__
 
 Runs in its own venv (numpy<2, bench/baselines/venvs.py); the Python backend's stub links this
 interpreter's libpython, so LD_LIBRARY_PATH must hold its LIBDIR (venvs.py sets it). Only HTTP is
-served (no gRPC, no metrics port); ready when GET /v2/health/ready answers 200.
+served (no gRPC, no metrics port). Ready once GET /v2/models/{name}-png/ready answers 200 (bound last;
+/v2/health/ready answers 200 before any model is loaded); stopped by SIGINT or SIGTERM.
 
     .venv-triton/bin/python -m bench.baselines.triton_server --port 18117
 """
