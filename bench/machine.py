@@ -142,33 +142,16 @@ def busy_check(
     return judge(before, Snapshot.take(), own, os.cpu_count() or 1, threshold, _cmdline)
 
 
-def descendants(parents: dict[int, int], root: int) -> set[int]:
-    """``root`` and every process under it, from each process's parent (``{pid: ppid}``)."""
-    tree = {root} if root in parents else set()
-    grown = True
-    while grown:
-        grown = False
-        for pid, parent in parents.items():
-            if parent in tree and pid not in tree:
-                tree.add(pid)
-                grown = True
-    return tree
-
-
 def process_tree(root: int) -> dict[int, int]:
-    """``root``'s process and every process under it (a server's workers, a tritonserver and its
+    """``root`` and every process under it (a server's front ends and engine, a tritonserver and its
     stubs), each with the CPU clock ticks it has used so far."""
-    parents, ticks = {}, {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                text = Path(entry.path, "stat").read_text()
-                _, used = parse_pid_stat(text)
-            except (OSError, ValueError, IndexError):
-                continue
-            parents[int(entry.name)] = int(text[text.rindex(")") + 2 :].split()[1])
-            ticks[int(entry.name)] = used
-    return {pid: ticks[pid] for pid in descendants(parents, root)}
+    ticks = {}
+    for pid in [root, *descendants(root)]:
+        try:
+            ticks[pid] = parse_pid_stat(Path(f"/proc/{pid}/stat").read_text())[1]
+        except (OSError, ValueError, IndexError):
+            continue
+    return ticks
 
 
 def cores_used(before: dict[int, int], after: dict[int, int], seconds: float) -> float:
@@ -176,16 +159,6 @@ def cores_used(before: dict[int, int], after: dict[int, int], seconds: float) ->
     process that started in between counts from 0; one that ended in between is lost)."""
     ticks = sum(used - before.get(pid, 0) for pid, used in after.items())
     return ticks / CLOCK_TICKS / seconds if seconds > 0 else 0.0
-
-
-def tree_memory_kib(root: int) -> dict[str, int | None]:
-    """VmRSS and VmHWM summed over ``root``'s process tree, in KiB (shared pages count once per
-    process: an upper bound)."""
-    found = [process_memory_kib(pid) for pid in process_tree(root)]
-    return {
-        key: sum(v for m in found if (v := m[key]) is not None) or None
-        for key in ("VmRSS", "VmHWM")
-    }
 
 
 def process_memory_kib(pid: int) -> dict[str, int | None]:
@@ -199,6 +172,35 @@ def process_memory_kib(pid: int) -> dict[str, int | None]:
     except OSError:
         pass
     return values
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, theirs, and so on (from /proc; empty where there is none)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # the command name, in parentheses, may hold spaces: the fields after it are fixed
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found.extend(children)
+        todo.extend(children)
+    return found
+
+
+def tree_memory_kib(pid: int) -> dict[str, int | None]:
+    """VmRSS and VmHWM summed over a process and its descendants (a server's every process; the sum
+    of peaks bounds their peak together from above)."""
+    total: dict[str, int | None] = {"VmRSS": None, "VmHWM": None}
+    for member in [pid, *descendants(pid)]:
+        for key, value in process_memory_kib(member).items():
+            if value is not None:
+                total[key] = (total[key] or 0) + value
+    return total
 
 
 def _first_line(path: str, prefix: str) -> str | None:

@@ -11,7 +11,6 @@ from bench.machine import (
     CLOCK_TICKS,
     Snapshot,
     cores_used,
-    descendants,
     judge,
     parse_cpu_line,
     parse_pid_stat,
@@ -94,13 +93,6 @@ def test_memory_and_thread_ticks_of_this_process():
     assert os.getpid() in ticks  # the main thread's id is the process id
 
 
-def test_a_process_tree_is_every_process_under_its_root():
-    parents = {1: 0, 10: 1, 11: 10, 12: 11, 13: 10, 20: 1, 21: 20}
-    assert descendants(parents, 10) == {10, 11, 12, 13}
-    assert descendants(parents, 21) == {21}
-    assert descendants(parents, 99) == set()  # gone
-
-
 def test_cores_used_by_a_tree_count_a_new_process_from_zero():
     before = {10: 100, 11: 50}
     after = {10: 100 + CLOCK_TICKS, 11: 50 + CLOCK_TICKS // 2, 12: CLOCK_TICKS // 2}
@@ -120,7 +112,7 @@ def test_the_tree_of_a_process_with_a_child_sums_their_memory():
         while len(process_tree(parent.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         tree = process_tree(parent.pid)
-        assert len(tree) == 2 and parent.pid in tree
+        assert len(tree) == 2 and parent.pid in tree and all(t >= 0 for t in tree.values())
         alone = process_memory_kib(parent.pid)["VmRSS"]
         assert tree_memory_kib(parent.pid)["VmRSS"] > alone
     finally:
