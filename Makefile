@@ -141,6 +141,6 @@ docker-build: ## Build the three images (needs a Docker engine with BuildKit).
 	docker build --target service --build-arg VARIANT=gpu -t vitserve:gpu .
 	docker build --target export -t vitserve:export .
 
-clean: ## Remove the virtual environment, caches and test artifacts (never runs/ or models/).
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis test-artifacts mutants
+clean: ## Remove the virtual environments, caches and test artifacts (never runs/ or models/).
+	rm -rf $(VENV) .venv-mosec .venv-triton .pytest_cache .ruff_cache .hypothesis test-artifacts mutants
 	find . -path ./runs -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
