@@ -42,7 +42,7 @@ from service.engine.model_versions import (
 )
 from service.engine.pipeline import ModelPipeline
 from service.engine.runtime import Runtime
-from service.engine.table import ModelView, not_loaded
+from service.engine.table import ModelTable, ModelView
 from service.errors import NotFound, ServiceUnavailable
 from service.observability.metrics import Metrics
 from service.settings import Settings
@@ -154,43 +154,26 @@ class ModelManager:
     def _explicit(self) -> bool:
         return self.settings.model_control == "explicit"
 
+    def routing(self) -> ModelTable:
+        """The models as requests are resolved against them (service/engine/table.py holds the rules:
+        unknown, not ready, not loaded in explicit mode)."""
+        return ModelTable(
+            default_name=self.default_name,
+            models=self.views(),
+            retry_after_s=self.settings.retry_after_s,
+            explicit=self._explicit,
+            repository_names=self.repository_names,
+        )
+
     def model(self, name: str | None) -> ManagedModel:
-        if self.default_name is None:
-            raise ServiceUnavailable(
-                "the models are not loaded yet; retry shortly",
-                code="not_ready",
-                retry_after_s=self.settings.retry_after_s,
-            )
-        name = name or self.default_name
-        model = self.models.get(name)
-        if model is None and self._explicit and name in self._known_names():
-            raise not_loaded(name)
-        if model is None:
-            served = ", ".join(sorted(self.models)) or "none"
-            raise NotFound(f"unknown model '{name}': served models: {served}", field="model")
-        return model
+        return self.models[self.routing().model(name).name]
 
     def resolve(self, name: str | None = None, version: int | None = None) -> ModelPipeline:
         """The pipeline for a request: 404 for an unknown model or version, 503 while loading."""
-        model = self.model(name)
-        pipeline = model.pipeline(version)
-        if pipeline is not None:
-            return pipeline
-        if version is not None and version not in model.versions:
-            ready = ", ".join(f"version {v}" for v in model.ready_versions()) or "none"
-            raise NotFound(
-                f"unknown version '{version}' of model '{model.name}' (ready: {ready})",
-                field="version",
-            )
-        if model.unloaded or (self._explicit and not model.versions):
-            raise not_loaded(model.name)
-        state = model.versions[version].state if version is not None else "UNAVAILABLE"
-        raise ServiceUnavailable(
-            f"model {model.name!r}{'' if version is None else f' version {version}'} is not ready "
-            f"({state.lower()}); retry shortly",
-            code="not_ready",
-            retry_after_s=self.settings.retry_after_s,
-        )
+        view = self.routing().resolve(name, version)
+        pipeline = self.models[view.name].versions[view.version].pipeline
+        assert pipeline is not None  # a version in the table's ready set has one
+        return pipeline
 
     def pipeline_for(
         self, name: str, version: int, requested: int | None, key: tuple[str, str]
