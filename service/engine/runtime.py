@@ -10,7 +10,6 @@ event loop keeps serving.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from service.contract.model_repository import (
     check_pair,
     parse_metadata,
 )
-from service.settings import Settings
+from service.settings import Settings, usable_cores
 
 logger = logging.getLogger("vitserve")
 
@@ -55,10 +54,6 @@ def choose_providers(settings: Settings) -> list[str | tuple[str, dict[str, str]
     if settings.cuda_mem_limit_bytes is not None:
         options["gpu_mem_limit"] = str(settings.cuda_mem_limit_bytes)
     return [(CUDA, options), CPU]
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def intra_op_threads(settings: Settings, instances: int) -> int:
