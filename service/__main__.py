@@ -87,7 +87,7 @@ def main() -> None:
         timeout_graceful_shutdown=settings.graceful_shutdown_s + ANSWER_MARGIN_S,
         access_log=settings.access_log,
         proxy_headers=False,
-        http=guarded_protocol(settings),
+        http=guarded_protocol(settings, app.state.service),
     )
     server = _Server(config, app.state.service)
 

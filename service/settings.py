@@ -267,7 +267,26 @@ class Settings(BaseSettings):
         ge=1,
         description=(
             "`python -m service`: most open client connections; one more is answered 503 with "
-            "Retry-After and closed."
+            "Retry-After and closed, unless it is a GET of /health/* or /v2/health/*, which is "
+            "answered."
+        ),
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        le=1024 * 1024,
+        description=(
+            "`python -m service`: most bytes of a request's line and headers together (at most "
+            "1 MiB); more is answered 431 and the connection closed, before the bytes pile up."
+        ),
+    )
+    max_header_count: int = Field(
+        default=100,
+        ge=8,
+        le=1000,
+        description=(
+            "`python -m service`: most header fields in one request (at most 1000); more is "
+            "answered 431 and the connection closed."
         ),
     )
     docs: bool = Field(

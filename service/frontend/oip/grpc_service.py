@@ -36,6 +36,7 @@ from service.errors import NotFound, ServiceError
 from service.frontend.oip import extensions, repository
 from service.frontend.oip.codec import Decoded, OipError
 from service.frontend.oip.grpc_codec import decode_infer_request, encode_infer_response, parameter
+from service.frontend.oip.grpc_limits import grpc_server_options
 from service.frontend.oip.routes import metadata_of, model_is_ready, version_number
 from service.frontend.oip.schemas import EXTENSIONS, SERVER_NAME
 from service.frontend.security import check_api_key
@@ -267,12 +268,7 @@ class GrpcServer:
 
     async def start(self) -> None:
         settings = self.state.settings
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", settings.max_body_bytes),
-                ("grpc.so_reuseport", 0),  # a port in use is an error, not shared
-            ]
-        )
+        server = grpc.aio.server(options=grpc_server_options(settings))
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
             InferenceServicer(self.state, self.version), server
         )
