@@ -368,7 +368,10 @@ class ModelManager:
 
     async def poll_once(self) -> None:
         async with self._lock:
-            names = self.settings.model_list or model_names(self.repository)
+            # The models being served too: a removed folder is no longer in the listing.
+            names = self.settings.model_list or sorted(
+                {*model_names(self.repository), *self.models}
+            )
             for name in names:
                 if (self.repository / name).is_dir():
                     await self._sync_model(name)
