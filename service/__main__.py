@@ -9,6 +9,7 @@ could not be loaded; the reason is logged).
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 from types import FrameType
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from service.engine.state import ServiceState
+from service.frontend.probes import ProbeListener
 from service.frontend.server import guarded_protocol
 from service.observability.logs import uvicorn_log_config
 from service.settings import Settings
@@ -97,7 +99,10 @@ def main() -> None:
         sys.exit(0 if server.started else EXIT_START_FAILED)
 
     signal.signal(signal.SIGTERM, exit_after_drain)
-    server.run()
+    port = settings.health_port
+    probes = ProbeListener(settings.host, port, app.state.service) if port else None
+    with contextlib.closing(probes.start()) if probes else contextlib.nullcontext():
+        server.run()
     if not server.started:
         sys.exit(EXIT_START_FAILED)  # start-up failed (the reason is logged above)
 

@@ -289,6 +289,16 @@ class Settings(BaseSettings):
             "answered 431 and the connection closed."
         ),
     )
+    health_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description=(
+            "`python -m service`: a second port, on the same host, serving only /health/* and "
+            "/v2/health/* from a thread of its own, so that probes are answered at once however "
+            "busy the service is; 0 (the default) turns it off."
+        ),
+    )
     docs: bool = Field(
         default=True,
         description=(

@@ -1,16 +1,23 @@
-"""Liveness and readiness answered below the app, for probes that arrive past the connection cap.
+"""Liveness and readiness answered below the app, for probes that must not wait for busy clients.
 
-A connection beyond ``max_connections`` is refused without reaching the app, except a ``GET`` of a
-health route: a Kubernetes probe must not fail because idle or busy clients hold every connection
-(issue 25). ``probe_answer`` gives the status and JSON body the health routers give
-(``routers/health.py``, ``oip/routes.py``), from the request's first line and the service's phase.
+- On the main port, a connection beyond ``max_connections`` is refused without reaching the app,
+  except a ``GET`` of a health route (``server.py``): a probe must not fail because idle or busy
+  clients hold every connection (issue 25).
+- ``health_port`` (off unless set) serves only the health routes, from a thread of its own: the
+  event loop may be busy for hundreds of milliseconds under a flood, this listener is not.
+
+``probe_answer`` gives the status and JSON body the health routers give (``routers/health.py``,
+``oip/routes.py``) from the service's phase.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Protocol
 
+PROBE_TIMEOUT_S = 1.0  # a probe connection must send its request within this (one at a time)
 HEALTH_PATHS = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"})
 
 
@@ -48,3 +55,58 @@ def probe_answer(path: str, state: Readiness | None) -> tuple[int, bytes]:
         reason = {"starting": "starting", "ready": "unavailable"}.get(phase, "shutting_down")
         status, body = 503, {"status": reason, "ready": False}
     return status, json.dumps(body, separators=(",", ":")).encode()
+
+
+class _ProbeHandler(BaseHTTPRequestHandler):
+    """GET of a health route; anything else 404. No logging: probes come every few seconds."""
+
+    server: _ProbeServer
+    timeout = PROBE_TIMEOUT_S  # a connection that sends nothing is dropped
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path in HEALTH_PATHS:
+            status, body = probe_answer(path, self.server.readiness)
+        else:
+            status, body = 404, b'{"error":"only /health/* and /v2/health/* are served here"}'
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = True
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class _ProbeServer(HTTPServer):
+    """One connection at a time, in the listener's thread: no thread to start per probe (each
+    handoff of the GIL to another thread may wait out the interpreter's 5 ms switch interval)."""
+
+    def __init__(self, address: tuple[str, int], readiness: Readiness) -> None:
+        super().__init__(address, _ProbeHandler)
+        self.readiness = readiness
+
+
+class ProbeListener:
+    """``health_port``'s listener: its own thread and socket, so that probes are answered within
+    milliseconds however busy the event loop is (issue 25: 713 ms at the p99 on the main port during
+    a flood at the cap, BENCHMARKS in RELIABILITY.md)."""
+
+    def __init__(self, host: str, port: int, readiness: Readiness) -> None:
+        self.server = _ProbeServer((host, port), readiness)
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, name="vitserve-probes", daemon=True
+        )
+
+    def start(self) -> ProbeListener:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
