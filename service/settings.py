@@ -12,6 +12,8 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.contract.model_config import LIMITS
+
 
 class Settings(BaseSettings):
     """Configuration of the vitserve inference service (environment variables ``VITSERVE_*``)."""
@@ -69,13 +71,13 @@ class Settings(BaseSettings):
     max_batch_size: int | None = Field(
         default=None,
         ge=1,
-        le=1024,
+        le=LIMITS["max_batch_size"],
         description="Most images run through the model in one batch (config.pbtxt: max_batch_size).",
     )
     max_queue_delay_ms: float | None = Field(
         default=None,
         ge=0.0,
-        le=10_000.0,
+        le=LIMITS["max_queue_delay_s"] * 1000.0,
         description=(
             "Longest time the oldest queued image waits for a batch to fill before the batch runs anyway "
             "(milliseconds; config.pbtxt: dynamic_batching.max_queue_delay_microseconds)."
@@ -84,6 +86,7 @@ class Settings(BaseSettings):
     max_queue_size: int | None = Field(
         default=None,
         ge=1,
+        le=LIMITS["max_queue_size"],
         description=(
             "Most images waiting in the queue of a graph; a request that does not fit is answered 503 "
             "with Retry-After at once (config.pbtxt: default_queue_policy.max_queue_size)."
@@ -92,6 +95,7 @@ class Settings(BaseSettings):
     request_timeout_s: float | None = Field(
         default=None,
         gt=0.0,
+        le=LIMITS["request_timeout_s"],
         description=(
             "A request not answered within this many seconds of entering the queue gets 503 "
             "(config.pbtxt: default_queue_policy.default_timeout_microseconds)."
@@ -100,7 +104,7 @@ class Settings(BaseSettings):
     instance_count: int | None = Field(
         default=None,
         ge=1,
-        le=64,
+        le=LIMITS["instance_count"],
         description=(
             "Model instances per graph: batches run concurrently, each on its own onnxruntime session "
             "(config.pbtxt: instance_group count)."

@@ -16,9 +16,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from google.protobuf import json_format
 
-from service.contract.model_config import CONFIG_FILE, DataType, ModelConfig, read_model_config
+from service.contract.model_config import DataType, ModelConfig
 from service.engine.model_manager import ModelManager
-from service.engine.model_versions import default_config
+from service.engine.model_versions import served_model_config
 from service.engine.pipeline import ModelPipeline
 from service.engine.state import service_state
 from service.errors import NotFound
@@ -38,8 +38,7 @@ def served_config(manager: ModelManager, name: str, version: int | None = None) 
     """The ModelConfig a model is served with; 404 for an unknown model or version."""
     _named_version(manager, name, version)
     model = manager.model(name)
-    path = manager.repository / name / CONFIG_FILE
-    config = read_model_config(path) if path.is_file() else default_config(name)
+    config = served_model_config(model)
     config.name = name
     if not config.platform and not config.backend:
         config.platform = PLATFORM
