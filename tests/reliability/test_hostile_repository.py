@@ -164,3 +164,29 @@ def test_load_errors_name_files_relative_to_the_repository(repository):
         assert str(repository) not in response.text
         (row,) = index(client)["second"]
         assert str(repository) not in row["reason"] and "second/1/model.onnx" in row["reason"]
+
+
+@pytest.mark.parametrize("dtype", ["STRING", "INT64", "FLOAT16", "BOOL"])
+def test_a_model_whose_logits_are_not_float_is_unavailable(repository, dtype):
+    import onnx
+
+    path = repository / "second" / "1" / "model.onnx"
+    graph = onnx.load(str(path))
+    output = graph.graph.output[0]
+    for node in graph.graph.node:
+        node.output[:] = [f"{name}_float" if name == output.name else name for name in node.output]
+    target = getattr(onnx.TensorProto, dtype)
+    graph.graph.node.append(
+        onnx.helper.make_node("Cast", [f"{output.name}_float"], [output.name], to=target)
+    )
+    output.type.tensor_type.elem_type = target
+    onnx.save(graph, str(path))
+    with explicit(repository) as client:
+        response = client.post("/v2/repository/models/second/load")
+        assert response.status_code == 400, response.text
+        assert (
+            "output 'logits' is tensor(" in response.text
+            and "expected tensor(float)" in response.text
+        )
+        (row,) = index(client)["second"]
+        assert row["state"] == "UNAVAILABLE" and "expected tensor(float)" in row["reason"]
