@@ -160,11 +160,12 @@ class DynamicBatcher:
         self,
         rows: np.ndarray,
         request_id: str | None = None,
-        disconnected: Awaitable[object] | None = None,
+        disconnected: Callable[[], Awaitable[object]] | None = None,
     ) -> list[tuple[np.ndarray, ...]]:
         """Queue ``rows`` (one image each) and return each image's outputs, in order.
 
-        ``disconnected`` completes when the client has gone: the images still queued are then
+        ``disconnected()``, called only once the rows are queued (so a refusal leaves no coroutine
+        never awaited), completes when the client has gone: the images still queued are then
         cancelled (they never run) and :class:`ClientDisconnected` is raised.
         """
         count = len(rows)
@@ -178,7 +179,8 @@ class DynamicBatcher:
         self._depth.set(len(self._pending))
         self._wakeup.set()
         try:
-            outputs = await request.wait(now + self.timeout_s, disconnected)
+            watch = disconnected() if disconnected is not None else None
+            outputs = await request.wait(now + self.timeout_s, watch)
         except ClientGone:
             self._metrics.cancelled.labels(*self._labels).inc(request.remaining)
             raise ClientDisconnected(

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -243,7 +244,9 @@ class ModelPipeline:
                 else:
                     async with self.gate.slot():
                         rows = await run_in_threadpool(prepare)
-            result = await batcher.submit(rows, request_id_of(request), client_gone(request))
+            result = await batcher.submit(
+                rows, request_id_of(request), partial(client_gone, request)
+            )
             answered = True
             return result
         finally:

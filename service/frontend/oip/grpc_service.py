@@ -41,6 +41,7 @@ from service.frontend.oip.routes import metadata_of, model_is_ready, version_num
 from service.frontend.oip.schemas import EXTENSIONS, SERVER_NAME
 from service.frontend.security import check_api_key
 from service.observability import logs, tracing
+from service.observability.refusals import log_error_answer
 
 logger = logging.getLogger("vitserve")
 
@@ -84,8 +85,7 @@ def _rpc(protected: bool) -> Callable[[Callable[..., Awaitable[Any]]], Callable[
                         check_api_key(headers.get("authorization"), self.state.settings.api_key)
                     return await method(self, request, context, request_id)
             except ServiceError as error:
-                if error.status_code >= 500:
-                    logger.error("%s [request %s]: %s", error.code, request_id, error.message)
+                log_error_answer(error.status_code, error.code, request_id, error.message)
                 if "Retry-After" in error.headers:
                     trailers.append(("retry-after", error.headers["Retry-After"]))
                     context.set_trailing_metadata(trailers)
