@@ -79,6 +79,8 @@ def main() -> None:
     from service.frontend.app import create_app
 
     app = create_app(settings)
+    port = settings.health_port
+    probes = ProbeListener(settings.host, port, app.state.service) if port else None
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -90,6 +92,8 @@ def main() -> None:
         access_log=settings.access_log,
         proxy_headers=False,
         http=guarded_protocol(settings, app.state.service),
+        callback_notify=probes.heartbeat if probes else None,
+        timeout_notify=1,
     )
     server = _Server(config, app.state.service)
 
@@ -99,8 +103,6 @@ def main() -> None:
         sys.exit(0 if server.started else EXIT_START_FAILED)
 
     signal.signal(signal.SIGTERM, exit_after_drain)
-    port = settings.health_port
-    probes = ProbeListener(settings.host, port, app.state.service) if port else None
     with contextlib.closing(probes.start()) if probes else contextlib.nullcontext():
         server.run()
     if not server.started:

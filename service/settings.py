@@ -300,7 +300,8 @@ class Settings(BaseSettings):
         description=(
             "`python -m service`: a second port, on the same host, serving only /health/* and "
             "/v2/health/* from a thread of its own, so that probes are answered at once however "
-            "busy the service is; 0 (the default) turns it off."
+            "busy the service is (liveness there fails once the event loop has not run for 10 s); "
+            "0 (the default) turns it off."
         ),
     )
     docs: bool = Field(

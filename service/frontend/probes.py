@@ -4,7 +4,8 @@
   except a ``GET`` of a health route (``server.py``): a probe must not fail because idle or busy
   clients hold every connection (issue 25).
 - ``health_port`` (off unless set) serves only the health routes, from a thread of its own: the
-  event loop may be busy for hundreds of milliseconds under a flood, this listener is not.
+  event loop may be busy for hundreds of milliseconds under a flood, this listener is not. Its
+  liveness still follows the loop: it fails once the loop has not ticked for ``STALL_S``.
 
 ``probe_answer`` gives the status and JSON body the health routers give (``routers/health.py``,
 ``oip/routes.py``) from the service's phase.
@@ -14,10 +15,12 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Protocol
 
 PROBE_TIMEOUT_S = 1.0  # a probe connection must send its request within this (one at a time)
+STALL_S = 10.0  # health_port's liveness fails once the event loop has not ticked for this long
 HEALTH_PATHS = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready"})
 
 
@@ -39,10 +42,16 @@ def probe_path(request_line: bytes) -> str | None:
     return path if path in HEALTH_PATHS else None
 
 
-def probe_answer(path: str, state: Readiness | None) -> tuple[int, bytes]:
-    """Status and JSON body of a health route, as its router answers it."""
-    ready = state is not None and state.ready
-    if path == "/health/live":
+def probe_answer(path: str, state: Readiness | None, live: bool = True) -> tuple[int, bytes]:
+    """Status and JSON body of a health route, as its router answers it; ``live`` false (the event
+    loop is stuck) fails every route."""
+    ready = live and state is not None and state.ready
+    if not live and path.endswith("/live"):
+        body: dict = (
+            {"live": False} if path.startswith("/v2") else {"status": "unavailable", "ready": False}
+        )
+        status = 503
+    elif path == "/health/live":
         status, body = 200, {"status": "live", "ready": True}
     elif path == "/v2/health/live":
         status, body = 200, {"live": True}
@@ -51,7 +60,7 @@ def probe_answer(path: str, state: Readiness | None) -> tuple[int, bytes]:
     elif ready:
         status, body = 200, {"status": "ready", "ready": True}
     else:
-        phase = "starting" if state is None else state.phase
+        phase = "starting" if state is None else state.phase if live else "ready"
         reason = {"starting": "starting", "ready": "unavailable"}.get(phase, "shutting_down")
         status, body = 503, {"status": reason, "ready": False}
     return status, json.dumps(body, separators=(",", ":")).encode()
@@ -67,7 +76,7 @@ class _ProbeHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if path in HEALTH_PATHS:
-            status, body = probe_answer(path, self.server.readiness)
+            status, body = probe_answer(path, self.server.readiness, self.server.live)
         else:
             status, body = 404, b'{"error":"only /health/* and /v2/health/* are served here"}'
         self.send_response(status)
@@ -89,6 +98,11 @@ class _ProbeServer(HTTPServer):
     def __init__(self, address: tuple[str, int], readiness: Readiness) -> None:
         super().__init__(address, _ProbeHandler)
         self.readiness = readiness
+        self.last_beat: float | None = None  # when the event loop last ticked (None: not yet)
+
+    @property
+    def live(self) -> bool:
+        return self.last_beat is None or time.monotonic() - self.last_beat < STALL_S
 
 
 class ProbeListener:
@@ -102,6 +116,11 @@ class ProbeListener:
         self._thread = threading.Thread(
             target=self.server.serve_forever, name="vitserve-probes", daemon=True
         )
+
+    async def heartbeat(self) -> None:
+        """Called on the event loop every second or two (uvicorn's ``callback_notify``): a loop
+        stuck for ``STALL_S`` makes liveness fail here, as it would on the main port."""
+        self.server.last_beat = time.monotonic()
 
     def start(self) -> ProbeListener:
         self._thread.start()
