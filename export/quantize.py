@@ -142,7 +142,7 @@ def export_quantized(
     repo: str | Path,
     data_dir: str | Path | None = None,
     overwrite: bool = False,
-    method: str = "dynamic",
+    method: str = "static-qdq",
     calibration_count: int = CALIBRATION_IMAGES,
 ) -> dict:
     """Export, verify, quantize, measure and write an int8 classifier; returns the figures."""
