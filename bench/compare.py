@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import hey
 from bench.comparison import TARGET_LEVELS, Comparison, Point, Start
 from bench.inprocess import Ceiling
-from bench.machine import busy_check, process_memory_kib
+from bench.machine import busy_check, tree_memory_kib
 from bench.payloads import b64_pngs, predict_body
 from bench.server_process import REPO, SERVICE, clean_env, http_get, running, service_env
 from bench.stats import Spread
@@ -198,7 +198,7 @@ def run(
                     result.points.append(point)
                     print(f"  r{repeat} {point}", flush=True)
         for key, pid in pids.items():
-            peak = process_memory_kib(pid)["VmHWM"]
+            peak = tree_memory_kib(pid)["VmHWM"]
             result.starts[key] = dataclasses.replace(result.starts[key], peak_kib=peak)
     return result
 
@@ -224,7 +224,7 @@ def _start(
             )
             times.append(live.ready_s)
             phases.append(load_breakdown(http_get(live.url + "/metrics")))
-            rss = process_memory_kib(live.process.pid)["VmRSS"]
+            rss = tree_memory_kib(live.process.pid)["VmRSS"]
             if attempt == attempts - 1:
                 stack.enter_context(once.pop_all())
     load, warmup = (Spread.of(p.get(phase) for p in phases) for phase in ("load", "warmup"))

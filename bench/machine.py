@@ -155,6 +155,35 @@ def process_memory_kib(pid: int) -> dict[str, int | None]:
     return values
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, theirs, and so on (from /proc; empty where there is none)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # the command name, in parentheses, may hold spaces: the fields after it are fixed
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found.extend(children)
+        todo.extend(children)
+    return found
+
+
+def tree_memory_kib(pid: int) -> dict[str, int | None]:
+    """VmRSS and VmHWM summed over a process and its descendants (a server's every process; the sum
+    of peaks bounds their peak together from above)."""
+    total: dict[str, int | None] = {"VmRSS": None, "VmHWM": None}
+    for member in [pid, *descendants(pid)]:
+        for key, value in process_memory_kib(member).items():
+            if value is not None:
+                total[key] = (total[key] or 0) + value
+    return total
+
+
 def _first_line(path: str, prefix: str) -> str | None:
     try:
         return next(

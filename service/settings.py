@@ -6,6 +6,7 @@ variables here are overrides that win over every model's file when set.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -240,6 +241,33 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("VITSERVE_PORT", "PORT", "port"),
         description="Port `python -m service` listens on (VITSERVE_PORT, or PORT as platforms set it).",
     )
+    idle_dispatch: bool = Field(
+        default=True,
+        description=(
+            "Run what is queued at once when every instance of the model is idle (a lone request "
+            "is not held for partners that may never come; batches form while instances are busy); "
+            "false: always wait up to the queue delay for a fuller batch, as Triton does."
+        ),
+    )
+    workers: int | None = Field(
+        default=None,
+        ge=0,
+        le=256,
+        description=(
+            "`python -m service`: front-end processes (HTTP and gRPC, decoding), all feeding one "
+            "engine process that batches and runs the models; unset: one per usable core; 0: a "
+            "single process that runs the engine itself."
+        ),
+    )
+    arena_mib: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description=(
+            "`python -m service` with front-end processes: shared memory (MiB) each one has for the "
+            "rows it hands the engine; rows that do not fit travel inside the message instead."
+        ),
+    )
     header_timeout_s: float = Field(
         default=30.0,
         gt=0.0,
@@ -270,9 +298,9 @@ class Settings(BaseSettings):
         default=512,
         ge=1,
         description=(
-            "`python -m service`: most open client connections; one more is answered 503 with "
-            "Retry-After and closed, unless it is a GET of /health/* or /v2/health/*, which is "
-            "answered."
+            "`python -m service`: most open client connections (shared out among the front-end "
+            "processes); one more is answered 503 with Retry-After and closed, unless it is a GET "
+            "of /health/* or /v2/health/*, which is answered."
         ),
     )
     max_header_bytes: int = Field(
@@ -380,6 +408,17 @@ class Settings(BaseSettings):
                     "carry, so no request could ever match it"
                 )
         return value
+
+    @property
+    def front_end_count(self) -> int:
+        """Front-end processes: ``workers``, or one per usable core."""
+        if self.workers is not None:
+            return self.workers
+        return (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1
+        )
 
     @property
     def model_list(self) -> list[str]:

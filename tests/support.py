@@ -20,6 +20,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -35,7 +36,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import server_process
-from bench.machine import process_memory_kib
+from bench.machine import tree_memory_kib
 from export.config import ViTConfig
 from export.data import FASHION_MNIST_LABELS, get_dataset_spec
 from service.settings import Settings
@@ -328,8 +329,9 @@ class Server:
         return self.log.read_text(errors="replace")
 
     def rss_bytes(self, field: str = "VmRSS") -> int:
-        """Resident memory of the server process from /proc (VmHWM is the peak)."""
-        kib = process_memory_kib(self.process.pid)[field]
+        """Resident memory of the server's processes together from /proc (VmHWM: the sum of their
+        peaks): the supervisor, the engine and every front end."""
+        kib = tree_memory_kib(self.process.pid)[field]
         assert kib is not None, f"no {field} for process {self.process.pid}"
         return kib * 1024
 
@@ -365,3 +367,22 @@ def running_server(
         name="server",
     ) as live:
         yield Server(live.process, live.url, live.port, log)
+
+
+class HoldFirstCall:
+    """A model run (shared by several batcher instances) whose first call waits for ``release``:
+    that call's instance stays busy while the others are free, whichever instance took it."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+        self.release = threading.Event()
+        self._lock = threading.Lock()
+        self._calls = 0
+
+    def __call__(self, images):
+        with self._lock:
+            first = self._calls == 0
+            self._calls += 1
+        if first:
+            self.release.wait(30)
+        return self.run(images)

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.machine import process_memory_kib
+from bench.machine import tree_memory_kib
 from bench.payloads import load_images, png_bytes
 from bench.server_process import REPO, running, service_env
 
@@ -34,8 +34,8 @@ class Service:
     log: Path
 
     def status(self, key: str) -> int:
-        """A memory figure of the process, in bytes (VmRSS now, VmHWM the peak)."""
-        kib = process_memory_kib(self.process.pid)[key]
+        """A memory figure of the service's processes together, in bytes (VmRSS now, VmHWM the peak)."""
+        kib = tree_memory_kib(self.process.pid)[key]
         if kib is None:
             raise RuntimeError(f"no {key} for process {self.process.pid}")
         return kib * 1024

@@ -20,6 +20,8 @@ from tritonclient.grpc import model_config_pb2
 ModelConfig = model_config_pb2.ModelConfig
 DataType = model_config_pb2.DataType
 CONFIG_FILE = "config.pbtxt"
+# Triton's platform name for the models this service serves (config.pbtxt, metadata, /v2).
+PLATFORM = "onnxruntime_onnx"
 
 # ("latest", n) | ("specific", (v, ...)) | ("all",): Triton's three version policies.
 VersionPolicy = tuple[str, int] | tuple[str, tuple[int, ...]] | tuple[str]

@@ -1,9 +1,10 @@
 """A dynamic batcher in the manner of Triton's: bounded queue, max batch size, max queue delay, preferred
 batch sizes, and several model instances running batches at once.
 
-Every image is one queue item, so a request holding several images may be split across batches. A batch
-runs when it reaches a preferred size (else the max batch size) or when its oldest image has waited
-``max_queue_delay``, and an instance is idle: each instance is a run function with its own worker thread
+Every image is one queue item, so a request holding several images may be split across batches. When every
+instance is idle, what is queued runs at once (waiting for partners would only add latency: they gather
+while a batch runs), unless ``idle_dispatch`` is off. Otherwise a batch runs when it reaches a preferred size (else the max batch size) or
+when its oldest image has waited ``max_queue_delay``, and an instance is idle: each instance is a run function with its own worker thread
 (and, in the service, its own onnxruntime session), so up to ``instances`` batches run at once while the
 next one fills. Each caller gets its own rows back. Admission is all-or-nothing and immediate: when a
 request's images do not fit in the queue it is answered 503 with ``Retry-After`` without waiting. A
@@ -73,11 +74,13 @@ class DynamicBatcher:
         model: str = "",
         preferred_batch_sizes: Sequence[int] = (),
         statistics: ModelStatistics | None = None,
+        idle_dispatch: bool = True,
     ) -> None:
         self.graph = graph
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_s
+        self.idle_dispatch = idle_dispatch
         self.max_queue_size = max_queue_size
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
@@ -109,6 +112,11 @@ class DynamicBatcher:
     def healthy(self) -> bool:
         """False once the batching loop has died; readiness reports it."""
         return self._task is not None and self.failure is None
+
+    @property
+    def accepting(self) -> bool:
+        """Takes new work: started, not failed, not closing."""
+        return self.healthy and not self._closing
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(
@@ -160,12 +168,11 @@ class DynamicBatcher:
         self,
         rows: np.ndarray,
         request_id: str | None = None,
-        disconnected: Callable[[], Awaitable[object]] | None = None,
+        disconnected: Awaitable[object] | None = None,
     ) -> list[tuple[np.ndarray, ...]]:
         """Queue ``rows`` (one image each) and return each image's outputs, in order.
 
-        ``disconnected()``, called only once the rows are queued (so a refusal leaves no coroutine
-        never awaited), completes when the client has gone: the images still queued are then
+        ``disconnected`` completes when the client has gone: the images still queued are then
         cancelled (they never run) and :class:`ClientDisconnected` is raised.
         """
         count = len(rows)
@@ -179,8 +186,7 @@ class DynamicBatcher:
         self._depth.set(len(self._pending))
         self._wakeup.set()
         try:
-            watch = disconnected() if disconnected is not None else None
-            outputs = await request.wait(now + self.timeout_s, watch)
+            outputs = await request.wait(now + self.timeout_s, disconnected)
         except ClientGone:
             self._metrics.cancelled.labels(*self._labels).inc(request.remaining)
             raise ClientDisconnected(
@@ -250,7 +256,10 @@ class DynamicBatcher:
             waiting = len(self._pending)
             if not waiting:
                 break
-            due = self._pending[0].enqueued + self.max_queue_delay_s <= loop.time()
+            # with every instance idle nothing is gained by waiting: partners for this batch only
+            # gather while a batch runs (a lone request is not held for the queue delay)
+            idle = self.idle_dispatch and len(self._idle) == len(self._instances)
+            due = idle or self._pending[0].enqueued + self.max_queue_delay_s <= loop.time()
             if not (due or self._flushing or self._full(waiting)):
                 break
             target = self._batch_target(waiting)

@@ -40,8 +40,9 @@ from service.engine.model_versions import (
     scan_version,
     serving_settings,
 )
-from service.engine.pipeline import DecodeGate, ModelPipeline
+from service.engine.pipeline import ModelPipeline
 from service.engine.runtime import Runtime
+from service.engine.table import ModelView
 from service.errors import NotFound, ServiceUnavailable
 from service.observability.metrics import Metrics
 from service.settings import Settings
@@ -53,7 +54,6 @@ class ModelManager:
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.gate = DecodeGate(settings, metrics)
         self.models: dict[str, ManagedModel] = {}
         self.default_name: str | None = None
         self._seen: dict[tuple[str, int], Signature] = {}  # poll: a new version's first sighting
@@ -179,6 +179,42 @@ class ModelManager:
             code="not_ready",
             retry_after_s=self.settings.retry_after_s,
         )
+
+    def pipeline_for(
+        self, name: str, version: int, requested: int | None, key: tuple[str, str]
+    ) -> ModelPipeline:
+        """The pipeline that runs a call a front end resolved to ``version`` (``requested`` is the
+        version the client asked for, None for the newest). A version swapped out since the front end
+        resolved the call still takes it while it drains; a call for the newest version goes to the
+        version now routed to when it takes the same rows (``key``), so a swap fails no request."""
+        model = self.models.get(name)
+        status = model.versions.get(version) if model is not None else None
+        if status is not None and status.state == "READY" and status.pipeline is not None:
+            return status.pipeline
+        if requested is None and model is not None:
+            current = model.pipeline()
+            if current is not None and current.view.preprocessing_key == key:
+                return current
+        for pipeline in self._retired:
+            if pipeline.name == name and pipeline.version == version and pipeline.accepting:
+                return pipeline
+        return self.resolve(name, requested)
+
+    def views(self) -> dict[str, ModelView]:
+        """Every model as front ends see it (service/engine/table.py)."""
+        return {
+            name: ModelView(
+                name=name,
+                serving=model.serving,
+                versions={v: (s.state, s.reason) for v, s in model.versions.items()},
+                ready={
+                    v: model.versions[v].pipeline.view  # type: ignore[union-attr]
+                    for v in model.ready_versions()
+                },
+                unloaded=model.unloaded,
+            )
+            for name, model in self.models.items()
+        }
 
     @property
     def ready(self) -> bool:
@@ -315,9 +351,7 @@ class ModelManager:
             reason = relative(str(error) or "out of memory (MemoryError)", self.repository)
             self._record_failure(model, version, previous, signature, reason)
             return reason
-        pipeline = ModelPipeline(
-            model.name, runtime, model.serving, self.settings, self.metrics, self.gate
-        )
+        pipeline = ModelPipeline(model.name, runtime, model.serving, self.settings, self.metrics)
         pipeline.start()
         old = previous.pipeline if previous is not None else None
         model.versions[version] = VersionStatus(
@@ -369,12 +403,11 @@ class ModelManager:
         status = model.versions.pop(version)
         logger.info("releasing %s version %s: %s", model.name, version, why)
         if status.pipeline is not None:
-            self.metrics.model_info.remove(
-                model.name,
-                str(version),
-                status.pipeline.runtime.provider,
-                status.pipeline.metadata.precision,
-            )
+            labels = (model.name, str(version), status.pipeline.runtime.provider)
+            labels += (status.pipeline.metadata.precision,)
+            # zero first: in multiprocess mode the value stays in the engine's file after remove()
+            self.metrics.model_info.labels(*labels).set(0)
+            self.metrics.model_info.remove(*labels)
             self._release(status.pipeline)
 
     def _release(self, pipeline: ModelPipeline) -> None:

@@ -13,7 +13,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 
-from service.engine.state import ServiceState
 from service.frontend.docs import install_docs
 from service.frontend.error_responses import install_error_handlers
 from service.frontend.inputs import json_limits
@@ -26,6 +25,8 @@ from service.frontend.oip.schemas import HEADER_LENGTH, InferRequest
 from service.frontend.routers import attention, demo, health, metrics, models, predict
 from service.frontend.schemas import AttentionRequest, PredictRequest
 from service.frontend.security import OPENAPI_SECURITY, SECURITY_SCHEMES, require_api_key
+from service.frontend.state import FrontendState
+from service.link.client import EngineClient, LocalEngine
 from service.observability import logs, tracing
 from service.observability.metrics import Metrics
 from service.settings import Settings
@@ -72,14 +73,27 @@ def _openapi(app: FastAPI, routers: list[APIRouter]) -> dict[str, Any]:
 
 
 def create_app(
-    settings: Settings | None = None, tracer_provider: TracerProvider | None = None
+    settings: Settings | None = None,
+    tracer_provider: TracerProvider | None = None,
+    engine: EngineClient | None = None,
+    worker: int | None = None,
+    process_metrics: Metrics | None = None,
 ) -> FastAPI:
-    """The app. Tracing follows the OTEL_* environment variables (service/observability/tracing.py), unless a
-    ``tracer_provider`` is given (tests give one with an in-memory exporter)."""
+    """The app. It runs the engine in its own process and event loop unless ``engine`` is given (a
+    front end of ``python -m service`` gets its link to the engine process). Tracing follows the
+    OTEL_* environment variables (service/observability/tracing.py), unless a ``tracer_provider`` is
+    given (tests give one with an in-memory exporter)."""
     settings = settings or Settings()
     logs.configure(settings.log_level, settings.log_format)
-    app_metrics = Metrics()
-    state = ServiceState(settings, app_metrics)
+    app_metrics = process_metrics or Metrics()
+    local = None
+    if engine is None:  # imported here: a front end of another process never loads onnxruntime
+        from service.engine.core import Engine
+
+        local = Engine(settings, app_metrics)
+    client = LocalEngine(local) if local is not None else engine
+    assert client is not None
+    state = FrontendState(settings, app_metrics, client, worker)
     provider = tracer_provider or tracing.provider_from_environment(os.environ)
 
     @asynccontextmanager
@@ -113,7 +127,8 @@ def create_app(
     )
     app.state.settings = settings
     app.state.metrics = app_metrics
-    app.state.service = state
+    app.state.frontend = state
+    app.state.engine = local  # the engine when it runs in this process (tests read it)
     install_error_handlers(app)
     routers = [
         oip_extensions.router,  # before oip.router: /v2/models/stats is not model "stats"
@@ -153,4 +168,10 @@ def create_app(
     return app
 
 
-app = create_app()
+def __getattr__(name: str) -> Any:
+    """``uvicorn service.frontend.app:app``: the app is made on first use, not at import (a front-end
+    process imports this module and makes its own app, with its link to the engine)."""
+    if name == "app":
+        globals()["app"] = create_app()
+        return globals()["app"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

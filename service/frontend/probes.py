@@ -25,7 +25,7 @@ HEALTH_PATHS = frozenset({"/health/live", "/health/ready", "/v2/health/live", "/
 
 
 class Readiness(Protocol):
-    """What a probe reads of the service (``service.engine.state.ServiceState``)."""
+    """What a probe reads of the service (``service.frontend.state.FrontendState``)."""
 
     @property
     def ready(self) -> bool: ...
@@ -94,6 +94,8 @@ class _ProbeHandler(BaseHTTPRequestHandler):
 class _ProbeServer(HTTPServer):
     """One connection at a time, in the listener's thread: no thread to start per probe (each
     handoff of the GIL to another thread may wait out the interpreter's 5 ms switch interval)."""
+
+    allow_reuse_port = True  # every front end of python -m service listens on health_port
 
     def __init__(self, address: tuple[str, int], readiness: Readiness) -> None:
         super().__init__(address, _ProbeHandler)

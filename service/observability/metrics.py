@@ -1,12 +1,25 @@
 """Prometheus metrics, one registry per app (so tests and several apps in one process never collide).
 
+Under ``python -m service`` with front-end processes, prometheus-client's multiprocess mode sums every
+process's values (``PROMETHEUS_MULTIPROC_DIR``, set by the supervisor): each gauge says how (the engine
+alone sets the model gauges, so the largest live value is the engine's).
+
 Triton's split: time in the queue versus time in the model; average batch size is
 ``vitserve_batch_size_sum / vitserve_batch_size_count`` (images per model execution).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -74,6 +87,7 @@ class Metrics:
             "Images waiting in the batcher queue, by model and graph.",
             _GRAPH,
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.inference_failures = Counter(
             "vitserve_inference_failures",
@@ -95,7 +109,10 @@ class Metrics:
             registry=r,
         )
         self.ready = Gauge(
-            "vitserve_ready", "1 while the service is ready to serve, else 0.", registry=r
+            "vitserve_ready",
+            "1 while the service is ready to serve, else 0.",
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.cancelled = Counter(
             "vitserve_cancelled_images",
@@ -114,6 +131,7 @@ class Metrics:
             "Each model version being served (value 1), with its execution provider and precision.",
             ["model", "version", "provider", "precision"],
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.model_load_seconds = Gauge(
             "vitserve_model_load_seconds",
@@ -121,6 +139,7 @@ class Metrics:
             "graphs) and warmup.",
             ["model", "version", "phase"],
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.model_load_failures = Counter(
             "vitserve_model_load_failures",
@@ -128,3 +147,11 @@ class Metrics:
             ["model"],
             registry=r,
         )
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The metrics in Prometheus' text format: this app's, or every process's in multiprocess mode."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    return generate_latest(registry)

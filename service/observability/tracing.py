@@ -18,7 +18,7 @@ entering the queue to the start of the batch, a child of the request's span) and
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -195,3 +195,30 @@ def end_batch(span: trace.Span | None, error: BaseException | None = None) -> No
         span.record_exception(error)
         span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
     span.end()
+
+
+def carrier() -> dict[str, str] | None:
+    """The current trace context as W3C ``traceparent`` headers, to send across the process hop
+    (None when tracing is off or there is no context)."""
+    if _tracer is None:
+        return None
+    from opentelemetry import propagate
+
+    headers: dict[str, str] = {}
+    propagate.inject(headers)
+    return headers or None
+
+
+@contextlib.contextmanager
+def attached(headers: Mapping[str, str] | None) -> Iterator[None]:
+    """Run the block in the trace context another process sent (see :func:`carrier`)."""
+    if not headers or _tracer is None:
+        yield
+        return
+    from opentelemetry import context, propagate
+
+    token = context.attach(propagate.extract(headers))
+    try:
+        yield
+    finally:
+        context.detach(token)

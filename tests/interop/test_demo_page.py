@@ -223,13 +223,13 @@ def test_the_page_asks_for_the_api_key(browser, model_repository, tmp_path, corr
 
 
 def test_page_and_assets_are_served_from_the_package(http):
-    """GET / and its two assets come from service/static, with a policy that allows no other origin."""
+    """GET / and its two assets come from service/frontend/static, with a policy that allows no other origin."""
     index = http.get("/")
     assert index.status_code == 200
     assert index.headers["content-type"].startswith("text/html")
     policy = index.headers["content-security-policy"]
     assert "script-src 'self'" in policy and "default-src 'none'" in policy
-    static = REPO / "service" / "static"
+    static = REPO / "service" / "frontend" / "static"
     for path, kind in (("/static/demo.js", "text/javascript"), ("/static/demo.css", "text/css")):
         asset = http.get(path)
         assert asset.status_code == 200 and asset.headers["content-type"].startswith(kind)

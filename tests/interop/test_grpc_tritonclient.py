@@ -303,7 +303,7 @@ def test_a_failing_model_run_is_internal_and_names_the_request(model_repository)
     logging.getLogger("vitserve").addHandler(records)
     try:
         with eco_app(model_repository) as app_client:
-            pipeline = app_client.app.state.service.manager.resolve(MODEL_NAME)
+            pipeline = app_client.app.state.engine.manager.resolve(MODEL_NAME)
 
             def broken(images: np.ndarray) -> list[np.ndarray]:
                 raise RuntimeError("injected: onnxruntime failed")
@@ -375,7 +375,9 @@ def test_statistics_count_exactly_what_was_sent(client, http):
     assert stats.fail.count - earlier.fail.count == 1
     for stage in ("queue", "compute_input", "compute_infer", "compute_output"):
         assert getattr(stats, stage).count - getattr(earlier, stage).count == len(sizes), stage
-        assert getattr(stats, stage).ns > getattr(earlier, stage).ns, stage
+        # an idle model runs a request at once: its time in the queue may be 0
+        grew = getattr(stats, stage).ns - getattr(earlier, stage).ns
+        assert grew >= 0 if stage == "queue" else grew > 0, stage
     executions = after.execution_count - before.execution_count
     assert 1 <= executions <= len(sizes)
     assert sum(b.compute_infer.count for b in after.batch_stats) == after.execution_count
@@ -435,7 +437,7 @@ def test_repository_index_load_and_unload(model_repository, fashion_images):
 
 
 def test_a_call_past_its_deadline_never_runs(model_repository):
-    with eco_app(model_repository, max_queue_delay_ms=1500) as app_client:
+    with eco_app(model_repository, max_queue_delay_ms=1500, idle_dispatch=False) as app_client:
         port = app_client.app.state.settings.grpc_port
         with triton.InferenceServerClient(f"127.0.0.1:{port}") as grpc_client:
             tensor = np.zeros((2, 1, 28, 28), np.float32)
@@ -451,7 +453,7 @@ def test_shutdown_lets_the_calls_in_flight_finish(model_repository, reference, f
     and the port refuses calls once the app has stopped."""
     tensor = Reference.normalise(fashion_images[:2])
     answers: list[object] = []
-    with eco_app(model_repository, max_queue_delay_ms=3000) as app_client:
+    with eco_app(model_repository, max_queue_delay_ms=3000, idle_dispatch=False) as app_client:
         port = app_client.app.state.settings.grpc_port
         grpc_client = triton.InferenceServerClient(f"127.0.0.1:{port}")
 
@@ -463,7 +465,7 @@ def test_shutdown_lets_the_calls_in_flight_finish(model_repository, reference, f
 
         caller = threading.Thread(target=call)
         caller.start()
-        pipeline = app_client.app.state.service.manager.resolve(MODEL_NAME)
+        pipeline = app_client.app.state.engine.manager.resolve(MODEL_NAME)
         deadline = time.monotonic() + 10
         while not pipeline.classifier._pending and time.monotonic() < deadline:
             time.sleep(0.02)

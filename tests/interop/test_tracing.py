@@ -114,7 +114,12 @@ def traced(
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     settings = make_settings(
-        model_repository, ECO, grpc_port=grpc_port(), max_queue_delay_ms=400, max_batch_size=8
+        model_repository,
+        ECO,
+        grpc_port=grpc_port(),
+        max_queue_delay_ms=400,
+        max_batch_size=8,
+        idle_dispatch=False,  # the two requests share one batch
     )
     with TestClient(create_app(settings, tracer_provider=provider)) as client:
         yield client, exporter, provider
@@ -191,7 +196,7 @@ def test_grpc_calls_continue_the_callers_trace(traced, fashion_images):
 
 def test_a_failing_batch_marks_its_span(traced):
     client, exporter, _ = traced
-    pipeline = client.app.state.service.manager.resolve(MODEL_NAME)
+    pipeline = client.app.state.engine.manager.resolve(MODEL_NAME)
 
     def broken(images: np.ndarray) -> list[np.ndarray]:
         raise RuntimeError("injected")

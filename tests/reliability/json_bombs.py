@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from bench import server_process
-from bench.machine import process_memory_kib
+from bench.machine import tree_memory_kib
 
 SIZE = 15 * 1024 * 1024
 PORTS = range(18250, 18300)
@@ -67,7 +67,7 @@ def reset_peak_rss(pid: int) -> bool:
 def measure(url: str, pid: int, poll_s: float = 0.05) -> dict[str, Any]:
     """Send the four bodies at once while polling liveness; statuses, latencies, peak RSS growth."""
     payloads = bodies()
-    before = process_memory_kib(pid)["VmRSS"] or 0
+    before = tree_memory_kib(pid)["VmRSS"] or 0
     peak_reset = reset_peak_rss(pid)
     latencies: list[float] = []
     failures: list[str] = []
@@ -108,7 +108,7 @@ def measure(url: str, pid: int, poll_s: float = 0.05) -> dict[str, Any]:
     time.sleep(0.3)
     stop.set()
     poller.join()
-    peak = process_memory_kib(pid)["VmHWM"] or 0
+    peak = tree_memory_kib(pid)["VmHWM"] or 0
     return {
         "answers": answers,
         "liveness_probes": len(latencies),

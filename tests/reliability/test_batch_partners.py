@@ -38,7 +38,7 @@ def client() -> Iterator[TestClient]:
 
 
 def test_an_image_gets_the_same_logits_whatever_it_is_batched_with(client, fashion_images):
-    pipeline = client.app.state.service.manager.resolve(INT8)
+    pipeline = client.app.state.frontend.engine.engine.manager.resolve(INT8)
     meta = pipeline.metadata
     images = normalise(fashion_images[:, None].astype(np.float32), meta.preprocessing)
     low, high = meta.input_range

@@ -96,7 +96,7 @@ def faulty_client(
     """A started app whose two onnxruntime sessions fail on poisoned batches."""
     app = create_app(make_settings(model_repository, RELIABILITY, **settings))
     with TestClient(app, raise_server_exceptions=False) as client:
-        runtime = client.app.state.service.manager.resolve().runtime
+        runtime = client.app.state.engine.manager.resolve().runtime
         monkeypatch.setattr(
             runtime, "classifiers", [FailingSession(s) for s in runtime.classifiers]
         )

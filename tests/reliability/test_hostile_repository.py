@@ -43,7 +43,7 @@ def test_a_removed_model_folder_is_released_in_poll_mode(repository):
     with polled(repository) as client:
         assert client.post("/models/second/predict", json=pixels).status_code == 200
         shutil.rmtree(repository / "second")
-        client.portal.call(client.app.state.service.manager.poll_once)
+        client.portal.call(client.app.state.frontend.engine.engine.manager.poll_once)
         assert client.post("/models/second/predict", json=pixels).status_code in (404, 503)
         assert client.get("/v2/models/second/ready").status_code != 200
         rows = index(client).get("second", [])
@@ -65,7 +65,7 @@ def set_config(repository: Path, text: str) -> None:
 
 def test_a_broken_config_is_named_once_and_everywhere(repository, caplog):
     with polled(repository) as client:
-        manager = client.app.state.service.manager
+        manager = client.app.state.frontend.engine.engine.manager
         set_config(repository, "max_batch_size: [oops\n")
         for _ in range(3):
             client.portal.call(manager.poll_once)
@@ -102,7 +102,7 @@ def test_config_files_are_parsed_off_the_event_loop(repository, monkeypatch):
     with polled(repository) as client:
         loop_thread = client.portal.call(threading.get_ident)
         set_config(repository, (repository / MODEL_NAME / "config.pbtxt").read_text() + "\n")
-        client.portal.call(client.app.state.service.manager.poll_once)
+        client.portal.call(client.app.state.frontend.engine.engine.manager.poll_once)
     assert threads and loop_thread not in threads
 
 

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from service.contract.preprocessing import PEEK_BYTES, pixels_to_decode
-from service.engine.pipeline import INLINE_PIXELS, decode_inline
+from service.frontend.decode import INLINE_PIXELS, decode_inline
 from service.frontend.inputs import RawImage
 from tests.support import encode
 

@@ -194,6 +194,7 @@ def test_sigterm_runs_the_queued_images_at_once_then_exits_zero(
         max_queue_delay_ms=LONG_DELAY_MS,
         max_batch_size=64,
         max_queue_size=128,
+        idle_dispatch="false",  # the six wait in the queue for the delay
     ) as server:
         answers: dict[int, tuple[httpx.Response, float]] = {}
 

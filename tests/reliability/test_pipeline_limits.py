@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from service.engine.batcher import DynamicBatcher
-from service.engine.pipeline import DecodeGate
 from service.errors import ServiceUnavailable
+from service.frontend.decode import DecodeGate
 from service.observability.metrics import Metrics
 from service.settings import Settings
 from tests.support import RELIABILITY, metric, running_server
@@ -109,7 +109,7 @@ def test_a_dead_batcher_loop_fails_what_it_held_and_refuses_new_work():
 
 
 def test_readiness_turns_false_when_the_default_models_batcher_dies(client):
-    pipeline = client.app.state.service.manager.resolve()
+    pipeline = client.app.state.engine.manager.resolve()
     assert client.get("/health/ready").status_code == 200
     pipeline.classifier.failure = RuntimeError("the loop died")
     try:
@@ -125,7 +125,11 @@ def test_images_of_a_client_that_hung_up_are_never_run(model_repository, tmp_pat
     dropped from the queue (a metric counts it) and no batch ever runs it."""
     body = json.dumps({"images": [{"pixels": fashion_images[0].tolist()}]}).encode()
     with running_server(
-        model_repository, tmp_path / "hangup.log", suite=RELIABILITY, max_queue_delay_ms=3000
+        model_repository,
+        tmp_path / "hangup.log",
+        suite=RELIABILITY,
+        max_queue_delay_ms=3000,
+        idle_dispatch="false",  # the image waits in the queue for the delay
     ) as server:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
             sock.sendall(

@@ -29,7 +29,7 @@ def client(model_repository) -> Iterator[TestClient]:
 def refuse_when_queued(client: TestClient, monkeypatch, first_admits: int) -> None:
     """The classifier's queue refuses after ``first_admits`` admissions (as a queue that filled
     while the request was being decoded)."""
-    batcher = client.app.state.service.manager.resolve(MODEL_NAME).classifier
+    batcher = client.app.state.frontend.engine.engine.manager.resolve(MODEL_NAME).classifier
     real, calls = batcher.admit, []
 
     def admit(count: int) -> None:

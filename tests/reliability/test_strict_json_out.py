@@ -65,7 +65,7 @@ def test_fp32_elements_outside_the_input_range_are_refused_over_http(app_and_grp
 
 def test_fp32_elements_inside_the_range_are_served(app_and_grpc):
     client, _ = app_and_grpc
-    meta = client.app.state.service.manager.resolve(MODEL_NAME).metadata
+    meta = client.app.state.frontend.engine.engine.manager.resolve(MODEL_NAME).metadata
     low, high = meta.input_range
     values = np.where(np.arange(784) % 2, low, high).astype(np.float32).reshape(1, 1, 28, 28)
     response = client.post(f"/v2/models/{MODEL_NAME}/infer", json=infer_body(values))
@@ -92,7 +92,7 @@ def test_a_model_producing_nan_answers_500_naming_it_and_counts_it(
     app_and_grpc, fashion_images, monkeypatch
 ):
     client, _ = app_and_grpc
-    runtime = client.app.state.service.manager.resolve(MODEL_NAME).runtime
+    runtime = client.app.state.frontend.engine.engine.manager.resolve(MODEL_NAME).runtime
     real = runtime.classify
 
     def nan_for_white(images: np.ndarray, instance: int = 0) -> np.ndarray:

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from service.contract.preprocessing import Preprocessor
 from service.engine.batcher import DynamicBatcher
 from service.errors import InferenceFailed, ServiceUnavailable
 from service.observability.metrics import Metrics
-from tests.support import assert_error, encode
+from tests.support import HoldFirstCall, assert_error, encode
 
 
 class Model:
@@ -84,11 +85,49 @@ def test_a_request_is_split_across_batches_in_order():
     assert model.batches == [3, 3, 1]
 
 
-def test_max_queue_delay_counts_from_the_oldest_item():
+def test_an_idle_batcher_runs_at_once_and_batches_what_arrives_while_busy():
+    """A lone request is not held for the queue delay; partners gather while a batch runs."""
+
     async def scenario():
         model = Model()
-        b = batcher(model, max_batch_size=100, max_queue_delay_s=1.0)
+        model.gate.clear()  # the first batch holds the only instance
+        b = batcher(model, max_batch_size=100, max_queue_delay_s=30.0)
         b.start()
+        started = time.perf_counter()
+        first = asyncio.create_task(b.submit(rows(1)))
+        await asyncio.sleep(0.2)
+        later = [asyncio.create_task(b.submit(rows(v))) for v in (2, 3)]
+        await asyncio.sleep(0.2)
+        model.gate.set()
+        await asyncio.gather(first, *later)
+        finished = time.perf_counter()
+        await b.stop(5)
+        return model, finished - started
+
+    model, took = run(scenario())
+    assert model.batches == [1, 2]  # the first alone at once; the two that came meanwhile together
+    assert took < 5  # not after the 30 s delay
+
+
+def test_max_queue_delay_counts_from_the_oldest_item_while_an_instance_is_busy():
+    """With an instance busy and one idle, a batch waits the delay from its oldest item."""
+
+    async def scenario():
+        model = Model()
+        held_first = HoldFirstCall(model)
+        b = DynamicBatcher(
+            "test",
+            [held_first, held_first],
+            max_batch_size=100,
+            max_queue_delay_s=1.0,
+            max_queue_size=64,
+            timeout_s=10.0,
+            retry_after_s=2,
+            metrics=Metrics(),
+        )
+        b.start()
+        held = asyncio.create_task(b.submit(rows(0)))  # every instance idle: runs at once, held
+        await asyncio.sleep(0.1)
         started = time.perf_counter()
         first = asyncio.create_task(b.submit(rows(1)))
         await asyncio.sleep(0.5)
@@ -96,11 +135,13 @@ def test_max_queue_delay_counts_from_the_oldest_item():
         second = asyncio.create_task(b.submit(rows(2)))
         await asyncio.gather(first, second)
         finished = time.perf_counter()
+        held_first.release.set()
+        await held
         await b.stop(5)
         return model, finished - started, finished - second_sent
 
     model, first_waited, second_waited = run(scenario())
-    assert model.batches == [2]  # the late arrival joined the oldest item's batch
+    assert model.batches == [2, 1]  # the late arrival joined the oldest item's batch
     # It ran when the first item's 1 s was up, not 1 s after the second came: the second waited
     # about 0.5 s, well under a full delay, whatever the machine's load adds.
     assert first_waited >= 0.99
@@ -201,15 +242,15 @@ def test_stop_drains_the_queue_then_refuses_work():
 
 def test_a_full_queue_refuses_before_decoding(client, monkeypatch, fashion_images):
     """An overloaded service must not spend CPU decoding images it cannot queue."""
-    pipeline = client.app.state.service.manager.resolve()
+    pipeline = client.app.state.engine.manager.resolve()
     decoded = []
-    real_from_image = pipeline.preprocessor.from_image
+    real_from_image = Preprocessor.from_image  # decoding happens in the front end
 
     def counting(*args, **kwargs):
         decoded.append(1)
         return real_from_image(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline.preprocessor, "from_image", counting)
+    monkeypatch.setattr(Preprocessor, "from_image", counting)
     files = [("files", (f"{i}.png", encode(fashion_images[i]), "image/png")) for i in range(2)]
     for batcher, route, payload in (
         (pipeline.classifier, "/predict", {"files": files}),
@@ -220,7 +261,7 @@ def test_a_full_queue_refuses_before_decoding(client, monkeypatch, fashion_image
         assert_error(response, 503, "queue is full", "max_queue_size=0")
         assert decoded == []
         monkeypatch.undo()
-        monkeypatch.setattr(pipeline.preprocessor, "from_image", counting)
+        monkeypatch.setattr(Preprocessor, "from_image", counting)
     assert client.post("/predict", files=files).status_code == 200
     assert len(decoded) == 2
 
@@ -229,11 +270,11 @@ def test_decoding_runs_at_most_max_concurrent_decodes_at_once(client, monkeypatc
     """Large images cost memory while they decode: the service bounds how many decode at once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    pipeline = client.app.state.service.manager.resolve()
+    pipeline = client.app.state.engine.manager.resolve()
     limit = pipeline.settings.max_concurrent_decodes
     running, peak = 0, 0
     lock = threading.Lock()
-    real_from_image = pipeline.preprocessor.from_image
+    real_from_image = Preprocessor.from_image
 
     def slow_from_image(*args, **kwargs):
         nonlocal running, peak
@@ -245,7 +286,7 @@ def test_decoding_runs_at_most_max_concurrent_decodes_at_once(client, monkeypatc
             running -= 1
         return real_from_image(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline.preprocessor, "from_image", slow_from_image)
+    monkeypatch.setattr(Preprocessor, "from_image", slow_from_image)
     # larger than the thumbnails that are decoded on the event loop (service.engine.pipeline.INLINE_PIXELS)
     png = encode(Image.fromarray(fashion_images[0]).resize((200, 200)))
     with ThreadPoolExecutor(max_workers=3 * limit) as pool:
@@ -269,7 +310,7 @@ def test_an_empty_api_key_is_refused_at_start():
 
 
 def test_only_small_images_are_decoded_on_the_event_loop(fashion_images):
-    from service.engine.pipeline import INLINE_PIXELS, declared_pixels, decode_inline
+    from service.frontend.decode import INLINE_PIXELS, declared_pixels, decode_inline
     from service.frontend.inputs import RawImage
 
     thumbnail = Image.fromarray(fashion_images[0])

@@ -19,6 +19,7 @@ import pytest
 from service.engine.batcher import DynamicBatcher
 from service.errors import InferenceFailed, ServiceUnavailable
 from service.observability.metrics import Metrics
+from tests.support import HoldFirstCall
 
 
 class Model:
@@ -308,15 +309,33 @@ def test_a_finished_instance_takes_the_next_due_batch_before_its_callers_are_ans
 
 
 def test_preferred_batch_sizes_run_the_largest_waiting_at_once_without_the_delay():
+    """While an instance is busy, a batch waits for the delay unless a preferred size is waiting:
+    then the largest preferred size runs at once on the idle instance."""
+
     async def scenario():
         model = Model()
-        b = make(model, max_batch_size=8, preferred_batch_sizes=(2, 4), max_queue_delay_s=30.0)
+        held_first = HoldFirstCall(model)
+        b = DynamicBatcher(
+            "classifier",
+            [held_first, held_first],
+            max_batch_size=8,
+            preferred_batch_sizes=(2, 4),
+            max_queue_delay_s=30.0,
+            max_queue_size=16,
+            timeout_s=10.0,
+            retry_after_s=7,
+            metrics=Metrics(),
+        )
         b.start()
+        held = asyncio.create_task(b.submit(rows(0)))  # all idle: runs at once, holds one instance
+        await asyncio.sleep(0.1)
         seven = asyncio.create_task(b.submit(rows(1, 2, 3, 4, 5, 6, 7)))
         await asyncio.sleep(0.2)
         ran_before_the_eighth = list(model.batches)  # 4 of the 7; 3 wait for a preferred size
         one = await asyncio.wait_for(b.submit(rows(8)), 5)
         outputs = await asyncio.wait_for(seven, 5)
+        held_first.release.set()
+        await held
         started = time.perf_counter()
         failed = await b.stop(5)  # nothing left: the drain ends at once
         return (
@@ -329,5 +348,5 @@ def test_preferred_batch_sizes_run_the_largest_waiting_at_once_without_the_delay
 
     before, batches, outputs, one, (failed, stopped_in) = asyncio.run(scenario())
     assert failed == 0 and stopped_in < 1
-    assert before == [4] and batches == [4, 4]
+    assert before == [4] and batches == [4, 4, 1]  # the held first batch ends last
     assert [float(o[0]) for o in outputs] == [1, 2, 3, 4, 5, 6, 7] and float(one[0][0]) == 8

@@ -252,7 +252,7 @@ def test_api_key(model_repository, fashion_images):
 
 
 def test_a_failing_model_run_is_500_with_the_request_id(client, monkeypatch, fashion_images):
-    runtime = client.app.state.service.manager.resolve().runtime
+    runtime = client.app.state.engine.manager.resolve().runtime
 
     def broken(images, instance=0):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")

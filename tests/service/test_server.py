@@ -58,19 +58,23 @@ def test_predictions_over_http_match_onnxruntime(http, fashion_images, reference
 
 
 def test_concurrent_requests_are_batched(http, fashion_images, reference):
+    """Requests that arrive while a batch runs share the next one (an idle server runs a request at
+    once, so the test keeps it busy: 24 requests of 4 images at once, batches of up to 8)."""
     before = http.get("/metrics").text
     images = fashion_images[:16]
     expected = np.argmax(reference.probabilities(images), axis=1)
 
-    def one(index: int) -> int:
-        body = {"images": [{"pixels": images[index].tolist()}]}
+    def one(index: int) -> list[int]:
+        chosen = [(index + k) % 16 for k in range(4)]
+        body = {"images": [{"pixels": images[i].tolist()} for i in chosen]}
         answer = http.post("/predict", json=body)
         assert answer.status_code == 200, answer.text
-        return answer.json()["predictions"][0]["index"]
+        got = [p["index"] for p in answer.json()["predictions"]]
+        assert got == expected[chosen].tolist()  # every caller got its own rows back
+        return got
 
-    with ThreadPoolExecutor(16) as pool:
-        indices = list(pool.map(one, range(16)))
-    assert indices == expected.tolist()  # every caller got its own row back
+    with ThreadPoolExecutor(24) as pool:
+        list(pool.map(one, range(24)))
     after = http.get("/metrics").text
     images_run = metric(after, "vitserve_batch_size_sum", graph="classifier") - metric(
         before, "vitserve_batch_size_sum", graph="classifier"
@@ -78,9 +82,9 @@ def test_concurrent_requests_are_batched(http, fashion_images, reference):
     executions = metric(after, "vitserve_batch_size_count", graph="classifier") - metric(
         before, "vitserve_batch_size_count", graph="classifier"
     )
-    assert images_run == 16
-    assert executions < 16, "16 concurrent requests ran one by one: nothing was batched"
-    assert metric(after, "vitserve_queue_wait_seconds_count", graph="classifier") >= 16
+    assert images_run == 96
+    assert executions < 24, "24 concurrent requests ran one by one: nothing was batched"
+    assert metric(after, "vitserve_queue_wait_seconds_count", graph="classifier") >= 96
 
 
 def test_errors_over_http_and_serving_goes_on(http, fashion_images):
@@ -139,6 +143,7 @@ def test_full_queue_and_timeout_over_http(model_repository, tmp_path, fashion_im
         "max_queue_delay_ms": 5000,
         "request_timeout_s": 5,
         "retry_after_s": 3,
+        "idle_dispatch": "false",  # the eight images wait in the queue
     }
     with running_server(
         model_repository, tmp_path / "b.log", suite=SERVICE, command=command, **settings
@@ -174,7 +179,9 @@ def test_sigterm_finishes_queued_requests_then_exits(model_repository, tmp_path,
     """Four requests wait in the queue (a batch of 8 never fills, the delay is 8 s) when SIGTERM
     comes: all four are answered 200 at once, and the process exits 0."""
     log = tmp_path / "c.log"
-    with running_server(model_repository, log, suite=SERVICE, max_queue_delay_ms=8000) as server:
+    with running_server(
+        model_repository, log, suite=SERVICE, max_queue_delay_ms=8000, idle_dispatch="false"
+    ) as server:
         results: list[httpx.Response] = []
 
         def one(index: int) -> None:

@@ -15,9 +15,9 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
-from service.__main__ import _Server
 from service.contract.model_repository import ModelLoadError
 from service.frontend.app import create_app
+from service.launcher.processes import _Server
 from service.settings import Settings
 from tests.support import (
     MODEL_NAME,
@@ -139,7 +139,7 @@ def test_readiness_follows_the_lifecycle(model_repository, fashion_images):
     assert error["code"] == "not_ready"
     with TestClient(app) as client:
         assert client.get("/health/ready").status_code == 200
-        app.state.service.begin_shutdown()  # what SIGTERM does first
+        app.state.frontend.begin_shutdown()  # what SIGTERM does first
         assert client.get("/health/ready").json() == {"status": "shutting_down", "ready": False}
         # requests already on their way are still served while draining
         assert (
@@ -148,15 +148,15 @@ def test_readiness_follows_the_lifecycle(model_repository, fashion_images):
             ).status_code
             == 200
         )
-    assert app.state.service.phase == "stopped"
+    assert app.state.frontend.phase == "stopped"
 
 
 def test_sigterm_turns_readiness_off_before_the_drain(model_repository):
     app = create_app(make_settings(model_repository))
-    server = _Server(uvicorn.Config(app), app.state.service)
-    app.state.service.phase = "ready"
+    server = _Server(uvicorn.Config(app), app)
+    app.state.frontend.phase = "ready"
     server.handle_exit(signal.SIGTERM, None)
-    assert app.state.service.phase == "shutting_down"
+    assert app.state.frontend.phase == "shutting_down"
     assert server.should_exit
 
 

@@ -14,12 +14,13 @@ from service.settings import Settings
 MAX_CONCURRENT_STREAMS = 128
 
 
-def grpc_server_options(settings: Settings) -> list[tuple[str, int]]:
-    """The options of ``grpc.aio.server`` for ``settings``."""
+def grpc_server_options(settings: Settings, reuse_port: bool = False) -> list[tuple[str, int]]:
+    """The options of ``grpc.aio.server`` for ``settings``; ``reuse_port`` when several front ends
+    share the port."""
     return [
         ("grpc.max_receive_message_length", settings.max_body_bytes),
         ("grpc.max_metadata_size", settings.max_header_bytes),
         ("grpc.absolute_max_metadata_size", settings.max_header_bytes),
         ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
-        ("grpc.so_reuseport", 0),  # a port in use is an error, not shared
+        ("grpc.so_reuseport", int(reuse_port)),
     ]

@@ -27,19 +27,23 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format
-from starlette.requests import Request
-from starlette.types import Message
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from service.engine.state import ServiceState
 from service.errors import NotFound, ServiceError
-from service.frontend.oip import extensions, repository
+from service.frontend.oip import repository
 from service.frontend.oip.codec import Decoded, OipError
 from service.frontend.oip.grpc_codec import decode_infer_request, encode_infer_response, parameter
 from service.frontend.oip.grpc_limits import grpc_server_options
-from service.frontend.oip.routes import metadata_of, model_is_ready, version_number
+from service.frontend.oip.routes import (
+    metadata_of,
+    model_is_ready,
+    served_version,
+    version_number,
+)
 from service.frontend.oip.schemas import EXTENSIONS, SERVER_NAME
 from service.frontend.security import check_api_key
+from service.frontend.serving import Call
+from service.frontend.state import FrontendState
 from service.observability import logs, tracing
 from service.observability.refusals import log_error_answer
 
@@ -112,34 +116,22 @@ def _required_name(name: str, field: str = "name") -> str:
     return name
 
 
-def _http_request(request_id: str, context: Context) -> Request:
-    """What the pipeline takes from a request: its id, and a ``receive`` that answers
-    ``http.disconnect`` once the call is over (cancelled by the client, or timed out)."""
+def _call(request_id: str, context: Context) -> Call:
+    """The call as the engine sees it: its id, and a signal that completes once the call is over
+    (cancelled by the client, or past its deadline), so that its queued rows never run."""
     loop = asyncio.get_running_loop()
-    over = asyncio.Event()
+    over: asyncio.Future[None] = loop.create_future()
 
     def done(_: object) -> None:
         if not loop.is_closed():
-            loop.call_soon_threadsafe(over.set)
+            loop.call_soon_threadsafe(lambda: over.done() or over.set_result(None))
 
     context.add_done_callback(done)
-
-    async def receive() -> Message:
-        await over.wait()
-        return {"type": "http.disconnect"}
-
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": f"/{SERVICE}/ModelInfer",
-        "headers": [],
-        "state": {"request_id": request_id},
-    }
-    return Request(scope, receive)
+    return Call(request_id, over)
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, state: ServiceState, version: str) -> None:
+    def __init__(self, state: FrontendState, version: str) -> None:
         self.state = state
         self.version = version
 
@@ -174,17 +166,19 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_rpc(protected=True)
     async def ModelConfig(self, request: Any, context: Context, request_id: str) -> Any:
-        config = extensions.served_config(
-            self.state.manager,
-            _required_name(request.name),
-            version_number(request.version or None),
+        config = await self.state.engine.control(
+            "config",
+            name=_required_name(request.name),
+            version=version_number(request.version or None),
         )
-        return service_pb2.ModelConfigResponse(config=config)
+        response = service_pb2.ModelConfigResponse()
+        json_format.ParseDict(config, response.config)
+        return response
 
     @_rpc(protected=True)
     async def ModelStatistics(self, request: Any, context: Context, request_id: str) -> Any:
-        stats = extensions.statistics(
-            self.state.manager, request.name or None, version_number(request.version or None)
+        stats = await self.state.engine.control(
+            "statistics", name=request.name or None, version=version_number(request.version or None)
         )
         response = service_pb2.ModelStatisticsResponse()
         for entry in stats:
@@ -193,26 +187,24 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_rpc(protected=True)
     async def ModelInfer(self, request: Any, context: Context, request_id: str) -> Any:
-        manager = self.state.manager
         name = _required_name(request.model_name, "model_name")
-        pipeline = manager.resolve(name, version_number(request.model_version or None))
-        with pipeline.lease():
-            limit = pipeline.settings.max_images_per_request
-            decoded: list[Decoded] = []
+        served = served_version(self.state, name, request.model_version or None)
+        limit = served.settings.max_images_per_request
+        decoded: list[Decoded] = []
 
-            def decode() -> Any:
-                decoded.append(decode_infer_request(request, pipeline.metadata, limit))
-                return decoded[0].batch
+        def decode() -> Any:
+            decoded.append(decode_infer_request(request, served.metadata, limit))
+            return decoded[0].batch
 
-            logits = await pipeline.infer(decode, _http_request(request_id, context))
-            return encode_infer_response(
-                request, decoded[0], logits, pipeline.metadata, name, str(pipeline.version)
-            )
+        logits = await served.infer(decode, _call(request_id, context))
+        return encode_infer_response(
+            request, decoded[0], logits, served.metadata, name, str(served.version)
+        )
 
     @_rpc(protected=True)
     async def RepositoryIndex(self, request: Any, context: Context, request_id: str) -> Any:
         response = service_pb2.RepositoryIndexResponse()
-        for model in repository.index_of(self.state, request.ready):
+        for model in await repository.index_of(self.state, request.ready):
             response.models.add(**model.model_dump())
         return response
 
@@ -260,7 +252,7 @@ for _name in (
 class GrpcServer:
     """The gRPC listener of one app: started after the models load, stopped before they are released."""
 
-    def __init__(self, state: ServiceState, version: str) -> None:
+    def __init__(self, state: FrontendState, version: str) -> None:
         self.state = state
         self.version = version
         self.server: grpc.aio.Server | None = None
@@ -268,7 +260,11 @@ class GrpcServer:
 
     async def start(self) -> None:
         settings = self.state.settings
-        server = grpc.aio.server(options=grpc_server_options(settings))
+        # one front end: a port in use is an error; several share it (the supervisor checked that
+        # no other program holds it)
+        server = grpc.aio.server(
+            options=grpc_server_options(settings, self.state.worker is not None)
+        )
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
             InferenceServicer(self.state, self.version), server
         )

@@ -15,8 +15,6 @@ from typing import Any
 
 from fastapi import APIRouter, Body, Request, Response
 
-from service.contract.model_repository import ModelLoadError
-from service.engine.state import ServiceState, service_state
 from service.errors import ServiceError
 from service.frontend.oip.routes import PROTECTED, RESPONSES
 from service.frontend.oip.schemas import (
@@ -24,6 +22,7 @@ from service.frontend.oip.schemas import (
     RepositoryLoadRequest,
     RepositoryModel,
 )
+from service.frontend.state import FrontendState, frontend_state
 
 router = APIRouter(prefix="/v2/repository", tags=["model repository"], dependencies=PROTECTED)
 
@@ -37,35 +36,28 @@ router = APIRouter(prefix="/v2/repository", tags=["model repository"], dependenc
 async def repository_index(
     request: Request, options: RepositoryIndexRequest | None = Body(default=None)
 ) -> list[RepositoryModel]:
-    return index_of(service_state(request), options is not None and options.ready)
+    return await index_of(frontend_state(request), options is not None and options.ready)
 
 
-def index_of(state: ServiceState, only_ready: bool) -> list[RepositoryModel]:
+async def index_of(state: FrontendState, only_ready: bool) -> list[RepositoryModel]:
     """The repository index (every transport)."""
     return [
         RepositoryModel(
             name=name, version="" if version is None else str(version), state=status, reason=reason
         )
-        for name, version, status, reason in state.manager.index()
+        for name, version, status, reason in await state.engine.control("index")
         if not only_ready or status == "READY"
     ]
 
 
-async def load_model(state: ServiceState, name: str) -> None:
+async def load_model(state: FrontendState, name: str) -> None:
     """Explicit load (every transport): 400 with the reason when it fails or is not allowed."""
-    _explicit_only(state, "load")
-    try:
-        await state.manager.load(name)
-    except ModelLoadError as error:
-        raise ServiceError(
-            f"failed to load '{name}': {error}", status_code=400, code="load_failed"
-        ) from None
+    await state.engine.control("load", name=name)
 
 
-async def unload_model(state: ServiceState, name: str) -> None:
+async def unload_model(state: FrontendState, name: str) -> None:
     """Explicit unload (every transport)."""
-    _explicit_only(state, "unload")
-    await state.manager.unload(name)
+    await state.engine.control("unload", name=name)
 
 
 def refuse_load_parameters(parameters: Mapping[str, Any] | None) -> None:
@@ -75,17 +67,6 @@ def refuse_load_parameters(parameters: Mapping[str, Any] | None) -> None:
             f"load parameters are not supported (got {', '.join(sorted(parameters))}): vitserve "
             "loads a model's files and config.pbtxt from the repository as they are; change them "
             "there, then load",
-            status_code=400,
-            code="bad_request",
-        )
-
-
-def _explicit_only(state: ServiceState, action: str) -> None:
-    mode = state.settings.model_control
-    if mode != "explicit":
-        raise ServiceError(
-            f"explicit model {action} is not allowed: the model control mode is '{mode}' "
-            "(set VITSERVE_MODEL_CONTROL=explicit)",
             status_code=400,
             code="bad_request",
         )
@@ -101,7 +82,7 @@ async def load(
     name: str, request: Request, options: RepositoryLoadRequest | None = Body(default=None)
 ) -> Response:
     refuse_load_parameters(options.parameters if options is not None else None)
-    await load_model(service_state(request), name)
+    await load_model(frontend_state(request), name)
     return Response(status_code=200)
 
 
@@ -112,5 +93,5 @@ async def load(
     responses=RESPONSES,
 )
 async def unload(name: str, request: Request) -> Response:
-    await unload_model(service_state(request), name)
+    await unload_model(frontend_state(request), name)
     return Response(status_code=200)

@@ -27,8 +27,6 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
-from service.engine.pipeline import ModelPipeline
-from service.engine.state import ServiceState, service_state
 from service.errors import NotFound, ServiceError
 from service.frontend.oip.codec import decode_request, encode_response
 from service.frontend.oip.schemas import (
@@ -45,6 +43,8 @@ from service.frontend.oip.schemas import (
     ServerReady,
 )
 from service.frontend.security import require_api_key
+from service.frontend.serving import Call, ServedVersion
+from service.frontend.state import FrontendState, frontend_state
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
 PROTECTED = [Depends(require_api_key)]
@@ -75,18 +75,21 @@ def version_number(version: str | None) -> int | None:
     return int(version.lstrip("0"))  # int() refuses more than 4,300 digits, zeros included
 
 
-def _pipeline(request: Request, name: str, version: str | None) -> ModelPipeline:
-    return service_state(request).manager.resolve(name, version_number(version))
+def served_version(state: FrontendState, name: str, version: str | None) -> ServedVersion:
+    """The model version a protocol request goes to (every transport)."""
+    requested = version_number(version)
+    return ServedVersion(state, state.engine.table.resolve(name, requested), requested)
 
 
-def metadata_of(state: ServiceState, name: str, version: str | None) -> ModelMetadataResponse:
+def metadata_of(state: FrontendState, name: str, version: str | None) -> ModelMetadataResponse:
     """A model's metadata (every transport): the inputs and outputs of the version asked for."""
-    pipeline = state.manager.resolve(name, version_number(version))
-    meta, spec = pipeline.metadata, pipeline.metadata.input
+    table = state.engine.table
+    meta = table.resolve(name, version_number(version)).metadata
+    spec = meta.input
     classes = meta.num_classes
     return ModelMetadataResponse(
         name=name,
-        versions=[str(v) for v in state.manager.model(name).ready_versions()],
+        versions=[str(v) for v in table.model(name).ready_versions()],
         platform=PLATFORM,
         inputs=[
             MetadataTensor(
@@ -100,13 +103,15 @@ def metadata_of(state: ServiceState, name: str, version: str | None) -> ModelMet
     )
 
 
-def model_is_ready(state: ServiceState, name: str, version: str | None) -> bool:
+def model_is_ready(state: FrontendState, name: str, version: str | None) -> bool:
     """Whether a model (version) takes requests now; 404 for an unknown model or version."""
-    model = state.manager.model(name)
+    table = state.engine.table
+    model = table.model(name)
     wanted = version_number(version)
     if wanted is not None and wanted not in model.versions:
         raise NotFound(f"unknown version '{version}' of model '{name}'")
-    return state.phase == "ready" and model.pipeline(wanted) is not None
+    serving = state.phase == "ready" and state.engine.connected and table.phase == "ready"
+    return serving and model.view(wanted) is not None
 
 
 def _versioned(path: str, register: Callable[[str], Callable], endpoint: Callable) -> None:
@@ -134,48 +139,47 @@ async def live() -> ServerLive:
     responses={400: {"model": ServerReady, "description": "Not ready: starting or shutting down"}},
 )
 async def ready(request: Request) -> JSONResponse:
-    ready = service_state(request).ready
+    ready = frontend_state(request).ready
     return JSONResponse(ServerReady(ready=ready).model_dump(), status_code=200 if ready else 400)
 
 
 async def model_metadata(
     request: Request, name: str, version: str | None = None
 ) -> ModelMetadataResponse:
-    return metadata_of(service_state(request), name, version)
+    return metadata_of(frontend_state(request), name, version)
 
 
 async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
-    ready = model_is_ready(service_state(request), name, version)
+    ready = model_is_ready(frontend_state(request), name, version)
     return Response(status_code=200 if ready else 400)
 
 
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
-    pipeline = _pipeline(request, name, version)
-    with pipeline.lease():
-        body = await request.body()
-        header_length = request.headers.get(HEADER_LENGTH)
-        limit = pipeline.settings.max_images_per_request
-        decoded: list = []
+    served = served_version(frontend_state(request), name, version)
+    body = await request.body()
+    header_length = request.headers.get(HEADER_LENGTH)
+    limit = served.settings.max_images_per_request
+    decoded: list = []
 
-        def decode() -> Any:
-            decoded.extend(
-                decode_request(
-                    body, header_length, pipeline.metadata, limit, pipeline.settings.max_json_values
-                )
+    def decode() -> Any:
+        decoded.extend(
+            decode_request(
+                body, header_length, served.metadata, limit, served.settings.max_json_values
             )
-            return decoded[1].batch
-
-        logits = await pipeline.infer(decode, request)
-        infer_request, tensors = decoded
-        return await run_in_threadpool(
-            encode_response,
-            infer_request,
-            tensors,
-            logits,
-            pipeline.metadata,
-            name,
-            str(pipeline.version),
         )
+        return decoded[1].batch
+
+    logits = await served.infer(decode, Call.of(request))
+    infer_request, tensors = decoded
+    return await run_in_threadpool(
+        encode_response,
+        infer_request,
+        tensors,
+        logits,
+        served.metadata,
+        name,
+        str(served.version),
+    )
 
 
 _versioned(

@@ -6,8 +6,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.contract.model_config import PLATFORM  # noqa: F401  (the routes name it here)
+
 SERVER_NAME = "vitserve"
-PLATFORM = "onnxruntime_onnx"
 EXTENSIONS = [
     "binary_tensor_data",
     "classification",

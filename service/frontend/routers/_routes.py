@@ -1,7 +1,7 @@
 """One handler, three routes: the default model (``/predict``), a model by name
 (``/models/{name}/predict``) and one version of it (``/models/{name}/versions/{version}/predict``).
 
-The routes check the API key and lease the pipeline themselves rather than through FastAPI
+The routes check the API key and resolve the model version themselves rather than through FastAPI
 dependencies: on the inference path a generator dependency (an exit stack, a shielded context) and a
 security sub-dependency cost more of the event loop than decoding a thumbnail does. The OpenAPI
 document still declares the bearer scheme for them (``service.frontend.security.OPENAPI_SECURITY``).
@@ -14,23 +14,24 @@ from typing import Any
 
 from fastapi import APIRouter, Path, Request
 
-from service.engine.pipeline import ModelPipeline
-from service.engine.state import service_state
 from service.frontend.security import OPENAPI_SECURITY, check_request_api_key
+from service.frontend.serving import ServedVersion
+from service.frontend.state import frontend_state
 
-Handler = Callable[[Request, ModelPipeline], Awaitable[Any]]
+Handler = Callable[[Request, ServedVersion], Awaitable[Any]]
 
 
 async def _serve(handler: Handler, request: Request, name: str | None, version: int | None) -> Any:
     check_request_api_key(request)
-    with service_state(request).manager.resolve(name, version).lease() as pipeline:
-        return await handler(request, pipeline)
+    state = frontend_state(request)
+    view = state.engine.table.resolve(name, version)
+    return await handler(request, ServedVersion(state, view, version))
 
 
 def add_model_routes(
     router: APIRouter, suffix: str, handler: Handler, *, summary: str, **route: Any
 ) -> None:
-    """Register ``handler`` as POST ``suffix`` under each prefix, with the pipeline it runs on."""
+    """Register ``handler`` as POST ``suffix`` under each prefix, with the model version it runs on."""
 
     async def default_model(request: Request) -> Any:
         return await _serve(handler, request, None, None)

@@ -8,7 +8,6 @@ from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from service.contract.attention_maps import attention_map, overlay_png
-from service.engine.pipeline import ModelPipeline
 from service.errors import InvalidInput
 from service.frontend.inputs import (
     MULTIPART,
@@ -27,6 +26,7 @@ from service.frontend.schemas import (
     AttentionResponse,
     ModelRef,
 )
+from service.frontend.serving import Call, ServedVersion
 
 router = APIRouter(
     tags=["inference"]
@@ -58,8 +58,8 @@ _EXAMPLES = {
 }
 
 
-async def attention(request: Request, pipeline: ModelPipeline) -> Response | AttentionResponse:
-    pipeline.require_attention()
+async def attention(request: Request, served: ServedVersion) -> Response | AttentionResponse:
+    served.require_attention()
     if require_body_type(request) == MULTIPART:
         images, options = await read_multipart(request, "file", 1, AttentionOptions)
         if len(images) != 1:
@@ -70,7 +70,7 @@ async def attention(request: Request, pipeline: ModelPipeline) -> Response | Att
     else:
         body = await read_json(request, AttentionRequest)
         image, options = image_from_json(body.image, "image"), body
-    meta = pipeline.metadata
+    meta = served.metadata
     layer = meta.depth - 1 if options.layer is None else options.layer
     if layer >= meta.depth:
         raise InvalidInput(
@@ -90,7 +90,7 @@ async def attention(request: Request, pipeline: ModelPipeline) -> Response | Att
                 field="head",
             )
     top_k = check_top_k(options.top_k, meta.labels, given="top_k" in options.model_fields_set)
-    prepared, logits, maps = await pipeline.attend(image, options.invert, request)
+    prepared, logits, maps = await served.attend(image, options.invert, Call.of(request))
     best = prediction(logits, meta.labels, top_k)
     grid = meta.grid
     heatmap = await run_in_threadpool(
@@ -114,7 +114,7 @@ async def attention(request: Request, pipeline: ModelPipeline) -> Response | Att
             },
         )
     return AttentionResponse(
-        model=ModelRef(name=pipeline.name, version=pipeline.version),
+        model=ModelRef(name=served.name, version=served.version),
         prediction=best,
         method=options.method,
         layer=layer,

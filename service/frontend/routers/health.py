@@ -27,7 +27,7 @@ async def live() -> Health:
     },
 )
 async def ready(request: Request) -> JSONResponse:
-    state = request.app.state.service
+    state = request.app.state.frontend
     if state.ready:
         return JSONResponse(Health(status="ready", ready=True).model_dump())
     phase = state.phase

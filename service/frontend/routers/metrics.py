@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from service.observability.metrics import exposition
 
 router = APIRouter(tags=["metrics"])
 
@@ -17,6 +19,4 @@ router = APIRouter(tags=["metrics"])
     },
 )
 async def metrics(request: Request) -> Response:
-    return Response(
-        generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
-    )
+    return Response(exposition(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -5,8 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from service.contract.preprocessing import ACCEPTED_FORMATS
-from service.engine.model_versions import ManagedModel
-from service.engine.state import ServiceState, service_state
+from service.engine.table import ModelTable, ModelView
 from service.frontend.routers._openapi import ERROR_RESPONSES
 from service.frontend.schemas import (
     BatchingInfo,
@@ -17,6 +16,7 @@ from service.frontend.schemas import (
     VersionInfo,
 )
 from service.frontend.security import require_api_key
+from service.frontend.state import frontend_state
 from service.settings import Settings
 
 router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key)])
@@ -32,28 +32,27 @@ def _limits(settings: Settings) -> LimitsInfo:
     )
 
 
-def model_info(state: ServiceState, model: ManagedModel) -> ModelInfo:
-    settings = state.settings
+def model_info(settings: Settings, table: ModelTable, model: ModelView) -> ModelInfo:
     versions = [
-        VersionInfo(version=v, state=status.state, reason=status.reason)
-        for v, status in sorted(model.versions.items())
+        VersionInfo(version=v, state=state, reason=reason)
+        for v, (state, reason) in sorted(model.versions.items())
     ]
     common = {
         "name": model.name,
-        "default": model.name == state.manager.default_name,
+        "default": model.name == table.default_name,
         "versions": versions,
         "limits": _limits(settings),
     }
-    pipeline = model.pipeline()
-    if pipeline is None:
+    view = model.view()
+    if view is None:
         return ModelInfo(version=None, **common)
-    meta, serving = pipeline.metadata, pipeline.serving
+    meta, serving = view.metadata, view.serving
     return ModelInfo(
-        version=pipeline.version,
+        version=view.version,
         labels=meta.labels,
         input=InputInfo(**meta.input.model_dump()),
         preprocessing=meta.preprocessing.model_dump(),
-        attention=pipeline.attention is not None,
+        attention=view.attention,
         grid=meta.grid if meta.patch is not None else None,
         pooling=meta.pooling,
         depth=meta.depth,
@@ -61,7 +60,7 @@ def model_info(state: ServiceState, model: ManagedModel) -> ModelInfo:
         precision=meta.precision,
         dataset=meta.dataset,
         test_accuracy=meta.test_accuracy,
-        provider=pipeline.runtime.provider,
+        provider=view.provider,
         batching=BatchingInfo(
             max_batch_size=serving.max_batch_size,
             preferred_batch_sizes=list(serving.preferred_batch_sizes),
@@ -79,9 +78,12 @@ def model_info(state: ServiceState, model: ManagedModel) -> ModelInfo:
     "/models", response_model=ModelsResponse, summary="The models served", responses=ERROR_RESPONSES
 )
 async def models(request: Request) -> ModelsResponse:
-    state = service_state(request)
+    state = frontend_state(request)
+    table = state.engine.table
     return ModelsResponse(
-        models=[model_info(state, model) for _, model in sorted(state.manager.models.items())]
+        models=[
+            model_info(state.settings, table, model) for _, model in sorted(table.models.items())
+        ]
     )
 
 
@@ -92,5 +94,6 @@ async def models(request: Request) -> ModelsResponse:
     responses=ERROR_RESPONSES,
 )
 async def model(name: str, request: Request) -> ModelInfo:
-    state = service_state(request)
-    return model_info(state, state.manager.model(name))
+    state = frontend_state(request)
+    table = state.engine.table
+    return model_info(state.settings, table, table.model(name))

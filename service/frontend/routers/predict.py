@@ -7,7 +7,6 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from pydantic_core import to_json
 
-from service.engine.pipeline import ModelPipeline
 from service.errors import InvalidInput
 from service.frontend.inputs import (
     MULTIPART,
@@ -25,6 +24,7 @@ from service.frontend.schemas import (
     PredictRequest,
     PredictResponse,
 )
+from service.frontend.serving import Call, ServedVersion
 
 router = APIRouter(
     tags=["inference"]
@@ -52,8 +52,8 @@ _EXAMPLES = {
 }
 
 
-async def predict(request: Request, pipeline: ModelPipeline) -> Response:
-    limit = pipeline.settings.max_images_per_request
+async def predict(request: Request, served: ServedVersion) -> Response:
+    limit = served.settings.max_images_per_request
     if require_body_type(request) == MULTIPART:
         images, options = await read_multipart(request, "files", limit, PredictOptions)
         if not images:
@@ -76,13 +76,13 @@ async def predict(request: Request, pipeline: ModelPipeline) -> Response:
             field="files",
             code="too_many_images",
         )
-    labels = pipeline.metadata.labels
+    labels = served.metadata.labels
     top_k = check_top_k(options.top_k, labels, given="top_k" in options.model_fields_set)
-    logits = await pipeline.classify(images, options.invert, request)
+    logits = await served.classify(images, options.invert, Call.of(request))
     # built as JSON directly: the dicts have PredictResponse's shape (tests check it against the
     # schema), without a second validation of every number by the response model
     body = {
-        "model": {"name": pipeline.name, "version": pipeline.version},
+        "model": {"name": served.name, "version": served.version},
         "predictions": predictions(np.stack(logits), labels, top_k),
     }
     return Response(to_json(body), media_type="application/json")

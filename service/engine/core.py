@@ -1,0 +1,203 @@
+"""The engine: every model version, its batchers and sessions, and the engine's phase. No transport.
+
+Front ends reach it through ``service/link/`` (in their own process, or over the process link): they read
+its :class:`~service.engine.table.ModelTable`, send rows to :meth:`Engine.infer` with a request id and a
+signal that completes when the client has gone, and call :meth:`Engine.control` for the repository index,
+explicit load and unload, the served configuration and Triton's statistics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import Any
+
+import numpy as np
+
+from service.contract.model_repository import ModelLoadError
+from service.engine import reports
+from service.engine.model_manager import ModelManager
+from service.engine.table import Graph, ModelTable, Phase
+from service.errors import ServiceError
+from service.observability.metrics import Metrics
+from service.settings import Settings
+
+logger = logging.getLogger("vitserve")
+
+CONTROL_OPS = ("index", "load", "unload", "config", "statistics")
+
+
+class Engine:
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.phase: Phase = "starting"
+        self.manager = ModelManager(settings, metrics)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task | None = None
+        self._failed_at_deadline = 0
+        self._generation = 0
+        self._last_signature: tuple = ()
+        self.metrics.ready.set(0)
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "ready" and self.manager.ready
+
+    # --- life -------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load, check and warm every model, then start the batchers; only then ready."""
+        if self.phase == "stopped":  # the same app started again (a second TestClient)
+            self.phase = "starting"
+            self.manager = ModelManager(self.settings, self.metrics)
+        self._loop = asyncio.get_running_loop()
+        try:
+            await self.manager.start()
+        except ModelLoadError as error:
+            logger.error("cannot start: %s", error)
+            await self.manager.stop(self.settings.graceful_shutdown_s)
+            raise
+        if self.phase == "starting":  # a signal may have arrived while loading
+            self.phase = "ready"
+            self.metrics.ready.set(1)
+
+    def begin_shutdown(self) -> None:
+        """Readiness turns false at once; queued images run without waiting for a batch to fill, and
+        whatever is still unanswered when graceful_shutdown_s has passed is answered 503. Safe to call
+        from a signal handler: it only sets a field and schedules the rest on the event loop."""
+        if self.phase in ("starting", "ready"):
+            self.phase = "shutting_down"
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self.metrics.ready.set(0)
+        self.manager.flush()
+        if self._drain is None:
+            self._drain = asyncio.get_running_loop().create_task(self._drain_deadline())
+
+    async def _drain_deadline(self) -> None:
+        """At the deadline, answer what is left 503 while the front ends can still send it."""
+        await asyncio.sleep(self.settings.graceful_shutdown_s)
+        self._failed_at_deadline += self.manager.fail_unanswered()
+
+    async def stop(self) -> None:
+        """Not ready any more; finish everything queued and running, then release the models."""
+        self.begin_shutdown()
+        self.metrics.ready.set(0)
+        timeout = self.settings.graceful_shutdown_s
+        if self._drain is not None:
+            self._drain.cancel()
+        failed = self._failed_at_deadline + await self.manager.stop(timeout)
+        self.phase = "stopped"
+        if failed:
+            logger.error(
+                "stopped: the drain timed out after %.1f s; %d images were failed with 503",
+                timeout,
+                failed,
+            )
+        else:
+            logger.info("stopped: every queued request was answered")
+
+    # --- what front ends see ----------------------------------------------------------------------
+
+    def table(self) -> ModelTable:
+        """The models as front ends see them; its generation grows whenever anything in it changes."""
+        models = self.manager.views()
+        signature = (
+            self.phase,
+            self.manager.ready,
+            self.manager.default_name,
+            tuple(
+                (
+                    m.name,
+                    m.unloaded,
+                    tuple(sorted(m.versions.items())),
+                    tuple(map(id, m.ready.values())),
+                )
+                for m in models.values()
+            ),
+        )
+        if signature != self._last_signature:
+            self._last_signature = signature
+            self._generation += 1
+        return ModelTable(
+            generation=self._generation,
+            phase=self.phase,
+            default_name=self.manager.default_name,
+            models=models,
+            retry_after_s=self.settings.retry_after_s,
+            healthy=self.manager.ready,
+        )
+
+    # --- work -------------------------------------------------------------------------------------
+
+    def admit(
+        self,
+        name: str,
+        version: int,
+        requested: int | None,
+        key: tuple[str, str],
+        graph: Graph,
+        count: int,
+    ) -> None:
+        """Raise the 503 that :meth:`infer` would raise now for ``count`` images."""
+        self.manager.pipeline_for(name, version, requested, key).batcher(graph).admit(count)
+
+    async def infer(
+        self,
+        name: str,
+        version: int,
+        requested: int | None,
+        key: tuple[str, str],
+        graph: Graph,
+        rows: np.ndarray,
+        request_id: str | None = None,
+        disconnected: Awaitable[object] | None = None,
+    ) -> list[tuple[np.ndarray, ...]]:
+        """Run ``rows`` (one image each, preprocessed for ``version`` of model ``name``) on ``graph``;
+        each row's outputs, in order. ``disconnected`` completes when the client has gone: its rows
+        still queued never run."""
+        pipeline = self.manager.pipeline_for(name, version, requested, key)
+        with pipeline.lease():
+            return await pipeline.run(graph, rows, request_id, disconnected)
+
+    def record_failure(self, name: str, version: int, ns: int) -> None:
+        """A request for this version failed in a front end (its input was refused while decoding):
+        Triton's statistics count it as a failed inference, as if it had failed here."""
+        model = self.manager.models.get(name)
+        status = model.versions.get(version) if model is not None else None
+        if status is not None and status.pipeline is not None:
+            status.pipeline.statistics.record_outcome(False, ns)
+
+    async def control(self, op: str, **arguments: Any) -> Any:
+        """The repository index, explicit load and unload, the served config and the statistics."""
+        manager = self.manager
+        if op == "index":
+            return manager.index()
+        if op == "config":
+            return reports.served_config(manager, arguments["name"], arguments.get("version"))
+        if op == "statistics":
+            return reports.statistics(manager, arguments.get("name"), arguments.get("version"))
+        if op in ("load", "unload"):
+            mode = self.settings.model_control
+            if mode != "explicit":
+                raise ServiceError(
+                    f"explicit model {op} is not allowed: the model control mode is '{mode}' "
+                    "(set VITSERVE_MODEL_CONTROL=explicit)",
+                    status_code=400,
+                    code="bad_request",
+                )
+            if op == "unload":
+                return await manager.unload(arguments["name"])
+            try:
+                return await manager.load(arguments["name"])
+            except ModelLoadError as error:
+                raise ServiceError(
+                    f"failed to load '{arguments['name']}': {error}",
+                    status_code=400,
+                    code="load_failed",
+                ) from None
+        raise ValueError(f"unknown engine control {op!r}; known: {', '.join(CONTROL_OPS)}")

@@ -1,0 +1,107 @@
+"""What a front end knows of the models: a snapshot the engine publishes whenever it changes.
+
+Plain data (picklable, no sessions, no batchers): each model's versions and their states, and for every
+ready version what a front end needs to serve it: its metadata (labels, input, preprocessing), its serving
+settings and its execution provider. A front end resolves a request against the snapshot, decodes and
+preprocesses with that version's metadata, then asks the engine to run the rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal
+
+from service.contract.model_config import ServingConfig
+from service.contract.model_repository import ModelMetadata
+from service.errors import NotFound, ServiceUnavailable
+
+Phase = Literal["starting", "ready", "shutting_down", "stopped"]
+Graph = Literal["classifier", "attention"]  # the graphs a version runs
+
+
+@dataclass(frozen=True)
+class VersionView:
+    """One ready model version, as a front end serves it."""
+
+    name: str
+    version: int
+    metadata: ModelMetadata
+    serving: ServingConfig
+    provider: str
+    attention: bool  # has an attention graph
+
+    @cached_property
+    def preprocessing_key(self) -> tuple[str, str]:
+        """What decides the rows a request becomes: a version with the same key takes the same rows."""
+        return (
+            self.metadata.input.model_dump_json(),
+            self.metadata.preprocessing.model_dump_json(),
+        )
+
+
+@dataclass(frozen=True)
+class ModelView:
+    name: str
+    serving: ServingConfig | None
+    # every version known: (state, reason); READY ones are also in ``ready``
+    versions: dict[int, tuple[str, str]] = field(default_factory=dict)
+    ready: dict[int, VersionView] = field(default_factory=dict)
+    unloaded: bool = False
+
+    def ready_versions(self) -> list[int]:
+        return sorted(self.ready)
+
+    def view(self, version: int | None = None) -> VersionView | None:
+        """The version a request for ``version`` goes to (the newest ready one for None)."""
+        if version is None:
+            return self.ready[max(self.ready)] if self.ready else None
+        return self.ready.get(version)
+
+
+@dataclass(frozen=True)
+class ModelTable:
+    generation: int = 0
+    phase: Phase = "starting"
+    default_name: str | None = None
+    models: dict[str, ModelView] = field(default_factory=dict)
+    retry_after_s: int = 1
+    healthy: bool = False  # the default model's batchers are running
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "ready" and self.healthy
+
+    def model(self, name: str | None) -> ModelView:
+        if self.default_name is None:
+            raise ServiceUnavailable(
+                "the models are not loaded yet; retry shortly",
+                code="not_ready",
+                retry_after_s=self.retry_after_s,
+            )
+        name = name or self.default_name
+        model = self.models.get(name)
+        if model is None:
+            served = ", ".join(sorted(self.models)) or "none"
+            raise NotFound(f"unknown model '{name}': served models: {served}", field="model")
+        return model
+
+    def resolve(self, name: str | None = None, version: int | None = None) -> VersionView:
+        """The version a request goes to: 404 for an unknown model or version, 503 while loading."""
+        model = self.model(name)
+        view = model.view(version)
+        if view is not None:
+            return view
+        if version is not None and version not in model.versions:
+            ready = ", ".join(f"version {v}" for v in model.ready_versions()) or "none"
+            raise NotFound(
+                f"unknown version '{version}' of model '{model.name}' (ready: {ready})",
+                field="version",
+            )
+        state = model.versions[version][0] if version is not None else "UNAVAILABLE"
+        raise ServiceUnavailable(
+            f"model {model.name!r}{'' if version is None else f' version {version}'} is not ready "
+            f"({state.lower()}); retry shortly",
+            code="not_ready",
+            retry_after_s=self.retry_after_s,
+        )

@@ -1,0 +1,1 @@
+"""Starts and supervises the service's processes."""

@@ -1,0 +1,176 @@
+"""The processes of ``python -m service``: one engine, and the front ends that feed it.
+
+Each process dies with the supervisor (``PR_SET_PDEATHSIG``) and sits in its own process group, so a
+terminal's Ctrl-C reaches the supervisor alone, which then stops everything in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+from multiprocessing.synchronize import Event
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from service.frontend.probes import ProbeListener
+from service.frontend.server import guarded_protocol
+from service.link.wire import Addresses
+from service.observability.logs import uvicorn_log_config
+from service.settings import Settings
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+logger = logging.getLogger("vitserve")
+
+EXIT_START_FAILED = 3
+# uvicorn cancels open requests this long after the service's own drain deadline, which answers what
+# is left 503: long enough for those answers to be written.
+ANSWER_MARGIN_S = 5.0
+# the processes' names (ps, top, /proc/PID/comm)
+ENGINE_NAME = "vitserve-engine"
+FRONT_END_NAME = "vitserve-front"
+_PR_SET_NAME = 15
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int, name: str) -> None:
+    """SIGTERM when the supervisor dies, even by kill -9; a group of our own for Ctrl-C; ``name``
+    as the process's name in ps and top (at most 15 bytes)."""
+    os.setpgid(0, 0)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_NAME, name.encode()[:15])
+    except (OSError, AttributeError):  # not Linux: the front ends' engine watch still notices
+        pass
+    if os.getppid() != parent:  # the supervisor died before the line above
+        sys.exit(1)
+
+
+class _Server(uvicorn.Server):
+    """Readiness turns false the moment a shutdown signal arrives, before the graceful drain."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self._app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._app.state.frontend.begin_shutdown()
+        super().handle_exit(sig, frame)
+
+
+def serve_http(app: FastAPI, settings: Settings, sockets: list[socket.socket] | None = None) -> int:
+    """Serve ``app`` with uvicorn and the guarded protocol until a signal; the exit code. With
+    ``health_port`` set, each front end also answers probes there (probes.py; the port shared)."""
+    port = settings.health_port
+    probes = ProbeListener(settings.host, port, app.state.frontend) if port else None
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=uvicorn_log_config(settings.log_format),
+        lifespan="on",
+        timeout_graceful_shutdown=settings.graceful_shutdown_s + ANSWER_MARGIN_S,
+        access_log=settings.access_log,
+        proxy_headers=False,
+        http=guarded_protocol(settings, app.state.frontend),
+        callback_notify=probes.heartbeat if probes else None,
+        timeout_notify=1,
+    )
+    server = _Server(config, app)
+
+    def exit_after_drain(sig: int, frame: FrameType | None) -> None:
+        # uvicorn re-raises SIGTERM once it has drained and restored this handler; without it the
+        # process would end killed by the signal (-15) although every request was answered.
+        sys.exit(0 if server.started else EXIT_START_FAILED)
+
+    signal.signal(signal.SIGTERM, exit_after_drain)
+    with contextlib.closing(probes.start()) if probes else contextlib.nullcontext():
+        server.run(sockets=sockets)
+    return 0 if server.started else EXIT_START_FAILED
+
+
+def front_end(
+    settings: Settings,
+    slot: int,
+    listener: socket.socket,
+    addresses: Addresses,
+    parent: int,
+    engine_started: Event,
+) -> None:
+    """A front-end process: HTTP on the shared listener, gRPC on the shared port, the engine linked.
+    It serves once the engine has started (loaded its models) for the first time, as a single
+    process does; after that it stays up while the engine restarts, answering 503."""
+    die_with_parent(parent, f"{FRONT_END_NAME}{slot}")
+    from service.frontend.app import create_app
+    from service.link.arena import block_name
+    from service.link.remote import RemoteEngine
+    from service.observability.metrics import Metrics
+
+    metrics = Metrics()
+    engine = RemoteEngine(
+        addresses,
+        block_name(parent, slot, os.getpid()),
+        settings.arena_mib * 2**20,
+        settings.retry_after_s,
+        metrics,
+    )
+    app = create_app(settings, engine=engine, worker=slot, process_metrics=metrics)
+    engine_started.wait()  # the supervisor stops this process if the engine never starts
+    sys.exit(serve_http(app, settings, [listener]))
+
+
+def engine(settings: Settings, addresses: Addresses, parent: int, started: Event) -> None:
+    """The engine process: every model, one batcher per version, fed by every front end."""
+    die_with_parent(parent, ENGINE_NAME)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the engine stops
+    from service.observability import logs
+
+    logs.configure(settings.log_level, settings.log_format)
+    try:
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
+        run = asyncio.run
+    sys.exit(run(_serve_engine(settings, addresses, started)))
+
+
+async def _serve_engine(settings: Settings, addresses: Addresses, started: Event) -> int:
+    from service.contract.model_repository import ModelLoadError
+    from service.engine.core import Engine
+    from service.link.engine_server import EngineServer
+    from service.observability import tracing
+    from service.observability.metrics import Metrics
+
+    provider = tracing.provider_from_environment(os.environ)
+    tracing.activate(provider)
+    core = Engine(settings, Metrics())
+    server = EngineServer(core, addresses)
+    server.bind()  # first: the front ends see a table (not ready) while the models load
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, core.begin_shutdown)  # the front ends are draining
+    try:
+        await core.start()
+    except ModelLoadError:
+        await server.close()
+        return EXIT_START_FAILED
+    started.set()
+    await stop.wait()
+    await core.stop()
+    await server.close()
+    if provider is not None:
+        provider.shutdown()
+    return 0

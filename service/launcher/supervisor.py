@@ -1,0 +1,248 @@
+"""``python -m service``: one engine process and ``workers`` front-end processes, supervised.
+
+The supervisor binds the HTTP listener (every front end accepts from it) and makes sure the gRPC port is
+free (every front end then binds it with SO_REUSEPORT). It restarts a process that dies: a front end alone
+(only the requests it held are lost), or the engine, with its models loaded again, while the front ends
+answer 503 with Retry-After. An engine that fails before it was ever ready (a model that does not load)
+stops the service with exit code 3. On SIGTERM or SIGINT: the front ends stop accepting and finish what
+they hold, the engine runs what was admitted, then everything exits (code 0). Metrics from every process
+are summed by prometheus-client's multiprocess mode, in the supervisor's private directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from types import FrameType
+
+from service.launcher import processes
+from service.link.arena import unlink_blocks
+from service.link.wire import Addresses
+from service.settings import Settings
+
+logger = logging.getLogger("vitserve")
+
+RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)  # after 0, 1, 2, ... deaths within STABLE_S
+STABLE_S = 30.0
+KILL_WAIT_S = 5.0
+
+
+def listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(2048)
+    listener.set_inheritable(True)
+    return listener
+
+
+def check_free(host: str, port: int) -> None:
+    """Raise OSError when another program holds ``port`` (the front ends share it among themselves
+    with SO_REUSEPORT, which would otherwise also share it with a stranger of the same user)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, port))
+
+
+class Supervisor:
+    def __init__(self, settings: Settings) -> None:
+        self.count = settings.front_end_count
+        # the connection cap is the service's: each front end holds its share
+        share = max(1, -(-settings.max_connections // self.count))
+        self.settings = settings.model_copy(update={"max_connections": share})
+        self.context = multiprocessing.get_context("spawn")
+        self.pid = os.getpid()
+        self.stopping = False
+        self.engine: BaseProcess | None = None
+        self.engine_started = self.context.Event()
+        self.front_ends: dict[int, BaseProcess] = {}
+        self.deaths: dict[str, list[float]] = {}
+
+    # --- processes --------------------------------------------------------------------------------
+
+    def _start_engine(self) -> None:
+        self.engine_started = self.context.Event()
+        self.engine = self.context.Process(
+            target=processes.engine,
+            args=(self.settings, self.addresses, self.pid, self.engine_started),
+            name="vitserve-engine",
+        )
+        self.engine.start()
+
+    def _start_front_end(self, slot: int) -> None:
+        process = self.context.Process(
+            target=processes.front_end,
+            args=(
+                self.settings,
+                slot,
+                self.listener,
+                self.addresses,
+                self.pid,
+                self.engine_started,
+            ),
+            name=f"vitserve-frontend-{slot}",
+        )
+        process.start()
+        self.front_ends[slot] = process
+
+    def _backoff(self, who: str) -> float:
+        now = time.monotonic()
+        recent = [t for t in self.deaths.get(who, []) if now - t < STABLE_S] + [now]
+        self.deaths[who] = recent
+        return RESTART_BACKOFF_S[min(len(recent) - 1, len(RESTART_BACKOFF_S) - 1)]
+
+    def _mark_dead(self, process: BaseProcess) -> None:
+        from prometheus_client import multiprocess
+
+        if process.pid is not None:
+            multiprocess.mark_process_dead(process.pid)
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.run_dir = tempfile.mkdtemp(prefix="vitserve-")
+        metrics_dir = os.path.join(self.run_dir, "metrics")
+        os.mkdir(metrics_dir)
+        # read by prometheus-client when each process imports it: every value goes to a file there
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        self.addresses = Addresses.in_directory(self.run_dir)
+        settings = self.settings
+        try:
+            self.listener = listen(settings.host, settings.port)
+            if settings.grpc_port:
+                check_free(settings.host, settings.grpc_port)
+        except OSError as error:
+            logger.error(
+                "cannot start: cannot listen on %s (HTTP port %d, gRPC port %d): %s",
+                settings.host,
+                settings.port,
+                settings.grpc_port,
+                error.strerror or error,
+            )
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            return processes.EXIT_START_FAILED
+        wake_read, wake_write = os.pipe()
+        os.set_blocking(wake_write, False)
+        previous_wakeup = signal.set_wakeup_fd(wake_write)
+        handlers = {s: signal.signal(s, self._stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        logger.info(
+            "vitserve: %d front-end process(es) on http://%s:%d%s, one engine process",
+            self.count,
+            settings.host,
+            settings.port,
+            f" and gRPC port {settings.grpc_port}" if settings.grpc_port else "",
+        )
+        code = 0
+        try:
+            self._start_engine()
+            for slot in range(self.count):
+                self._start_front_end(slot)
+            code = self._watch(wake_read)
+        finally:
+            self._shutdown()
+            signal.set_wakeup_fd(previous_wakeup)
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            os.close(wake_read)
+            os.close(wake_write)
+        return code
+
+    def _stop(self, sig: int, frame: FrameType | None) -> None:
+        self.stopping = True
+
+    def _watch(self, wake: int) -> int:
+        """Restart what dies until a signal asks to stop; the exit code."""
+        while not self.stopping:
+            assert self.engine is not None
+            watched = {self.engine.sentinel: self.engine}
+            watched.update({p.sentinel: p for p in self.front_ends.values()})
+            for ready in wait([wake, *watched], timeout=1.0):
+                if ready == wake:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(wake, 512)
+                    continue
+                process = watched[ready]  # type: ignore[index]
+                process.join()
+                if self.stopping:
+                    break
+                self._mark_dead(process)
+                if process is self.engine:
+                    if not self.engine_started.is_set():
+                        logger.error(
+                            "cannot start: the engine process exited (code %s)", process.exitcode
+                        )
+                        return processes.EXIT_START_FAILED
+                    logger.error(
+                        "the engine process (pid %s) died (exit code %s); restarting it",
+                        process.pid,
+                        process.exitcode,
+                    )
+                    time.sleep(self._backoff("engine"))
+                    self._start_engine()
+                else:
+                    slot = next(s for s, p in self.front_ends.items() if p is process)
+                    logger.error(
+                        "front end %d (pid %s) died (exit code %s); restarting it",
+                        slot,
+                        process.pid,
+                        process.exitcode,
+                    )
+                    unlink_blocks(self.pid, slot)
+                    time.sleep(self._backoff(f"front end {slot}"))
+                    self._start_front_end(slot)
+        return 0
+
+    def _shutdown(self) -> None:
+        """Front ends drain and exit, then the engine runs what is left and exits."""
+        self.stopping = True
+        with contextlib.suppress(OSError, AttributeError):
+            self.listener.close()  # new connections are refused once the front ends close theirs
+        front_ends = [p for p in self.front_ends.values() if p.is_alive()]
+        for process in front_ends:
+            _signal(process, signal.SIGTERM)
+        if self.engine is not None and self.engine.is_alive():
+            _signal(self.engine, signal.SIGUSR1)  # not ready; queued rows run at once
+        drain_s = self.settings.graceful_shutdown_s + processes.ANSWER_MARGIN_S
+        _join(front_ends, drain_s + KILL_WAIT_S)
+        if self.engine is not None:
+            _signal(self.engine, signal.SIGTERM)
+            _join([self.engine], self.settings.graceful_shutdown_s + KILL_WAIT_S)
+        unlink_blocks(self.pid)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _signal(process: BaseProcess, sig: int) -> None:
+    if process.pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, sig)
+
+
+def _join(group: list[BaseProcess], timeout_s: float) -> None:
+    """Wait for every process of ``group``; kill what is left after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    for process in group:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in group:
+        if process.is_alive():
+            logger.error("%s (pid %s) did not stop in time; killing it", process.name, process.pid)
+            process.kill()
+            process.join()
+
+
+def serve(settings: Settings) -> int:
+    """Run the service as ``settings.workers`` asks; the exit code."""
+    if settings.front_end_count == 0:
+        from service.frontend.app import create_app
+
+        return processes.serve_http(create_app(settings), settings)
+    return Supervisor(settings).run()

@@ -1,0 +1,114 @@
+"""The engine as a front end sees it: the table of models, inference on rows, and control calls."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from service.engine.table import Graph, ModelTable, VersionView
+
+if TYPE_CHECKING:  # front-end processes never import the engine (nor onnxruntime)
+    from service.engine.core import Engine
+
+
+class EngineClient(ABC):
+    @property
+    @abstractmethod
+    def table(self) -> ModelTable:
+        """The engine's latest table of models."""
+
+    @property
+    @abstractmethod
+    def connected(self) -> bool:
+        """The engine can be reached now."""
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def stop(self) -> None: ...
+
+    @abstractmethod
+    def begin_shutdown(self) -> None:
+        """The front end is shutting down (safe to call from a signal handler)."""
+
+    @abstractmethod
+    def admit(self, view: VersionView, requested: int | None, graph: Graph, count: int) -> None:
+        """Raise the 503 the engine would answer for ``count`` more images now (checked before
+        decoding, so that an overloaded service refuses at once instead of decoding in vain)."""
+
+    @abstractmethod
+    async def infer(
+        self,
+        view: VersionView,
+        requested: int | None,
+        graph: Graph,
+        rows: np.ndarray,
+        request_id: str | None,
+        disconnected: Awaitable[object] | None,
+    ) -> list[tuple[np.ndarray, ...]]:
+        """Each row's outputs, in order (service/engine/core.py's ``Engine.infer``)."""
+
+    @abstractmethod
+    async def control(self, op: str, **arguments: Any) -> Any:
+        """``Engine.control``: index, load, unload, config, statistics."""
+
+    @abstractmethod
+    def record_failure(self, view: VersionView, ns: int) -> None:
+        """``Engine.record_failure``: a request refused here counts in the version's statistics."""
+
+
+class LocalEngine(EngineClient):
+    """The engine in the front end's own process and event loop: the lifespan starts and stops it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @property
+    def table(self) -> ModelTable:
+        return self.engine.table()
+
+    @property
+    def connected(self) -> bool:
+        return True
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+
+    def begin_shutdown(self) -> None:
+        self.engine.begin_shutdown()
+
+    def admit(self, view: VersionView, requested: int | None, graph: Graph, count: int) -> None:
+        self.engine.admit(view.name, view.version, requested, view.preprocessing_key, graph, count)
+
+    async def infer(
+        self,
+        view: VersionView,
+        requested: int | None,
+        graph: Graph,
+        rows: np.ndarray,
+        request_id: str | None,
+        disconnected: Awaitable[object] | None,
+    ) -> list[tuple[np.ndarray, ...]]:
+        return await self.engine.infer(
+            view.name,
+            view.version,
+            requested,
+            view.preprocessing_key,
+            graph,
+            rows,
+            request_id,
+            disconnected,
+        )
+
+    async def control(self, op: str, **arguments: Any) -> Any:
+        return await self.engine.control(op, **arguments)
+
+    def record_failure(self, view: VersionView, ns: int) -> None:
+        self.engine.record_failure(view.name, view.version, ns)

@@ -1,0 +1,148 @@
+"""The engine process's end of the link: calls from every front end on a ROUTER, tables on a PUB socket.
+
+Each call runs as its own task on the engine's event loop, so the batcher sees the rows of every front end
+at once and fills its batches from all of them. The table is published whenever it changes (looked at
+every ``TABLE_CHECK_S``) and at least every ``HEARTBEAT_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from service.engine.core import Engine
+from service.errors import InferenceFailed, ServiceError
+from service.link import wire
+from service.link.arena import ArenaReader
+from service.observability import tracing
+
+logger = logging.getLogger("vitserve")
+
+TABLE_CHECK_S = 0.02
+HEARTBEAT_S = 0.5
+
+
+class EngineServer:
+    def __init__(self, engine: Engine, addresses: wire.Addresses) -> None:
+        self.engine = engine
+        self.addresses = addresses
+        self._context = zmq.asyncio.Context()
+        self._calls = self._context.socket(zmq.ROUTER)
+        self._tables = self._context.socket(zmq.PUB)
+        for socket in (self._calls, self._tables):
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.SNDHWM, 0)
+            socket.setsockopt(zmq.RCVHWM, 0)
+        self._reader = ArenaReader()
+        self._gone: dict[tuple[bytes, int], asyncio.Future] = {}  # a call's client-gone signal
+        self._running: set[asyncio.Task] = set()
+        self._publish_now = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    def bind(self) -> None:
+        self._calls.bind(self.addresses.calls)
+        self._tables.bind(self.addresses.tables)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._receive(), name="engine-calls"),
+            loop.create_task(self._publish(), name="engine-tables"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+        self._context.destroy(linger=0)
+        self._reader.close()
+
+    async def _publish(self) -> None:
+        pid, published, last = os.getpid(), -1, 0.0
+        loop = asyncio.get_running_loop()
+        while True:
+            table = self.engine.table()
+            now = loop.time()
+            if table.generation != published or now - last >= HEARTBEAT_S:
+                await self._tables.send(wire.dumps((pid, table)))
+                published, last = table.generation, now
+            self._publish_now.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._publish_now.wait(), TABLE_CHECK_S)
+            if self._publish_now.is_set():
+                published = -1
+
+    async def _receive(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            frames = await self._calls.recv_multipart(copy=False)
+            identity, kind, header = frames[0].bytes, frames[1].bytes, frames[2].bytes
+            if kind == wire.TABLE:  # a front end starting: the table to it now, not to everyone
+                table = (os.getpid(), self.engine.table())
+                await self._answer(identity, wire.TABLE_CALL, True, table)
+                continue
+            if kind == wire.FAILED:
+                self.engine.record_failure(*wire.loads(header))
+                continue
+            if kind == wire.CANCEL:
+                gone = self._gone.get((identity, wire.loads(header)))
+                if gone is not None and not gone.done():
+                    gone.set_result(None)
+                continue
+            handler = self._infer if kind == wire.INFER else self._control
+            task = loop.create_task(handler(identity, wire.loads(header), frames[3:]))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _answer(self, identity: bytes, call_id: int, ok: bool, payload: Any, *frames: Any):
+        await self._calls.send_multipart(
+            [identity, wire.dumps((call_id, ok, payload)), *frames], copy=False
+        )
+
+    async def _infer(self, identity: bytes, header: tuple, inline: list) -> None:
+        (call_id, name, version, requested, key, graph, request_id, arena, offset, shape, dtype,
+         trace) = header  # fmt: skip
+        if arena is None:
+            rows = np.frombuffer(inline[0].buffer, dtype=np.dtype(dtype)).reshape(shape)
+        else:
+            rows = self._reader.rows(arena, offset, shape, dtype)
+        gone = asyncio.get_running_loop().create_future()
+        self._gone[(identity, call_id)] = gone
+        try:
+            with tracing.attached(trace):
+                outputs = await self.engine.infer(
+                    name, version, requested, key, graph, rows, request_id, gone
+                )
+            specs, frames = wire.output_frames(outputs)
+            await self._answer(identity, call_id, True, specs, *frames)
+        except ServiceError as error:
+            await self._answer(identity, call_id, False, wire.error_payload(error))
+        except Exception as error:
+            logger.exception("engine call %s [request %s] failed", call_id, request_id)
+            failure = InferenceFailed(f"the engine failed on this request ({type(error).__name__})")
+            await self._answer(identity, call_id, False, wire.error_payload(failure))
+        finally:
+            del self._gone[(identity, call_id)]
+
+    async def _control(self, identity: bytes, header: tuple, _: list) -> None:
+        call_id, op, arguments = header
+        try:
+            result = await self.engine.control(op, **arguments)
+        except ServiceError as error:
+            await self._answer(identity, call_id, False, wire.error_payload(error))
+        except Exception as error:
+            logger.exception("engine control %s failed", op)
+            failure = ServiceError(f"the engine failed on {op} ({type(error).__name__})")
+            await self._answer(identity, call_id, False, wire.error_payload(failure))
+        else:
+            await self._answer(identity, call_id, True, result)
+        self._publish_now.set()  # a load or unload changes the table

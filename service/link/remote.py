@@ -1,0 +1,294 @@
+"""A front end's link to the engine process: calls over a ZeroMQ DEALER, tables over a SUB socket.
+
+The rows of a call go into the front end's shared-memory arena (or inline when they do not fit) and only
+their place travels; the answer's outputs come back as raw frames. A client that goes away sends a cancel,
+so its rows still queued never run. The engine's pid comes with every table: the front end watches it
+(``pidfd``), so when the engine dies the front end is not ready at once, and every call it had in flight is
+answered 503 with Retry-After; a restarted engine's first table makes it ready again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from service.engine.table import Graph, ModelTable, VersionView
+from service.errors import ServiceUnavailable
+from service.link import wire
+from service.link.arena import Arena, Region
+from service.link.client import EngineClient
+from service.observability import tracing
+from service.observability.metrics import Metrics
+
+logger = logging.getLogger("vitserve")
+
+# how long stop() waits for the answers of calls still in flight (gRPC calls finishing their grace)
+STOP_WAIT_S = 5.0
+# after the engine answers "queue full" for a graph, requests for it are refused before decoding for
+# this long (the engine's queue is not seen from here: its last answer stands in for it)
+FULL_MEMORY_S = 0.05
+FIRST_TABLE_WAIT_S = 2.0
+
+
+class RemoteEngine(EngineClient):
+    def __init__(
+        self,
+        addresses: wire.Addresses,
+        arena_name: str,
+        arena_bytes: int,
+        retry_after_s: int,
+        metrics: Metrics,
+    ) -> None:
+        self.addresses = addresses
+        self.metrics = metrics
+        self._arena_name = arena_name
+        self._arena_bytes = arena_bytes
+        self._retry_after_s = retry_after_s
+        self._table = ModelTable(phase="starting", retry_after_s=retry_after_s)
+        self._engine_pid: int | None = None
+        self._pidfd: int | None = None
+        self._ids = itertools.count(1)
+        # a call's answer, its rows' region, and what a queue-full answer would mark full
+        self._pending: dict[int, tuple[asyncio.Future, Region | None, tuple | None]] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._sending: set[asyncio.Future] = set()
+        self._first_table = asyncio.Event()
+        self._full: dict[tuple[str, int, str], tuple[float, ServiceUnavailable]] = {}
+        self._context: zmq.asyncio.Context | None = None
+        self._calls: zmq.asyncio.Socket | None = None
+        self._tables: zmq.asyncio.Socket | None = None
+        self.arena: Arena | None = None
+
+    @property
+    def table(self) -> ModelTable:
+        return self._table
+
+    @property
+    def connected(self) -> bool:
+        return self._engine_pid is not None
+
+    # --- life -------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.arena = Arena(self._arena_name, self._arena_bytes)
+        self._context = zmq.asyncio.Context()
+        self._calls = self._context.socket(zmq.DEALER)
+        self._tables = self._context.socket(zmq.SUB)
+        for socket in (self._calls, self._tables):
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.SNDHWM, 0)
+            socket.setsockopt(zmq.RCVHWM, 0)
+        self._tables.setsockopt(zmq.SUBSCRIBE, b"")
+        self._calls.connect(self.addresses.calls)
+        self._tables.connect(self.addresses.tables)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._receive_answers(), name="engine-answers"),
+            loop.create_task(self._receive_tables(), name="engine-tables"),
+        ]
+        await self._calls.send_multipart([wire.TABLE, b""])
+        # accept connections knowing the engine's state (a running engine answers at once; one that
+        # is starting later, and meanwhile this front end answers 503 not_ready)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FIRST_TABLE_WAIT_S):
+                await self._first_table.wait()
+
+    def begin_shutdown(self) -> None:
+        """Nothing to do here: the supervisor tells the engine."""
+
+    async def stop(self) -> None:
+        if self._pending:  # calls still in flight (gRPC calls within their grace): wait a little
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STOP_WAIT_S):
+                    await asyncio.gather(
+                        *(f for f, _, _ in self._pending.values()), return_exceptions=True
+                    )
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._engine_gone("the front end is stopping")
+        self._unwatch()
+        if self._context is not None:
+            self._context.destroy(linger=0)
+        if self.arena is not None:
+            self.arena.close()
+
+    # --- the engine's tables and its life -----------------------------------------------------------
+
+    async def _receive_tables(self) -> None:
+        assert self._tables is not None
+        while True:
+            self._take_table(*wire.loads(await self._tables.recv()))
+
+    def _take_table(self, pid: int, table: ModelTable) -> None:
+        if pid != self._engine_pid:
+            self._watch(pid)
+        self._table = table
+        self._first_table.set()
+
+    def _watch(self, pid: int) -> None:
+        """Follow the engine process ``pid``: its death is seen at once."""
+        self._unwatch()
+        self._engine_pid = pid
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except (OSError, AttributeError):  # gone already, or no pidfd: the heartbeat still tells
+            self._pidfd = None
+            return
+        asyncio.get_running_loop().add_reader(self._pidfd, self._engine_died, pid)
+
+    def _unwatch(self) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def _engine_died(self, pid: int) -> None:
+        logger.error("the engine process (pid %d) stopped; waiting for it to be restarted", pid)
+        self._unwatch()
+        self._engine_gone("the engine process stopped before this request was answered")
+
+    def _engine_gone(self, why: str) -> None:
+        self._engine_pid = None
+        self._table = ModelTable(phase="starting", retry_after_s=self._retry_after_s)
+        pending, self._pending = self._pending, {}
+        for future, _, _ in pending.values():
+            if not future.done():
+                future.set_exception(self._unavailable(why))
+        if self.arena is not None:
+            self.arena.reset()
+
+    def _unavailable(self, why: str) -> ServiceUnavailable:
+        return ServiceUnavailable(
+            f"{why}; retry after {self._retry_after_s} s",
+            code="engine_unavailable",
+            retry_after_s=self._retry_after_s,
+        )
+
+    # --- calls --------------------------------------------------------------------------------------
+
+    async def _receive_answers(self) -> None:
+        assert self._calls is not None
+        while True:
+            frames = await self._calls.recv_multipart(copy=False)
+            call_id, ok, payload = wire.loads(frames[0].bytes)
+            if call_id == wire.TABLE_CALL:
+                self._take_table(*payload)
+                continue
+            entry = self._pending.pop(call_id, None)
+            if entry is None:
+                continue  # answered already (the engine restarted meanwhile)
+            future, region, full_key = entry
+            if region is not None and self.arena is not None:
+                self.arena.free(region)
+            if future.done():
+                continue
+            if not ok:
+                error = wire.error_from(payload)
+                if error.code == "queue_full" and full_key is not None:
+                    self._full[full_key] = (time.monotonic() + FULL_MEMORY_S, error)
+                future.set_exception(error)
+            elif len(frames) > 1:
+                future.set_result(wire.output_rows(payload, [f.buffer for f in frames[1:]]))
+            else:
+                future.set_result(payload)
+
+    def admit(self, view: VersionView, requested: int | None, graph: Graph, count: int) -> None:
+        if not self.connected:
+            raise self._unavailable("the engine process is not running")
+        full = self._full.get((view.name, view.version, graph))
+        if full is not None:
+            if time.monotonic() < full[0]:
+                self.metrics.rejections.labels(view.name, graph, "queue_full").inc()
+                raise full[1]
+            del self._full[(view.name, view.version, graph)]
+
+    async def _call(
+        self,
+        frames: list,
+        region: Region | None,
+        disconnected: Awaitable[object] | None = None,
+        full_key: tuple[str, int, str] | None = None,
+    ) -> Any:
+        if not self.connected or self._calls is None:
+            if region is not None and self.arena is not None:
+                self.arena.free(region)
+            raise self._unavailable("the engine process is not running")
+        call_id = wire.loads(frames[1])[0]
+        future = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = (future, region, full_key)
+        await self._calls.send_multipart(frames, copy=False)
+        watch = asyncio.ensure_future(disconnected) if disconnected is not None else None
+        if watch is not None:
+            watch.add_done_callback(lambda _: self._cancel(call_id))
+        try:
+            return await future
+        finally:
+            if watch is not None:
+                watch.cancel()
+            if not future.done():  # the caller itself was cancelled
+                self._cancel(call_id)
+
+    def _cancel(self, call_id: int) -> None:
+        if call_id in self._pending and self._calls is not None:
+            sending = asyncio.ensure_future(
+                self._calls.send_multipart([wire.CANCEL, wire.dumps(call_id)])
+            )
+            self._sending.add(sending)
+            sending.add_done_callback(self._sending.discard)
+
+    async def infer(
+        self,
+        view: VersionView,
+        requested: int | None,
+        graph: Graph,
+        rows: np.ndarray,
+        request_id: str | None,
+        disconnected: Awaitable[object] | None,
+    ) -> list[tuple[np.ndarray, ...]]:
+        assert self.arena is not None
+        rows = np.ascontiguousarray(rows)
+        region = self.arena.put(rows)
+        header = (
+            next(self._ids),
+            view.name,
+            view.version,
+            requested,
+            view.preprocessing_key,
+            graph,
+            request_id,
+            None if region is None else self.arena.name,
+            0 if region is None else region.offset,
+            rows.shape,
+            rows.dtype.str,
+            tracing.carrier(),
+        )
+        frames = [wire.INFER, wire.dumps(header)]
+        if region is None:
+            frames.append(rows.data)
+        return await self._call(frames, region, disconnected, (view.name, view.version, graph))
+
+    def record_failure(self, view: VersionView, ns: int) -> None:
+        if self.connected and self._calls is not None:
+            sending = asyncio.ensure_future(
+                self._calls.send_multipart([wire.FAILED, wire.dumps((view.name, view.version, ns))])
+            )
+            self._sending.add(sending)
+            sending.add_done_callback(self._sending.discard)
+
+    async def control(self, op: str, **arguments: Any) -> Any:
+        header = (next(self._ids), op, arguments)
+        return await self._call([wire.CONTROL, wire.dumps(header)], None)
