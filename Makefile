@@ -60,8 +60,8 @@ $(TEST_STAMP): | $(VPY)
 	rm -f $(VENV)/.installed-test-* $(VENV)/.installed-serve-*
 	touch $@ $(SERVE_STAMP)
 
-serve: $(SERVE_STAMP) ## Serve the shipped model at http://127.0.0.1:PORT (PORT=8000); installs no torch.
-	@echo "vitserve: http://$(HOST):$(PORT)  (OpenAPI docs: http://$(HOST):$(PORT)/docs)"
+serve: $(SERVE_STAMP) ## Serve the shipped model at http://127.0.0.1:PORT (PORT=8000; gRPC on PORT+1); installs no torch.
+	@echo "vitserve: http://$(HOST):$(PORT)  (OpenAPI docs: http://$(HOST):$(PORT)/docs; gRPC: $(HOST):$${VITSERVE_GRPC_PORT:-$$(( $(PORT) + 1 ))})"
 	VITSERVE_HOST=$(HOST) VITSERVE_PORT=$(PORT) exec $(VPY) -m service
 
 test: lint hadolint compose-check k8s-check pytest ## Lint, check the Dockerfile, compose file and Kubernetes manifests, run every test.
@@ -141,6 +141,6 @@ docker-build: ## Build the three images (needs a Docker engine with BuildKit).
 	docker build --target service --build-arg VARIANT=gpu -t vitserve:gpu .
 	docker build --target export -t vitserve:export .
 
-clean: ## Remove the virtual environment, caches and test artifacts (never runs/ or models/).
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis test-artifacts mutants
+clean: ## Remove the virtual environments, caches and test artifacts (never runs/ or models/).
+	rm -rf $(VENV) .venv-mosec .venv-triton .pytest_cache .ruff_cache .hypothesis test-artifacts mutants
 	find . -path ./runs -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

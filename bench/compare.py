@@ -1,99 +1,37 @@
-"""vitserve against the servers a user would run instead, over HTTP under ``hey``, in one run.
+"""vitserve against the servers a user would run instead, and against the anchors (mosec, Triton),
+over HTTP under ``hey``, in one run. Who and with what: bench/contenders.py.
 
-- vitserve: ``python -m service`` with its defaults (and each ``--variant``: one setting changed);
-- plain: bench/baselines/plain_onnx_server.py, FastAPI + onnxruntime, batch 1, one intra-op thread;
-- torch: bench/baselines/torch_eager_server.py, the same server with PyTorch eager;
-- nomodel: bench/baselines/no_model_server.py, the plain server with no model run at all (what
-  everything but the model costs a FastAPI server here: the bound the in-process ceiling meets).
-
-Single-image requests go to every server; 32-image requests to vitserve, while the plain server's
-images/s for the same images is its single-image rate. Each repeat measures every case at every
-concurrency level, the cases alternated (order reversed every other repeat) so that drift hits them
-alike, and the in-process ceiling (bench/inprocess.py) at each batch size; medians over the repeats.
-Before each run the machine is checked for other work (bench/machine.py).
+Each repeat measures every case at every concurrency level, the cases alternated (order reversed every
+other repeat) so that drift hits them alike, and the in-process ceiling (bench/inprocess.py) at each
+batch size; medians over the repeats. Each point also records the cores the server's whole process
+tree used while it ran; each server its spawn-to-ready time and the memory of its whole process tree.
+Before each run the machine is checked for other work (bench/machine.py). An anchor whose venv cannot
+be made (bench/baselines/venvs.py) is reported as not measured; the rest still run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import hey
-from bench.comparison import TARGET_LEVELS, Comparison, Point, Start
+from bench.baselines.classifier import Classifier
+from bench.baselines.venvs import VenvError, ensure
+from bench.comparison import Comparison, Point, Start
+from bench.contenders import LEVELS, OIP_PNG, OIP_TENSOR, PNG, PREDICT, Case, Server, cases, servers
 from bench.inprocess import Ceiling
-from bench.machine import busy_check, tree_memory_kib
-from bench.payloads import b64_pngs, predict_body
-from bench.server_process import REPO, SERVICE, clean_env, http_get, running, service_env
+from bench.machine import busy_check, cores_used, process_tree, tree_memory_kib
+from bench.payloads import b64_pngs, oip_png_body, oip_tensor_body, predict_body
+from bench.server_process import http_get, running
 from bench.stats import Spread
 
 PORTS = range(18110, 18140)
-LEVELS = (1, 16, 64, 256)
-
-
-@dataclass(frozen=True)
-class Server:
-    key: str
-    label: str
-    argv: tuple[str, ...]  # "{port}" is replaced by the port it gets
-    settings: dict[str, str] | None = None  # VITSERVE_* settings: a vitserve server
-
-    def shown(self) -> str:
-        argv = " ".join(["python", *self.argv[1:]]).replace("{port}", "PORT")
-        return f"{_settings(self.settings)} {argv}" if self.settings else argv
-
-    def env(self, port: int, model_dir: Path) -> dict[str, str]:
-        if self.settings is None:
-            return clean_env({})
-        return service_env(port, model_repository=model_dir.parents[1], **self.settings)
-
-
-def servers(model_dir: Path, variants: dict[str, dict[str, str]]) -> list[Server]:
-    shown = model_dir.relative_to(REPO) if model_dir.is_relative_to(REPO) else model_dir
-    baseline = ("--port", "{port}", "--model-dir", str(shown))
-    return [
-        Server("vitserve", "vitserve (defaults)", SERVICE, {}),
-        *(Server(k, f"vitserve, {_settings(v)}", SERVICE, v) for k, v in variants.items()),
-        Server(
-            "plain",
-            "plain FastAPI + onnxruntime, batch 1, 1 thread",
-            (sys.executable, "-m", "bench.baselines.plain_onnx_server", *baseline),
-        ),
-        Server(
-            "torch",
-            "plain FastAPI + PyTorch eager, batch 1",
-            (sys.executable, "-m", "bench.baselines.torch_eager_server", *baseline),
-        ),
-        Server(
-            "nomodel",
-            "the plain server with no model (every logit 0)",
-            (sys.executable, "-m", "bench.baselines.no_model_server", *baseline),
-        ),
-    ]
-
-
-def _settings(settings: dict[str, str]) -> str:
-    return " ".join(f"VITSERVE_{k.upper()}={v}" for k, v in settings.items()) or "defaults"
-
-
-@dataclass(frozen=True)
-class Case:
-    server: str
-    images: int  # per request
-    levels: tuple[int, ...]
-
-
-def cases(keys: list[str], levels: tuple[int, ...]) -> list[Case]:
-    """Single images to every server (PyTorch and no-model only at the target levels), 32 images to
-    vitserve."""
-    targets_only = tuple(c for c in levels if c in TARGET_LEVELS) or levels
-    single = [Case(k, 1, targets_only if k in ("torch", "nomodel") else levels) for k in keys]
-    return [*single, Case("vitserve", 32, levels)]
 
 
 def load_breakdown(metrics: str | None) -> dict[str, float]:
@@ -107,11 +45,14 @@ def load_breakdown(metrics: str | None) -> dict[str, float]:
     return phases
 
 
-def batch_counters(metrics: str | None) -> tuple[float, float]:
-    """(images, batches) the classifier has run so far, from ``vitserve_batch_size``."""
+def batch_counters(
+    metrics: str | None, histogram: str = "vitserve_batch_size"
+) -> tuple[float, float]:
+    """(images, batches) the classifier has run so far, from the server's batch-size ``histogram``
+    (vitserve's, or mosec's, which counts requests: here each of one image)."""
     images = batches = 0.0
     for family in text_string_to_metric_families(metrics or ""):
-        if family.name == "vitserve_batch_size":
+        if family.name == histogram:
             for sample in family.samples:
                 if sample.labels.get("graph", "classifier") != "classifier":
                     continue
@@ -136,25 +77,56 @@ class Plan:
     @classmethod
     def for_run(cls, quick: bool) -> Plan:
         if quick:
-            return cls((64,), 2.0, 1, 1, (32,), 0.5, 40, 120.0)
-        return cls(LEVELS, 12.0, 3, 3, (1, 8, 32, 64), 2.0, 300, 900.0)
+            return cls((64,), 2.0, 1, 1, (32,), 0.5, 40, 240.0)
+        return cls(LEVELS, 12.0, 3, 3, (1, 8, 32, 64), 2.0, 300, 1800.0)
+
+
+def write_bodies(
+    out: Path, model_dir: Path, encoded: list[str], needed: set[tuple[str, int]]
+) -> dict[tuple[str, int], Path]:
+    """The request files of ``needed``: (body style, images per request)."""
+    classifier = Classifier(model_dir)
+    meta = classifier.metadata
+    makers = {
+        PREDICT: lambda n: predict_body(encoded[:n]),
+        OIP_PNG: lambda n: oip_png_body(encoded[:n]),
+        OIP_TENSOR: lambda n: oip_tensor_body(
+            np.stack([classifier.tensor(e) for e in encoded[:n]]),
+            meta.input.name,
+            meta.outputs.logits,
+        ),
+    }
+    paths = {}
+    for style, images in sorted(needed):
+        paths[style, images] = out / f"body-{style}-{images}.json"
+        paths[style, images].write_bytes(makers[style](images))
+    return paths
 
 
 def run(
     out: Path, model_dir: Path, plan: Plan, variants: dict[str, dict[str, str]] | None = None
 ) -> Comparison:
     """Start every server, measure, stop them; raw files (bodies, logs) go to ``out``."""
-    started = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     encoded, source = b64_pngs(32)
-    bodies = {n: out / f"body-{n}.json" for n in (1, 32)}
-    for n, path in bodies.items():
-        path.write_bytes(predict_body(encoded[:n]))
-    plan_servers = servers(model_dir, variants or {})
+    plan_servers, missing = [], {}
+    for server in servers(model_dir, variants or {}):
+        try:
+            if server.venv:
+                ensure(server.venv, out / f"venv-{server.venv.name}.log")
+            plan_servers.append(server)
+        except VenvError as error:
+            print(f"  {server.key}: not measured: {error}", flush=True)
+            missing[server.key] = str(error)
     result = Comparison(
         {s.key: s.label for s in plan_servers}, plan.duration_s, plan.repeats, source
     )
-    work = cases([s.key for s in plan_servers], plan.levels)
+    result.missing = missing
+    started = time.monotonic()  # the budget counts from here: making a venv is not measuring
+    work = cases(plan_servers, plan.levels)
+    by_key = {s.key: s for s in plan_servers}
+    needed = {(by_key[case.server].routes[case.kind].body, case.images) for case in work}
+    bodies = write_bodies(out, model_dir, encoded, needed)
     with contextlib.ExitStack() as stack:
         urls, pids = {}, {}
         for index, server in enumerate(plan_servers):
@@ -164,17 +136,18 @@ def run(
         ceiling = Ceiling(model_dir, encoded)
         stack.callback(ceiling.close)
         result.ceiling_processes = len(ceiling.processes)
-        own = set(pids.values()) | ceiling.pids
-        for case in work:
-            hey.run(
-                hey.command(
-                    urls[case.server] + "/predict",
-                    bodies[case.images],
-                    concurrency=8,
-                    requests=plan.warm_requests,
-                ),
-                wall_limit_s=120,
+
+        def request(case: Case, concurrency: int, **amount: float) -> list[str]:
+            route = by_key[case.server].routes[case.kind]
+            return hey.command(
+                urls[case.server] + route.path,
+                bodies[route.body, case.images],
+                concurrency=concurrency,
+                **amount,
             )
+
+        for case in work:
+            hey.run(request(case, 8, requests=plan.warm_requests), wall_limit_s=120)
         for repeat in range(plan.repeats):
             for batch in plan.ceiling_batches:
                 result.ceiling.setdefault(batch, []).append(
@@ -186,15 +159,13 @@ def run(
                     if time.monotonic() - started > plan.budget_s:
                         result.skipped += 1
                         continue
-                    argv = hey.command(
-                        urls[case.server] + "/predict",
-                        bodies[case.images],
-                        concurrency=c,
-                        duration_s=plan.duration_s,
-                    )
-                    if repeat == 0 and c == plan.levels[-1]:
+                    argv = request(case, c, duration_s=plan.duration_s)
+                    if repeat == 0 and (c == plan.levels[-1] or case.kind != PNG):
                         result.commands.append(hey.shown(argv))
-                    point = _point(case, c, repeat, argv, urls[case.server], own, plan)
+                    own = {p for pid in pids.values() for p in process_tree(pid)} | ceiling.pids
+                    point = _point(
+                        case, by_key[case.server], c, repeat, argv, urls, pids, own, plan
+                    )
                     result.points.append(point)
                     print(f"  r{repeat} {point}", flush=True)
         for key, pid in pids.items():
@@ -220,6 +191,7 @@ def _start(
                     ports=PORTS,
                     start=index,
                     name=server.key,
+                    ready_path=server.ready_path,
                 )
             )
             times.append(live.ready_s)
@@ -232,12 +204,23 @@ def _start(
 
 
 def _point(
-    case: Case, c: int, repeat: int, argv: list[str], url: str, own: set[int], plan: Plan
+    case: Case,
+    server: Server,
+    c: int,
+    repeat: int,
+    argv: list[str],
+    urls: dict[str, str],
+    pids: dict[str, int],
+    own: set[int],
+    plan: Plan,
 ) -> Point:
     check = busy_check(own, interval_s=1.0)
-    before = batch_counters(http_get(url + "/metrics"))
+    url, histogram = urls[case.server], server.batch_histogram
+    before = batch_counters(http_get(url + "/metrics"), histogram) if histogram else (0.0, 0.0)
+    ticks, began = process_tree(pids[case.server]), time.monotonic()
     measured = hey.run(argv, wall_limit_s=plan.duration_s + 90)
-    after = batch_counters(http_get(url + "/metrics"))
+    cores = cores_used(ticks, process_tree(pids[case.server]), time.monotonic() - began)
+    after = batch_counters(http_get(url + "/metrics"), histogram) if histogram else (0.0, 0.0)
     batches = after[1] - before[1]
     return Point(
         case.server,
@@ -251,4 +234,6 @@ def _point(
         measured.error_count,
         check.busy,
         (after[0] - before[0]) / batches if batches else None,
+        case.kind,
+        cores,
     )

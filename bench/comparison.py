@@ -1,13 +1,23 @@
-"""The typed result of bench/compare.py, its issue-13 targets and its Markdown section."""
+"""The typed result of bench/compare.py and its Markdown section (the targets: bench/targets.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from bench.stats import Spread, fmt, median, ratio, spread_text, table
+from bench.targets import (
+    ANCHOR_LEVELS,
+    PNG,
+    TENSOR,
+    TENSOR_LEVELS,
+    MiB,
+    Target,
+    issue13,
+    issue23,
+)
 
-TARGET_LEVELS = (64, 256)
-MiB = 1024  # KiB per MiB
+ANCHOR_POINTS = [(PNG, c) for c in ANCHOR_LEVELS] + [(TENSOR, c) for c in TENSOR_LEVELS]
+ANCHOR_SERVERS = ("vitserve", "w1", "plain", "mosec", "triton")
 
 
 @dataclass(frozen=True)
@@ -23,6 +33,8 @@ class Point:
     errors: int
     busy: bool
     avg_batch: float | None = None
+    kind: str = PNG  # or TENSOR (bench/contenders.py)
+    cores: float | None = None  # used by the server's whole process tree during the run
 
     @property
     def images_per_s(self) -> float:
@@ -30,31 +42,19 @@ class Point:
 
     def __str__(self) -> str:
         return (
-            f"{self.server:<10} x{self.images:<2} c={self.concurrency:<3} {self.ok_rps:>7,.0f} "
-            f"req/s, p99 {fmt(self.p99_ms, 1)} ms{' BUSY' if self.busy else ''}"
+            f"{self.server:<10} {self.kind:<6} x{self.images:<2} c={self.concurrency:<3} "
+            f"{self.ok_rps:>7,.0f} req/s, p99 {fmt(self.p99_ms, 1)} ms, "
+            f"{fmt(self.cores, 2)} cores{' BUSY' if self.busy else ''}"
         )
 
 
 @dataclass(frozen=True)
 class Start:
-    ready_s: Spread  # spawn to the first 200 of /health/ready
+    ready_s: Spread  # spawn to the first 200 of the server's readiness route
     load_s: Spread | None  # vitserve_model_load_seconds{phase="load"}
     warmup_s: Spread | None  # ... {phase="warmup"}
-    rss_ready_kib: int | None
+    rss_ready_kib: int | None  # summed over the process tree, as peak_kib
     peak_kib: int | None = None  # VmHWM after every load run
-
-
-@dataclass(frozen=True)
-class Target:
-    name: str
-    measured: str
-    passed: bool | None
-    busy: bool
-
-    @property
-    def verdict(self) -> str:
-        verdict = "NOT MEASURED" if self.passed is None else "PASS" if self.passed else "FAIL"
-        return verdict + (" (busy machine: not a result)" if self.busy else "")
 
 
 @dataclass
@@ -69,24 +69,23 @@ class Comparison:
     starts: dict[str, Start] = field(default_factory=dict)
     commands: list[str] = field(default_factory=list)
     skipped: int = 0
+    missing: dict[str, str] = field(default_factory=dict)  # server -> why it was not measured
 
-    def mine(self, server: str, images: int, concurrency: int) -> list[Point]:
-        return [
-            p
-            for p in self.points
-            if (p.server, p.images, p.concurrency) == (server, images, concurrency)
-        ]
+    def mine(self, server: str, images: int, concurrency: int, kind: str = PNG) -> list[Point]:
+        key = (server, images, concurrency, kind)
+        return [p for p in self.points if (p.server, p.images, p.concurrency, p.kind) == key]
 
-    def spread(self, server: str, images: int, c: int, attr: str = "ok_rps") -> Spread | None:
-        return Spread.of(getattr(p, attr) for p in self.mine(server, images, c))
+    def spread(
+        self, server: str, images: int, c: int, attr: str = "ok_rps", *, kind: str = PNG
+    ) -> Spread | None:
+        return Spread.of(getattr(p, attr) for p in self.mine(server, images, c, kind))
 
-    def busy(self, server: str, images: int, c: int) -> bool:
-        return any(p.busy for p in self.mine(server, images, c))
+    def busy(self, server: str, images: int, c: int, *, kind: str = PNG) -> bool:
+        return any(p.busy for p in self.mine(server, images, c, kind))
 
-    def levels(self, server: str, images: int) -> list[int]:
-        return sorted(
-            {p.concurrency for p in self.points if (p.server, p.images) == (server, images)}
-        )
+    def levels(self, server: str, images: int, kind: str = PNG) -> list[int]:
+        key = (server, images, kind)
+        return sorted({p.concurrency for p in self.points if (p.server, p.images, p.kind) == key})
 
     def best(self, server: str, images: int) -> tuple[int | None, float | None]:
         """The concurrency with the most images/s, and that median."""
@@ -105,115 +104,32 @@ class Comparison:
         return batch, spreads[batch]
 
     def targets(self) -> list[Target]:
-        rows = []
-        for c in TARGET_LEVELS:
-            ours, plain = self.spread("vitserve", 1, c), self.spread("plain", 1, c)
-            busy = self.busy("vitserve", 1, c) or self.busy("plain", 1, c)
-            x = ratio(median(ours), median(plain))
-            rows.append(
-                Target(
-                    f"c={c}, 1 image/request: >= 1.5x the plain server's req/s",
-                    f"{x:.3f}x ({fmt(median(ours))} vs {fmt(median(plain))})" if x else "-",
-                    None if x is None else x >= 1.5,
-                    busy,
-                )
-            )
-            ours, plain = (
-                self.spread("vitserve", 1, c, "p99_ms"),
-                self.spread("plain", 1, c, "p99_ms"),
-            )
-            both = ours is not None and plain is not None
-            rows.append(
-                Target(
-                    f"c={c}, 1 image/request: lower p99 than the plain server",
-                    f"{fmt(median(ours), 1)} vs {fmt(median(plain), 1)} ms" if both else "-",
-                    ours.median < plain.median if both else None,
-                    busy,
-                )
-            )
-        batch, ceiling = self.best_ceiling()
-        served = median(self.spread("vitserve", 1, 64, "images_per_s"))
-        bare = median(self.spread("nomodel", 1, 64))
-        x = ratio(served, median(ceiling))
-        rows.append(
-            Target(
-                "c=64, 1 image/request: >= 90% of the in-process ceiling's images/s",
-                f"{100 * x:.0f}% ({fmt(served)} vs {fmt(median(ceiling))} at batch {batch})"
-                + (f"; with no model at all the plain server answers {fmt(bare)}" if bare else "")
-                if x
-                else "-",
-                None if x is None else x >= 0.9,
-                self.busy("vitserve", 1, 64),
-            )
-        )
-        (c32, ours), (c1, plain) = self.best("vitserve", 32), self.best("plain", 1)
-        x = ratio(ours, plain)
-        rows.append(
-            Target(
-                "32 images/request: >= 1.5x the plain server's images/s (each at its best c)",
-                f"{x:.3f}x ({fmt(ours)} at c={c32} vs {fmt(plain)} at c={c1})" if x else "-",
-                None if x is None else x >= 1.5,
-                bool(c32 and self.busy("vitserve", 32, c32))
-                or bool(c1 and self.busy("plain", 1, c1)),
-            )
-        )
-        ours, int8 = self.spread("vitserve", 1, 64), self.spread("int8", 1, 64)
-        x = ratio(median(int8), median(ours))
-        rows.append(
-            Target(
-                "c=64, 1 image/request: the int8 model >= 1.5x the fp32 model's images/s",
-                f"{x:.3f}x ({fmt(median(int8))} vs {fmt(median(ours))})" if x else "-",
-                None if x is None else x >= 1.5,
-                self.busy("vitserve", 1, 64) or self.busy("int8", 1, 64),
-            )
-        )
-        start = self.starts.get("vitserve")
-        rows.append(
-            Target(
-                "start-up < 2 s (spawn to ready, slowest start)",
-                f"{start.ready_s.high:.2f} s (median {start.ready_s.median:.2f})" if start else "-",
-                None if start is None else start.ready_s.high < 2.0,
-                False,
-            )
-        )
-        peak = start.peak_kib if start else None
-        rows.append(
-            Target(
-                "peak resident memory < 300 MiB (VmHWM after every load run, one process)",
-                f"{peak / MiB:.0f} MiB" if peak else "-",
-                None if peak is None else peak / MiB < 300,
-                False,
-            )
-        )
-        return rows
+        return issue13(self)
 
     def markdown(self) -> str:
         keys = list(self.labels)
         single = [k for k in keys if self.levels(k, 1)]
         out = [
-            "## HTTP: vitserve against the servers a user would write",
+            "## HTTP: vitserve against the servers a user would write, and against mosec and Triton",
             "",
             f"`hey` runs of {self.duration_s:g} s, {self.repeats} alternated repeat(s) per point; "
-            "median (min-max). req/s counts 200 answers; p99 is over every answer. Servers: "
+            "median (min-max). req/s counts 200 answers; p99 is over every answer; cores: CPU "
+            "time of the server's whole process tree per second of the run. Servers: "
             + "; ".join(f"**{k}**: {label}" for k, label in self.labels.items())
             + f". Images: {self.images_source}.",
             "",
         ]
         if self.skipped:
             out += [f"**{self.skipped} runs skipped: past the time budget.**", ""]
+        out += [f"**{k}: not measured:** {why}" for k, why in self.missing.items()]
+        out += ["", *self._targets("issue 13", self.targets())]
+        out += [*self._targets("issue 23", issue23(self)), *self._anchors()]
         out += [
-            "### Targets (issue 13)",
-            "",
-            table(
-                ["target", "measured", "verdict"],
-                [[t.name, t.measured, t.verdict] for t in self.targets()],
-            ),
-            "",
             "### Single-image requests: req/s (p99 ms)",
             "",
         ]
         rows = []
-        for c in sorted({p.concurrency for p in self.points if p.images == 1}):
+        for c in sorted({p.concurrency for p in self.points if (p.images, p.kind) == (1, PNG)}):
             cells = [self._with_p99(k, 1, c, "ok_rps") for k in single]
             x = ratio(median(self.spread("vitserve", 1, c)), median(self.spread("plain", 1, c)))
             rows.append([str(c), *cells, f"{x:.2f}x" if x else "-"])
@@ -253,7 +169,13 @@ class Comparison:
             "### Start-up and memory",
             "",
             table(
-                ["server", "spawn to ready s", "load + warm-up s", "RSS ready MiB", "peak MiB"],
+                [
+                    "server",
+                    "spawn to ready s",
+                    "load + warm-up s",
+                    "RSS ready MiB, all processes",
+                    "peak MiB, all processes",
+                ],
                 [
                     [
                         k,
@@ -273,6 +195,7 @@ class Comparison:
             table(
                 [
                     "server",
+                    "request",
                     "images/request",
                     "c",
                     "req/s",
@@ -280,11 +203,18 @@ class Comparison:
                     "p50 ms",
                     "p99 ms",
                     "avg batch",
+                    "cores",
                     "non-200",
                     "errors",
                     "busy runs",
                 ],
-                [self._row(k, n, c) for k in keys for n in (1, 32) for c in self.levels(k, n)],
+                [
+                    self._row(k, n, c, kind)
+                    for k in keys
+                    for kind in (PNG, TENSOR)
+                    for n in (1, 32)
+                    for c in self.levels(k, n, kind)
+                ],
             ),
             "",
             "Commands:",
@@ -297,18 +227,56 @@ class Comparison:
         p99 = median(self.spread(server, images, c, "p99_ms"))
         return f"{spread_text(self.spread(server, images, c, attr))} ({fmt(p99, 1)})"
 
-    def _row(self, server: str, images: int, c: int) -> list[str]:
-        points = self.mine(server, images, c)
+    def _row(self, server: str, images: int, c: int, kind: str) -> list[str]:
+        points = self.mine(server, images, c, kind)
+
+        def cell(attr: str, digits: int = 0) -> str:
+            return spread_text(self.spread(server, images, c, attr, kind=kind), digits)
+
         return [
             server,
+            kind,
             str(images),
             str(c),
-            spread_text(self.spread(server, images, c)),
-            spread_text(self.spread(server, images, c, "images_per_s")),
-            spread_text(self.spread(server, images, c, "p50_ms"), 1),
-            spread_text(self.spread(server, images, c, "p99_ms"), 1),
-            spread_text(self.spread(server, images, c, "avg_batch"), 1),
+            cell("ok_rps"),
+            cell("images_per_s"),
+            cell("p50_ms", 1),
+            cell("p99_ms", 1),
+            cell("avg_batch", 1),
+            cell("cores", 2),
             str(sum(p.not_ok for p in points)),
             str(sum(p.errors for p in points)),
             f"{sum(p.busy for p in points)}/{len(points)}",
+        ]
+
+    @staticmethod
+    def _targets(issue: str, targets: list[Target]) -> list[str]:
+        rows = [[t.name, t.measured, t.verdict] for t in targets]
+        return [f"### Targets ({issue})", "", table(["target", "measured", "verdict"], rows), ""]
+
+    def _anchors(self) -> list[str]:
+        """Issue 23's points, each server's row beside the others'."""
+        rows = []
+        for kind, c in ANCHOR_POINTS:
+            for key in (k for k in ANCHOR_SERVERS if self.mine(k, 1, c, kind)):
+                rps, cores = (self.spread(key, 1, c, a, kind=kind) for a in ("ok_rps", "cores"))
+                per_core = ratio(median(rps), median(cores))
+                rows.append(
+                    [
+                        "base64 PNG" if kind == PNG else "FP32 tensor, /v2",
+                        str(c),
+                        key,
+                        spread_text(rps),
+                        spread_text(self.spread(key, 1, c, "p50_ms", kind=kind), 1),
+                        spread_text(self.spread(key, 1, c, "p99_ms", kind=kind), 1),
+                        spread_text(cores, 2),
+                        fmt(per_core),
+                    ]
+                )
+        headers = ["request", "c", "server", "req/s", "p50 ms", "p99 ms", "cores", "req/s per core"]
+        return [
+            "### Against mosec and Triton (issue 23): one request at a time per client",
+            "",
+            table(headers, rows),
+            "",
         ]

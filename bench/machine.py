@@ -142,6 +142,25 @@ def busy_check(
     return judge(before, Snapshot.take(), own, os.cpu_count() or 1, threshold, _cmdline)
 
 
+def process_tree(root: int) -> dict[int, int]:
+    """``root`` and every process under it (a server's front ends and engine, a tritonserver and its
+    stubs), each with the CPU clock ticks it has used so far."""
+    ticks = {}
+    for pid in [root, *descendants(root)]:
+        try:
+            ticks[pid] = parse_pid_stat(Path(f"/proc/{pid}/stat").read_text())[1]
+        except (OSError, ValueError, IndexError):
+            continue
+    return ticks
+
+
+def cores_used(before: dict[int, int], after: dict[int, int], seconds: float) -> float:
+    """Cores a process tree used between two :func:`process_tree` readings ``seconds`` apart (a
+    process that started in between counts from 0; one that ended in between is lost)."""
+    ticks = sum(used - before.get(pid, 0) for pid, used in after.items())
+    return ticks / CLOCK_TICKS / seconds if seconds > 0 else 0.0
+
+
 def process_memory_kib(pid: int) -> dict[str, int | None]:
     """VmRSS (resident now) and VmHWM (peak resident) of a process, in KiB."""
     values: dict[str, int | None] = {"VmRSS": None, "VmHWM": None}

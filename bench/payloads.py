@@ -1,4 +1,5 @@
-"""The images and request bodies every benchmark sends: Fashion-MNIST test images as 28x28 PNG files.
+"""The images and request bodies every benchmark sends: Fashion-MNIST test images as 28x28 PNG files,
+in vitserve's /predict JSON or the Open Inference Protocol's.
 
 Read straight from the IDX file Debian's ``dataset-fashion-mnist`` installs (no torch needed); when it
 is missing, deterministic synthetic garments of the same size stand in (the report says which).
@@ -49,3 +50,18 @@ def b64_pngs(count: int) -> tuple[list[str], str]:
 
 def predict_body(encoded: list[str], top_k: int = 5) -> bytes:
     return json.dumps({"images": [{"b64": e} for e in encoded], "top_k": top_k}).encode()
+
+
+def oip_tensor_body(tensors: np.ndarray, input_name: str, output_name: str) -> bytes:
+    """The Open Inference Protocol's JSON for the model's own FP32 input ``[N, C, H, W]``, asking
+    for ``output_name`` only (what Triton and vitserve's /v2 both answer)."""
+    values = [round(float(v), 6) for v in tensors.ravel()]
+    tensor = {"name": input_name, "shape": list(tensors.shape), "datatype": "FP32", "data": values}
+    return json.dumps({"inputs": [tensor], "outputs": [{"name": output_name}]}).encode()
+
+
+def oip_png_body(encoded: list[str], input_name: str = "image") -> bytes:
+    """The same base64 PNGs as :func:`predict_body`, as a BYTES ``[N, 1]`` Open Inference Protocol
+    input (Triton's JSON carries BYTES as strings: the model gets the base64 text)."""
+    tensor = {"name": input_name, "shape": [len(encoded), 1], "datatype": "BYTES", "data": encoded}
+    return json.dumps({"inputs": [tensor]}).encode()

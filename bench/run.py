@@ -5,9 +5,10 @@
     python -m bench --only swap     # some steps
 A smoke run or some steps write bench/results/*/BENCHMARKS.md unless --output says otherwise.
 
-Steps, in this order: the model alone (bench/inprocess.py), vitserve against the plain servers with
-the in-process ceiling (bench/compare.py), where the service's core time goes (bench/profile.py), and
-a live model swap under load (bench/swap.py). Each step returns a typed result that renders its own
+Steps, in this order: the model alone (bench/inprocess.py), vitserve against the plain servers and
+the anchors, mosec and Triton, with the in-process ceiling (bench/compare.py), where the service's core
+time goes (bench/profile.py), and a live model swap under load (bench/swap.py). The anchors run in
+venvs of their own, made from PyPI on the first run (bench/baselines/venvs.py). Each step returns a typed result that renders its own
 section; a step that fails is reported in the document and the others still run. Raw results (JSON,
 server logs, the flame graph) go to bench/results/ (not committed). Stop other work on the machine
 first: the run checks, and the document says when the machine was busy.

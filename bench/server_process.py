@@ -126,8 +126,9 @@ def wait_ready(
     timeout_s: float = 120.0,
     poll_s: float = 0.01,
     name: str = "the server",
+    ready_path: str = "/health/ready",
 ) -> float:
-    """Poll ``url``/health/ready until it answers 200; the seconds that took. Raises
+    """Poll ``url`` + ``ready_path`` until it answers 200; the seconds that took. Raises
     ServerStartError, with the end of the log, if the process exits first or time runs out."""
     started = time.perf_counter()
     while True:
@@ -136,7 +137,7 @@ def wait_ready(
                 f"{name} exited with {process.returncode} before ready:\n{log_tail(log)}"
             )
         try:
-            with urllib.request.urlopen(url + "/health/ready", timeout=1) as answer:
+            with urllib.request.urlopen(url + ready_path, timeout=1) as answer:
                 if answer.status == 200:
                     return time.perf_counter() - started
         except (urllib.error.URLError, OSError):
@@ -191,6 +192,7 @@ def running(
     poll_s: float = 0.01,
     stop_timeout_s: float = 30.0,
     name: str = "the server",
+    ready_path: str = "/health/ready",
 ) -> Iterator[RunningServer]:
     """A server on the first free port of ``ports`` (looking from index ``start``), ready; always
     stopped (SIGTERM to its group, SIGKILL after ``stop_timeout_s``) when the block ends.
@@ -199,7 +201,15 @@ def running(
     process = spawn([part.format(port=port) for part in argv], env(port), log)
     url = f"http://{HOST}:{port}"
     try:
-        ready_s = wait_ready(process, url, log, timeout_s=ready_timeout_s, poll_s=poll_s, name=name)
+        ready_s = wait_ready(
+            process,
+            url,
+            log,
+            timeout_s=ready_timeout_s,
+            poll_s=poll_s,
+            name=name,
+            ready_path=ready_path,
+        )
         yield RunningServer(process, url, port, log, ready_s)
     finally:
         stop_process(process, timeout_s=stop_timeout_s)

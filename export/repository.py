@@ -132,7 +132,13 @@ def write_version(
         if version_dir.exists():  # --overwrite: the old version steps aside, then goes
             replaced = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=entry))
             os.rename(version_dir, replaced / "old")
-        os.rename(staging, version_dir)
+            try:
+                os.rename(staging, version_dir)
+            except BaseException:  # the new one could not take its place: the old one returns
+                os.rename(replaced / "old", version_dir)
+                raise
+        else:
+            os.rename(staging, version_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         if replaced is not None:

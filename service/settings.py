@@ -34,7 +34,10 @@ class Settings(BaseSettings):
     models: str | None = Field(
         default=None,
         description=(
-            "Comma-separated names of the models to serve; unset serves every model in the repository."
+            "Comma-separated names of the models to load at start-up, '*' for every model in the "
+            "repository; unset: every model, except in 'explicit' model control, where none is "
+            "loaded until asked (as Triton's --load-model). Outside 'explicit' mode the models "
+            "not named are not served."
         ),
     )
     model_name: str | None = Field(
@@ -244,9 +247,10 @@ class Settings(BaseSettings):
     idle_dispatch: bool = Field(
         default=True,
         description=(
-            "Run what is queued at once when every instance of the model is idle (a lone request "
-            "is not held for partners that may never come; batches form while instances are busy); "
-            "false: always wait up to the queue delay for a fuller batch, as Triton does."
+            "When every instance of the model is idle, run a request at once if requests come "
+            "sparsely (a lone client is not held for partners that will not come), and run what "
+            "queued during a batch as soon as it ends; false: always wait up to the queue delay "
+            "for a fuller batch, as Triton does."
         ),
     )
     workers: int | None = Field(
@@ -339,13 +343,15 @@ class Settings(BaseSettings):
             "with the service (no CDN); /openapi.json is served either way."
         ),
     )
-    grpc_port: int = Field(
-        default=8001,
+    grpc_port: int | None = Field(
+        default=None,
         ge=0,
         le=65535,
         description=(
             "Port of the gRPC Open Inference Protocol (Triton's GRPCInferenceService, as "
-            "tritonclient.grpc speaks it) on the same host; 0 turns gRPC off."
+            "tritonclient.grpc speaks it) on the same host; 0 turns gRPC off; unset: the HTTP "
+            "port + 1 (8001 by default, as Triton's), so instances given ports two apart never "
+            "collide."
         ),
     )
     log_format: Literal["text", "json"] = Field(
@@ -387,6 +393,27 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _grpc_port_follows_the_http_port(self) -> Settings:
+        if self.grpc_port is None:
+            if self.port == 65535:
+                raise ValueError(
+                    "grpc_port is unset, so it would be port + 1, and port is 65535: set grpc_port "
+                    "(0 turns gRPC off) or a lower port"
+                )
+            self.grpc_port = self.port + 1
+        return self
+
+    @field_validator("models")
+    @classmethod
+    def _every_model_is_alone(cls, value: str | None) -> str | None:
+        names = [name.strip() for name in (value or "").split(",") if name.strip()]
+        if "*" in names and len(names) > 1:
+            raise ValueError(
+                "'*' (every model) cannot be combined with model names, as in Triton's --load-model"
+            )
+        return value
+
     @field_validator("api_key", mode="before")
     @classmethod
     def _api_key_can_be_sent(cls, value: object) -> object:
@@ -422,8 +449,17 @@ class Settings(BaseSettings):
 
     @property
     def model_list(self) -> list[str]:
-        """The names in ``models``, or an empty list for every model in the repository."""
-        return [name.strip() for name in (self.models or "").split(",") if name.strip()]
+        """The names in ``models`` (none for '*')."""
+        names = [name.strip() for name in (self.models or "").split(",") if name.strip()]
+        return [] if names == ["*"] else names
+
+    @property
+    def loads_every_model(self) -> bool:
+        """Whether start-up loads every model of the repository: ``models`` is '*', or unset
+        outside 'explicit' model control (where, as in Triton's, an unset list loads none)."""
+        if self.models is None or not self.models.strip():
+            return self.model_control != "explicit"
+        return not self.model_list
 
     @property
     def cors_origin_list(self) -> list[str]:

@@ -174,6 +174,22 @@ def metric(metrics_text: str, name: str, **labels: str) -> float:
     return total
 
 
+def wait_until(
+    condition: Callable[[], object], what: str, timeout_s: float = 30.0, poll_s: float = 0.02
+) -> object:
+    """Poll ``condition`` until it returns something truthy, and return that; fail naming ``what``
+    after ``timeout_s``. A test waits on an event with this, never on a fixed sleep: a passing run
+    waits only as long as the event takes, and ``timeout_s`` is only the bound of a failing one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(poll_s)
+
+
 # --- what the service must agree with -------------------------------------------------------------
 
 

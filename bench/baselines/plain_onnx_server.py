@@ -1,27 +1,23 @@
 """The server a user would write to serve the shipped model with FastAPI and onnxruntime (issue 13).
 
 A sync ``def`` handler (FastAPI runs it in its thread pool), onnxruntime at batch 1 with one intra-op
-thread, the same model file, and the service's own preprocessing and metadata reader, so that the
-pixels the model sees are identical. It answers the service's /predict JSON for base64 images.
+thread, the same model file, and the service's own preprocessing and metadata reader
+(bench/baselines/classifier.py), so that the pixels the model sees are identical. It answers the
+service's /predict JSON for base64 images.
 
     python -m bench.baselines.plain_onnx_server --port 18120 [--model-dir models/fashion-mnist-vit/1]
 """
 
 import argparse
-import base64
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import uvicorn
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from service.contract.model_repository import CLASSIFIER_FILE, parse_metadata
-from service.contract.preprocessing import Preprocessor
-
-MODEL_DIR = Path("models/fashion-mnist-vit/1")
+from bench.baselines.classifier import MODEL_DIR, Classifier
 
 
 class Image(BaseModel):
@@ -35,13 +31,7 @@ class Predict(BaseModel):
 
 def create_app(model_dir: Path = MODEL_DIR, model: Callable | None = None) -> FastAPI:
     """The app; ``model`` maps a [1, C, H, W] batch to its logits (onnxruntime when not given)."""
-    path = model_dir / CLASSIFIER_FILE
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    metadata = parse_metadata(session.get_modelmeta().custom_metadata_map, path, "classifier")
-    preprocessor = Preprocessor(metadata, 4096 * 4096)
-    run = model or (lambda images: session.run(None, {metadata.input.name: images})[0])
+    classifier = Classifier(model_dir, threads=1, model=model)
     app = FastAPI()
 
     @app.get("/health/ready")
@@ -50,21 +40,8 @@ def create_app(model_dir: Path = MODEL_DIR, model: Callable | None = None) -> Fa
 
     @app.post("/predict")
     def predict(body: Predict) -> dict:
-        predictions = []
-        for image in body.images:
-            x = preprocessor.from_bytes(base64.b64decode(image.b64), "image").tensor[None]
-            logits = np.asarray(run(x)[0], dtype=np.float64)
-            p = np.exp(logits - logits.max())
-            p /= p.sum()
-            top = [
-                {"label": metadata.labels[i], "index": int(i), "score": float(p[i])}
-                for i in np.argsort(-p, kind="stable")[: body.top_k]
-            ]
-            predictions.append({**top[0], "top_k": top})
-        return {
-            "model": {"name": metadata.name, "version": metadata.version},
-            "predictions": predictions,
-        }
+        logits = [classifier.logits(classifier.tensor(i.b64)[None])[0] for i in body.images]
+        return classifier.answer(np.asarray(logits), body.top_k)
 
     return app
 

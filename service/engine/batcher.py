@@ -2,8 +2,9 @@
 batch sizes, and several model instances running batches at once.
 
 Every image is one queue item, so a request holding several images may be split across batches. When every
-instance is idle, what is queued runs at once (waiting for partners would only add latency: they gather
-while a batch runs), unless ``idle_dispatch`` is off. Otherwise a batch runs when it reaches a preferred size (else the max batch size) or
+instance is idle and requests come sparsely (as from one client), a request runs at once instead of waiting
+for partners that will not come; what queued while a batch ran runs as soon as it ends (unless
+``idle_dispatch`` is off). Otherwise a batch runs when it reaches a preferred size (else the max batch size) or
 when its oldest image has waited ``max_queue_delay``, and an instance is idle: each instance is a run function with its own worker thread
 (and, in the service, its own onnxruntime session), so up to ``instances`` batches run at once while the
 next one fills. Each caller gets its own rows back. Admission is all-or-nothing and immediate: when a
@@ -81,6 +82,7 @@ class DynamicBatcher:
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_s
         self.idle_dispatch = idle_dispatch
+        self._last_arrival, self._last_gap = -float("inf"), float("inf")  # between requests
         self.max_queue_size = max_queue_size
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
@@ -181,6 +183,7 @@ class DynamicBatcher:
         now = loop.time()
         wait = tracing.enter_queue(count)
         request = BatchRequest(loop.create_future(), count)
+        self._last_gap, self._last_arrival = now - self._last_arrival, now
         items = [QueueItem(rows[i], request, i, now, request_id, wait=wait) for i in range(count)]
         self._pending.extend(items)
         self._depth.set(len(self._pending))
@@ -248,7 +251,16 @@ class DynamicBatcher:
             else:
                 await self._wakeup.wait()
 
-    def _dispatch(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _idle_due(self, after_batch: bool) -> bool:
+        """With every instance idle, run what is queued now rather than after the queue delay when
+        requests come sparsely (the last came more than a delay after the one before: nobody is
+        coming to share the batch, as at one client), or when a batch has just ended (what is
+        queued gathered while it ran)."""
+        if not self.idle_dispatch or len(self._idle) != len(self._instances):
+            return False
+        return after_batch or self._last_gap >= self.max_queue_delay_s
+
+    def _dispatch(self, loop: asyncio.AbstractEventLoop, after_batch: bool = False) -> None:
         """Start every batch that is due on an idle instance, now (not in a later loop turn: this runs
         as soon as an instance finishes, before its callers are answered)."""
         while self._idle:
@@ -256,10 +268,9 @@ class DynamicBatcher:
             waiting = len(self._pending)
             if not waiting:
                 break
-            # with every instance idle nothing is gained by waiting: partners for this batch only
-            # gather while a batch runs (a lone request is not held for the queue delay)
-            idle = self.idle_dispatch and len(self._idle) == len(self._instances)
-            due = idle or self._pending[0].enqueued + self.max_queue_delay_s <= loop.time()
+            due = self._idle_due(after_batch) or (
+                self._pending[0].enqueued + self.max_queue_delay_s <= loop.time()
+            )
             if not (due or self._flushing or self._full(waiting)):
                 break
             target = self._batch_target(waiting)
@@ -309,7 +320,7 @@ class DynamicBatcher:
             finally:  # the instance takes the next batch before this one's callers are answered
                 self._running.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
                 self._idle.append(instance)
-                self._dispatch(loop)
+                self._dispatch(loop, after_batch=True)
                 self._wakeup.set()
             if error is not None:
                 self._fail_batch(batch, error)

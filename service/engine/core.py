@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -105,7 +106,8 @@ class Engine:
 
     def table(self) -> ModelTable:
         """The models as front ends see them; its generation grows whenever anything in it changes."""
-        models = self.manager.views()
+        routing = self.manager.routing()
+        models = routing.models
         signature = (
             self.phase,
             self.manager.ready,
@@ -123,12 +125,10 @@ class Engine:
         if signature != self._last_signature:
             self._last_signature = signature
             self._generation += 1
-        return ModelTable(
+        return replace(
+            routing,
             generation=self._generation,
             phase=self.phase,
-            default_name=self.manager.default_name,
-            models=models,
-            retry_after_s=self.settings.retry_after_s,
             healthy=self.manager.ready,
         )
 

@@ -3,7 +3,10 @@
 Triton's model control modes: ``none`` loads at start-up only; ``poll`` follows the repository every
 ``repository_poll_s`` (a new version is loaded once its files have stayed the same for two scans, so a
 directory still being copied is never half-loaded; a changed version is loaded again; a removed one is
-released); ``explicit`` loads and unloads a model when asked (``/v2/repository/models/{name}/load``).
+released); ``explicit`` loads and unloads a model when asked (``/v2/repository/models/{name}/load``)
+and, as Triton's, loads at start-up only the models named (``--load-model``, ``VITSERVE_MODELS``; ``*``
+for all): a model not loaded answers 404 naming it, the index lists it UNAVAILABLE ("unloaded"), and
+the service is ready once it is up.
 
 A version takes traffic only once it is loaded, checked against its metadata and warmed up; the version it
 replaces stops taking new requests at that moment and is released once the requests it admitted are
@@ -42,7 +45,7 @@ from service.engine.model_versions import (
 )
 from service.engine.pipeline import ModelPipeline
 from service.engine.runtime import Runtime
-from service.engine.table import ModelView
+from service.engine.table import ModelTable, ModelView
 from service.errors import NotFound, ServiceUnavailable
 from service.observability.metrics import Metrics
 from service.settings import Settings
@@ -61,6 +64,7 @@ class ModelManager:
         self._poller: asyncio.Task | None = None
         self._retiring: set[asyncio.Task] = set()
         self._retired: set[ModelPipeline] = set()  # released, still answering what they admitted
+        self.repository_names: frozenset[str] = frozenset()  # as last scanned
 
     @property
     def repository(self) -> Path:
@@ -70,8 +74,10 @@ class ModelManager:
 
     async def start(self) -> None:
         """Load every model (or those named), then follow the repository in poll mode. Fails when
-        the default model, or a model named in VITSERVE_MODELS, has no version that loads."""
+        the default model, or a model named in VITSERVE_MODELS, has no version that loads; in
+        explicit mode the default model may be one that is not loaded yet."""
         available = model_names(self.repository)
+        self.repository_names = frozenset(available)
         named = self.settings.model_list
         missing = [name for name in named if name not in available]
         if missing:
@@ -79,9 +85,10 @@ class ModelManager:
                 f"VITSERVE_MODELS names {', '.join(map(repr, missing))}, not in {self.repository}; "
                 f"available: {', '.join(available) or 'none'}"
             )
-        names = named or available
-        default = self.settings.model_name or (names[0] if names else None)
-        if default is None or default not in names:
+        names = available if self.settings.loads_every_model else named
+        servable = available if self._explicit else names
+        default = self.settings.model_name or (names or servable or [None])[0]
+        if default is None or default not in servable:
             raise ModelLoadError(
                 f"model {default!r} not found in {self.repository}; available: "
                 f"{', '.join(names) or 'none'} (set VITSERVE_MODEL_NAME)"
@@ -90,7 +97,7 @@ class ModelManager:
         async with self._lock:
             for name in names:
                 await self._sync_model(name, initial=True)
-        required = set(named) | {default}
+        required = set(named) | ({default} & set(names))
         for name in sorted(required):
             model = self.models.get(name)
             if model is None or not model.ready_versions():
@@ -146,39 +153,30 @@ class ModelManager:
 
     # --- lookup -----------------------------------------------------------------------------------
 
+    @property
+    def _explicit(self) -> bool:
+        return self.settings.model_control == "explicit"
+
+    def routing(self) -> ModelTable:
+        """The models as requests are resolved against them (service/engine/table.py holds the rules:
+        unknown, not ready, not loaded in explicit mode)."""
+        return ModelTable(
+            default_name=self.default_name,
+            models=self.views(),
+            retry_after_s=self.settings.retry_after_s,
+            explicit=self._explicit,
+            repository_names=self.repository_names,
+        )
+
     def model(self, name: str | None) -> ManagedModel:
-        if self.default_name is None:
-            raise ServiceUnavailable(
-                "the models are not loaded yet; retry shortly",
-                code="not_ready",
-                retry_after_s=self.settings.retry_after_s,
-            )
-        name = name or self.default_name
-        model = self.models.get(name)
-        if model is None:
-            served = ", ".join(sorted(self.models)) or "none"
-            raise NotFound(f"unknown model '{name}': served models: {served}", field="model")
-        return model
+        return self.models[self.routing().model(name).name]
 
     def resolve(self, name: str | None = None, version: int | None = None) -> ModelPipeline:
         """The pipeline for a request: 404 for an unknown model or version, 503 while loading."""
-        model = self.model(name)
-        pipeline = model.pipeline(version)
-        if pipeline is not None:
-            return pipeline
-        if version is not None and version not in model.versions:
-            ready = ", ".join(f"version {v}" for v in model.ready_versions()) or "none"
-            raise NotFound(
-                f"unknown version '{version}' of model '{model.name}' (ready: {ready})",
-                field="version",
-            )
-        state = model.versions[version].state if version is not None else "UNAVAILABLE"
-        raise ServiceUnavailable(
-            f"model {model.name!r}{'' if version is None else f' version {version}'} is not ready "
-            f"({state.lower()}); retry shortly",
-            code="not_ready",
-            retry_after_s=self.settings.retry_after_s,
-        )
+        view = self.routing().resolve(name, version)
+        pipeline = self.models[view.name].versions[view.version].pipeline
+        assert pipeline is not None  # a version in the table's ready set has one
+        return pipeline
 
     def pipeline_for(
         self, name: str, version: int, requested: int | None, key: tuple[str, str]
@@ -218,6 +216,15 @@ class ModelManager:
 
     @property
     def ready(self) -> bool:
+        """The default model serves; in explicit mode, as Triton's, the service is ready once up
+        (every model loaded is healthy), whichever models are loaded."""
+        if self._explicit and self.default_name is not None:
+            return all(
+                status.pipeline.healthy
+                for model in self.models.values()
+                for status in model.versions.values()
+                if status.pipeline is not None
+            )
         try:
             return self.resolve().healthy
         except (NotFound, ServiceUnavailable):
@@ -230,7 +237,8 @@ class ModelManager:
         for name in sorted(self._known_names()):
             model = self.models.get(name)
             if model is None or not model.versions:
-                reason = "unloaded" if model is not None and model.unloaded else "not loaded"
+                unloaded = self._explicit or (model is not None and model.unloaded)
+                reason = "unloaded" if unloaded else "not loaded"
                 reason = (
                     model.config_problem if model is not None and model.config_problem else reason
                 )
@@ -243,10 +251,12 @@ class ModelManager:
         return rows
 
     def _known_names(self) -> set[str]:
+        """The repository's models (kept for the front ends' table) and the models managed."""
         try:
-            return set(model_names(self.repository)) | set(self.models)
+            self.repository_names = frozenset(model_names(self.repository))
         except ModelLoadError:
-            return set(self.models)
+            self.repository_names = frozenset()
+        return set(self.repository_names) | set(self.models)
 
     # --- loading ----------------------------------------------------------------------------------
 
@@ -423,6 +433,7 @@ class ModelManager:
     # --- control ----------------------------------------------------------------------------------
 
     async def poll_once(self) -> None:
+        self._known_names()
         async with self._lock:
             # The models being served too: a removed folder is no longer in the listing.
             names = self.settings.model_list or sorted(

@@ -45,7 +45,8 @@ class ModelPipeline:
         self.metadata = runtime.metadata
         self.serving = serving
         self.settings = settings
-        self.statistics = ModelStatistics()  # Triton's statistics of this version, every graph
+        # Triton's statistics of this version, every graph, and its nv_inference_* metrics
+        self.statistics = ModelStatistics(metrics.triton_series(name, self.version))
         common: dict[str, Any] = {
             "statistics": self.statistics,
             "max_queue_delay_s": serving.max_queue_delay_s,

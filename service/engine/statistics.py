@@ -10,6 +10,8 @@ batch: ``execution_count``, ``inference_count`` (images run) and ``batch_stats``
 
 A pipeline owns one; everything is recorded on the event loop, so no lock is needed. The JSON shape
 is Triton's (``GET /v2/models/stats``), the field names those of its ``ModelStatistics`` protobuf.
+The same numbers feed Triton's ``nv_inference_*`` Prometheus series, when given
+(``Metrics.triton_series``), in microseconds as Triton's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass
@@ -54,8 +56,13 @@ class _BatchSizeStats:
 STAGES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
 
 
+class _Series(Protocol):  # a prometheus-client metric with its labels set
+    def inc(self, amount: float = 1) -> None: ...
+
+
 class ModelStatistics:
-    def __init__(self) -> None:
+    def __init__(self, series: dict[str, _Series] | None = None) -> None:
+        self._series = series or {}
         self.durations = {stage: Duration() for stage in STAGES}
         self.inference_count = 0
         self.execution_count = 0
@@ -71,18 +78,31 @@ class ModelStatistics:
         stats.compute_input.add(times.compute_input_ns)
         stats.compute_infer.add(times.compute_infer_ns)
         stats.compute_output.add(times.compute_output_ns)
+        self._add("exec_count", 1)
+        self._add("count", size)
 
     def record_request(self, queue_ns: int, batches: Iterable[BatchTimes]) -> None:
         """A request's images all ran: its wait in the queue and the batches they ran in."""
         batches = list(batches)
-        self.durations["queue"].add(queue_ns)
-        self.durations["compute_input"].add(sum(b.compute_input_ns for b in batches))
-        self.durations["compute_infer"].add(sum(b.compute_infer_ns for b in batches))
-        self.durations["compute_output"].add(sum(b.compute_output_ns for b in batches))
+        spent = {
+            "queue": queue_ns,
+            "compute_input": sum(b.compute_input_ns for b in batches),
+            "compute_infer": sum(b.compute_infer_ns for b in batches),
+            "compute_output": sum(b.compute_output_ns for b in batches),
+        }
+        for stage, ns in spent.items():
+            self.durations[stage].add(ns)
+            self._add(f"{stage}_duration_us", ns / 1000)
 
     def record_outcome(self, succeeded: bool, ns: int) -> None:
         """A request left the pipeline, answered (``succeeded``) or with an error, after ``ns``."""
         self.durations["success" if succeeded else "fail"].add(ns)
+        self._add("request_success" if succeeded else "request_failure", 1)
+        self._add("request_duration_us", ns / 1000)
+
+    def _add(self, series: str, amount: float) -> None:
+        if series in self._series:
+            self._series[series].inc(amount)
 
     def as_dict(self, name: str, version: str) -> dict[str, Any]:
         """One entry of Triton's ``model_stats``."""

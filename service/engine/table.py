@@ -67,6 +67,8 @@ class ModelTable:
     models: dict[str, ModelView] = field(default_factory=dict)
     retry_after_s: int = 1
     healthy: bool = False  # the default model's batchers are running
+    explicit: bool = False  # model control 'explicit': what is not loaded waits to be asked for
+    repository_names: frozenset[str] = frozenset()  # every model in the repository
 
     @property
     def ready(self) -> bool:
@@ -81,6 +83,8 @@ class ModelTable:
             )
         name = name or self.default_name
         model = self.models.get(name)
+        if model is None and self.explicit and name in self.repository_names:
+            raise not_loaded(name)
         if model is None:
             served = ", ".join(sorted(self.models)) or "none"
             raise NotFound(f"unknown model '{name}': served models: {served}", field="model")
@@ -98,6 +102,8 @@ class ModelTable:
                 f"unknown version '{version}' of model '{model.name}' (ready: {ready})",
                 field="version",
             )
+        if model.unloaded or (self.explicit and not model.versions):
+            raise not_loaded(model.name)
         state = model.versions[version][0] if version is not None else "UNAVAILABLE"
         raise ServiceUnavailable(
             f"model {model.name!r}{'' if version is None else f' version {version}'} is not ready "
@@ -105,3 +111,13 @@ class ModelTable:
             code="not_ready",
             retry_after_s=self.retry_after_s,
         )
+
+
+def not_loaded(name: str) -> NotFound:
+    """Explicit mode: a model that is not loaded stays so until asked; retrying will not help."""
+    return NotFound(
+        f"model '{name}' is not loaded (model control 'explicit': POST "
+        f"/v2/repository/models/{name}/load loads it)",
+        field="model",
+        code="model_not_loaded",
+    )

@@ -38,6 +38,9 @@ STOP_WAIT_S = 5.0
 # this long (the engine's queue is not seen from here: its last answer stands in for it)
 FULL_MEMORY_S = 0.05
 FIRST_TABLE_WAIT_S = 2.0
+# an engine whose table (published at least every 0.5 s) has not come for this long is taken for dead,
+# where its pid cannot be watched
+SILENT_ENGINE_S = 3.0
 
 
 class RemoteEngine(EngineClient):
@@ -63,6 +66,7 @@ class RemoteEngine(EngineClient):
         self._tasks: list[asyncio.Task] = []
         self._sending: set[asyncio.Future] = set()
         self._first_table = asyncio.Event()
+        self._last_table = time.monotonic()
         self._full: dict[tuple[str, int, str], tuple[float, ServiceUnavailable]] = {}
         self._context: zmq.asyncio.Context | None = None
         self._calls: zmq.asyncio.Socket | None = None
@@ -95,6 +99,7 @@ class RemoteEngine(EngineClient):
         self._tasks = [
             loop.create_task(self._receive_answers(), name="engine-answers"),
             loop.create_task(self._receive_tables(), name="engine-tables"),
+            loop.create_task(self._watch_heartbeat(), name="engine-heartbeat"),
         ]
         await self._calls.send_multipart([wire.TABLE, b""])
         # accept connections knowing the engine's state (a running engine answers at once; one that
@@ -132,7 +137,17 @@ class RemoteEngine(EngineClient):
         while True:
             self._take_table(*wire.loads(await self._tables.recv()))
 
+    async def _watch_heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(SILENT_ENGINE_S / 3)
+            silent = time.monotonic() - self._last_table
+            if self._engine_pid is not None and silent > SILENT_ENGINE_S:
+                logger.error("no word from the engine process for %.1f s", silent)
+                self._unwatch()
+                self._engine_gone("the engine process stopped answering")
+
     def _take_table(self, pid: int, table: ModelTable) -> None:
+        self._last_table = time.monotonic()
         if pid != self._engine_pid:
             self._watch(pid)
         self._table = table

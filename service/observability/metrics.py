@@ -6,6 +6,13 @@ alone sets the model gauges, so the largest live value is the engine's).
 
 Triton's split: time in the queue versus time in the model; average batch size is
 ``vitserve_batch_size_sum / vitserve_batch_size_count`` (images per model execution).
+
+Beside vitserve's own: prometheus-client's process and platform collectors (``process_*``: memory,
+CPU, open files; ``python_info``), and Triton's ``nv_inference_*`` series per model version, under
+Triton's names and labels, so that dashboards made for Triton chart vitserve (docs/ecosystem.md).
+They only ever grow, as Triton's counters; they are declared as gauges only because prometheus-client
+writes a counter as ``<name>_total``, which is not the name Triton's dashboards query. They are fed
+by ``service/engine/statistics.py``, from the numbers of Triton's statistics extension.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     generate_latest,
     multiprocess,
 )
@@ -42,12 +51,26 @@ _QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 
 _BATCH_BUCKETS = tuple(float(2**i) for i in range(11))  # 1 to 1024, the largest max_batch_size
 _GRAPH = ["model", "graph"]
+# Triton's nv_inference_* metrics (its docs/user_guide/metrics.md), by the key statistics.py feeds.
+TRITON_METRICS = {
+    "request_success": "Number of successful inference requests, all batch sizes",
+    "request_failure": "Number of failed inference requests, all batch sizes",
+    "count": "Number of inferences performed (images run)",
+    "exec_count": "Number of model executions performed (batches run)",
+    "request_duration_us": "Cumulative inference request duration in microseconds",
+    "queue_duration_us": "Cumulative inference queuing duration in microseconds",
+    "compute_input_duration_us": "Cumulative compute input duration in microseconds",
+    "compute_infer_duration_us": "Cumulative compute inference duration in microseconds",
+    "compute_output_duration_us": "Cumulative inference compute output duration in microseconds",
+}
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         self.requests = Counter(
             "vitserve_http_requests",
             "HTTP requests answered, by route template, method and status code.",
@@ -147,11 +170,28 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.triton = {
+            key: Gauge(
+                f"nv_inference_{key}",
+                text,
+                ["model", "version"],
+                registry=r,
+                multiprocess_mode="sum",  # a counter: summed over processes, the ended ones too
+            )
+            for key, text in TRITON_METRICS.items()
+        }
+
+    def triton_series(self, model: str, version: int) -> dict[str, Gauge]:
+        """Triton's ``nv_inference_*`` series of one model version, by ``TRITON_METRICS`` key."""
+        return {key: gauge.labels(model, str(version)) for key, gauge in self.triton.items()}
 
 
 def exposition(registry: CollectorRegistry) -> bytes:
-    """The metrics in Prometheus' text format: this app's, or every process's in multiprocess mode."""
+    """The metrics in Prometheus' text format: this app's, or every process's in multiprocess mode
+    (there ``process_*`` describes the front-end process that answers the scrape)."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
     return generate_latest(registry)

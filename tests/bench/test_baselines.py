@@ -83,3 +83,35 @@ def test_the_no_model_server_answers_the_same_json_without_a_model():
     for prediction in answer["predictions"]:  # every logit 0: every class equally likely
         assert [e["index"] for e in prediction["top_k"]] == [0, 1, 2, 3, 4]
         assert [e["score"] for e in prediction["top_k"]] == pytest.approx([0.1] * 5)
+
+
+def test_a_dynamic_batch_answers_each_request_as_alone():
+    """The anchors' batched stage: one model run over every request's images, split back."""
+    from bench.baselines.classifier import Classifier
+
+    classifier = Classifier(MODEL_DIR)
+    encoded = [base64.b64encode(png_bytes(i)).decode() for i in load_images(3)[0]]
+    tensors = [classifier.tensor(e) for e in encoded]
+    requests = [(np.stack(tensors[:2]), 3), (tensors[2][None], 1)]
+    batched = classifier.answer_each(requests)
+    alone = [classifier.answer(classifier.logits(x), k) for x, k in requests]
+    assert [len(a["predictions"]) for a in batched] == [2, 1]
+    assert [len(a["predictions"][0]["top_k"]) for a in batched] == [3, 1]
+    for got, want in zip(batched, alone, strict=True):
+        for g, w in zip(got["predictions"], want["predictions"], strict=True):
+            assert g["index"] == w["index"] and g["score"] == pytest.approx(w["score"], abs=1e-5)
+
+
+def test_the_triton_png_model_answers_triton_classification_strings():
+    from bench.baselines.classifier import Classifier
+    from bench.baselines.triton_server import TOP_K, classify_pngs
+
+    images, _ = load_images(2)
+    rows = np.array([[base64.b64encode(png_bytes(i))] for i in images], dtype=np.object_)
+    answered = classify_pngs(Classifier(MODEL_DIR), rows)
+    expected = probabilities(reference_logits(images))
+    assert answered.shape == (2, TOP_K)
+    for row, p in zip(answered, expected, strict=True):
+        score, index, label = row[0].decode().split(":", 2)
+        assert (int(index), label) == (int(np.argmax(p)), LABELS[int(np.argmax(p))])
+        assert float(score) == pytest.approx(p.max(), abs=1e-5)

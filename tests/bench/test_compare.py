@@ -19,23 +19,6 @@ def test_every_bench_uses_its_own_ports():
     assert len({p for r in ranges for p in r}) == sum(len(r) for r in ranges)  # no overlap
 
 
-def test_plan_single_images_to_every_server_32_images_to_vitserve():
-    servers = compare.servers(MODEL_DIR, {"intra1": {"intra_op_threads": "1"}})
-    assert [s.key for s in servers] == ["vitserve", "intra1", "plain", "torch", "nomodel"]
-    env = servers[1].env(18111, MODEL_DIR)
-    assert env["VITSERVE_INTRA_OP_THREADS"] == "1" and env["VITSERVE_PORT"] == "18111"
-    assert env["VITSERVE_MODEL_REPOSITORY"] == "/repo/models"
-    assert "VITSERVE_PORT" not in servers[2].env(18112, MODEL_DIR)  # a baseline takes --port
-    assert "--model-dir" in servers[2].argv and "{port}" in servers[2].argv
-    cases = compare.cases([s.key for s in servers], compare.LEVELS)
-    by_key = {(c.server, c.images): c.levels for c in cases}
-    assert by_key[("vitserve", 1)] == by_key[("plain", 1)] == (1, 16, 64, 256)
-    assert by_key[("torch", 1)] == by_key[("nomodel", 1)] == (64, 256)
-    assert by_key[("vitserve", 32)] == (1, 16, 64, 256)
-    assert ("plain", 32) not in by_key  # the plain server gets the same images one per request
-    assert compare.Plan.for_run(quick=True).levels == (64,)
-
-
 def test_start_up_phases_from_the_service_gauge():
     registry = CollectorRegistry()
     gauge = Gauge(
@@ -149,3 +132,22 @@ def test_the_ceiling_target_says_what_a_server_with_no_model_answers():
     assert result.targets()[4].measured.endswith(
         "; with no model at all the plain server answers 700"
     )
+
+
+MOSEC_METRICS = """# HELP mosec_service_batch_size batch size.
+# TYPE mosec_service_batch_size histogram
+mosec_service_batch_size_sum{stage="Infer_2",connection="1"} 96.0
+mosec_service_batch_size_count{stage="Infer_2",connection="1"} 3
+mosec_service_batch_size_bucket{le="64.0",stage="Infer_2",connection="1"} 3
+mosec_service_batch_size_bucket{le="+Inf",stage="Infer_2",connection="1"} 3
+mosec_service_remaining_task 0
+"""
+
+
+def test_batch_counters_read_mosecs_histogram_too():
+    assert compare.batch_counters(MOSEC_METRICS, "mosec_service_batch_size") == (96.0, 3.0)
+    assert compare.batch_counters(MOSEC_METRICS) == (0.0, 0.0)  # not vitserve's
+    found = {s.key: s.batch_histogram for s in compare.servers(MODEL_DIR, {"x": {}}, workers=2)}
+    assert found["vitserve"] == found["w1"] == found["x"] == "vitserve_batch_size"
+    assert found["mosec"] == "mosec_service_batch_size"
+    assert found["plain"] is found["triton"] is None  # no batches, or no /metrics on its port

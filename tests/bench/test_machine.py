@@ -10,11 +10,14 @@ import time
 from bench.machine import (
     CLOCK_TICKS,
     Snapshot,
+    cores_used,
     judge,
     parse_cpu_line,
     parse_pid_stat,
     process_memory_kib,
+    process_tree,
     thread_ticks,
+    tree_memory_kib,
     usage,
 )
 
@@ -88,3 +91,32 @@ def test_memory_and_thread_ticks_of_this_process():
     assert process_memory_kib(2**31 - 1) == {"VmRSS": None, "VmHWM": None}
     ticks = thread_ticks(os.getpid())
     assert os.getpid() in ticks  # the main thread's id is the process id
+
+
+def test_cores_used_by_a_tree_count_a_new_process_from_zero():
+    before = {10: 100, 11: 50}
+    after = {10: 100 + CLOCK_TICKS, 11: 50 + CLOCK_TICKS // 2, 12: CLOCK_TICKS // 2}
+    assert cores_used(before, after, 2.0) == 1.0
+    assert cores_used(before, after, 0.0) == 0.0
+
+
+def test_the_tree_of_a_process_with_a_child_sums_their_memory():
+    code = (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while len(process_tree(parent.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = process_tree(parent.pid)
+        assert len(tree) == 2 and parent.pid in tree and all(t >= 0 for t in tree.values())
+        alone = process_memory_kib(parent.pid)["VmRSS"]
+        assert tree_memory_kib(parent.pid)["VmRSS"] > alone
+    finally:
+        for pid in process_tree(parent.pid):
+            os.kill(pid, 9)
+        parent.wait()
+    assert tree_memory_kib(parent.pid) == {"VmRSS": None, "VmHWM": None}

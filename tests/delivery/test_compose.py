@@ -33,6 +33,8 @@ FIXED = {
     "VITSERVE_HOST": "0.0.0.0",
     "VITSERVE_PORT": "8000",
 }
+# Fixed for the GPU service alone: CUDA or no start.
+FIXED_GPU = {"VITSERVE_PROVIDER": "cuda"}
 
 
 def compose(*args: str, directory: Path = ROOT, env: dict[str, str] | None = None) -> str:
@@ -109,6 +111,14 @@ def test_gpu_service_is_the_default_and_reserves_a_gpu(services):
     assert reserves_a_gpu(service)
 
 
+def test_the_gpu_service_fails_loudly_without_cuda(services):
+    """`auto` would fall back to the CPU and pass the healthcheck on a broken GPU setup."""
+    for name, value in FIXED_GPU.items():
+        assert services["vitserve"]["environment"][name] == value
+    assert "VITSERVE_PROVIDER" not in services["vitserve-cpu"]["environment"]
+    assert services["vitserve"]["environment"]["VITSERVE_MODEL_REPOSITORY"] == "/app/models"
+
+
 def test_cpu_service_is_under_a_profile_without_a_gpu(services):
     service = services["vitserve-cpu"]
     assert service["build"]["target"] == "service"
@@ -175,8 +185,8 @@ def test_compose_does_not_restate_the_settings(services):
     environment = services["vitserve"]["environment"]
     named = {name for name in environment if name.startswith("VITSERVE_")}
     assert set(FIXED) <= named
-    assert len(named) <= len(FIXED) + 3, sorted(named)
-    for name, value in FIXED.items():
+    assert len(named) <= len(FIXED) + len(FIXED_GPU) + 3, sorted(named)
+    for name, value in {**FIXED, **FIXED_GPU}.items():
         assert environment[name] == value
 
 
@@ -253,6 +263,19 @@ def test_env_example_documents_every_variable_the_compose_file_reads():
 
 
 # --- export ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["export", "export-gpu"])
+def test_what_the_export_mounts_exists_in_a_fresh_clone(services, name):
+    """A bind mount whose source is missing fails the run; a fresh clone has what git tracks."""
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    for volume in services[name]["volumes"]:
+        source = Path(volume["source"]).relative_to(ROOT).as_posix()
+        assert any(path.startswith(f"{source}/") for path in tracked), (
+            f"{source}/ is not in the repository: `docker compose run {name}` fails on a fresh clone"
+        )
 
 
 def test_export_runs_on_the_cpu_by_default(services):

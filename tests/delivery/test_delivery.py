@@ -167,6 +167,12 @@ def test_readme_points_at_the_benchmarks():
     assert "BENCHMARKS.md" in (ROOT / "README.md").read_text()
 
 
+def test_readme_states_what_the_cuda_13_image_needs():
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "CUDA 13" in readme and "R580 or newer" in readme and "Turing or newer" in readme
+    assert "EXPORT_UID=$(id -u)" in readme
+
+
 def test_readme_documents_every_setting():
     settings = pytest.importorskip("service.settings")
     readme = (ROOT / "README.md").read_text()

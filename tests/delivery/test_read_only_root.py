@@ -24,6 +24,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -104,6 +105,10 @@ def test_service_serves_from_a_read_only_root(tmp_path: Path) -> None:
     writable = tmp_path / "tmpfs"
     writable.mkdir()
     port = server_process.free_port(PORTS, start=os.getpid())
+    # gRPC on too, as in the image, on another free port of the range (never the default 8001,
+    # which anything else on the machine may hold)
+    grpc_port = server_process.free_port(PORTS, start=PORTS.index(port) + 1)
+    assert grpc_port != port
     env = server_process.clean_env(
         {
             "TMPDIR": str(writable),
@@ -111,6 +116,7 @@ def test_service_serves_from_a_read_only_root(tmp_path: Path) -> None:
             "VITSERVE_TEST_PYTHON": sys.executable,
             "VITSERVE_HOST": "127.0.0.1",
             "VITSERVE_PORT": str(port),
+            "VITSERVE_GRPC_PORT": str(grpc_port),
             "VITSERVE_MODEL_REPOSITORY": "models",  # the shipped repository, as in the image
             "VITSERVE_PROVIDER": "cpu",
             "VITSERVE_INTRA_OP_THREADS": "1",
@@ -126,6 +132,8 @@ def test_service_serves_from_a_read_only_root(tmp_path: Path) -> None:
     try:
         server_process.wait_ready(process, url, log, timeout_s=90, poll_s=0.1, name="service")
         assert get_json(url + "/health/ready")["ready"] is True
+        with socket.create_connection(("127.0.0.1", grpc_port), timeout=10):
+            pass  # the gRPC listener is up on the port it was given
 
         pixels = np.random.default_rng(7).integers(0, 256, (28, 28), dtype=np.uint8)
         answer = get_json(

@@ -511,3 +511,91 @@ def test_the_int8_model_card_says_how_it_was_made_and_what_batching_does_to_it(q
     changed = int((np.concatenate(alone).argmax(1) != np.concatenate(batched).argmax(1)).sum())
     assert changed > 0  # so that the count is checked, not a constant
     assert f": {changed} of 10000 test images are classified differently at batch 1 and" in text
+
+
+# -- what a failed export leaves behind ---------------------------------------------------------------
+
+
+def export_args(run: Path, repo: Path, version: int = 1, *extra: str) -> list[str]:
+    return [str(run), "--name", "tiny", "--version", str(version), "--repo", str(repo), *extra]
+
+
+def test_a_failed_overwrite_keeps_the_old_version_byte_identical(
+    tiny_run, tmp_path, monkeypatch, capsys
+):
+    """`python -m export.onnx ... --overwrite` that fails midway (the disk fills after the first
+    graph is written): the version it was to replace is untouched, and no staging is left."""
+    assert onnx_export.main(export_args(tiny_run, tmp_path, 1, "--skip-accuracy")) == 0
+    version = tmp_path / "tiny" / "1"
+    before = snapshot(version)
+    config_before = (tmp_path / "tiny" / "config.pbtxt").read_bytes()
+    saved = []
+
+    def save_then_fail(graph, path):
+        if saved:
+            raise OSError(28, "No space left on device")
+        saved.append(path)
+        onnx.save_model(graph, path)
+
+    monkeypatch.setattr(repository.onnx, "save_model", save_then_fail)
+    capsys.readouterr()
+    code = onnx_export.main(export_args(tiny_run, tmp_path, 1, "--skip-accuracy", "--overwrite"))
+    assert code == 1 and saved, "the failure came after the first graph was written"
+    err = capsys.readouterr().err
+    assert "export failed, nothing written" in err and "No space left" in err
+    assert snapshot(version) == before
+    assert sorted(p.name for p in (tmp_path / "tiny").iterdir()) == ["1", "config.pbtxt"]
+    assert (tmp_path / "tiny" / "config.pbtxt").read_bytes() == config_before
+
+
+def test_an_overwrite_whose_last_rename_fails_puts_the_old_version_back(tmp_path, monkeypatch):
+    """The old version steps aside for the new one; if the new one then cannot be renamed into
+    place, the old one returns: the version directory is never left missing."""
+    first = write(tmp_path, 1)
+    before = snapshot(first)
+    real_rename = repository.os.rename
+
+    def rename(source, target):
+        if Path(source).name.startswith(repository.STAGING_PREFIX) and Path(target) == first:
+            raise OSError(5, "Input/output error")
+        real_rename(source, target)
+
+    monkeypatch.setattr(repository.os, "rename", rename)
+    with pytest.raises(OSError, match="Input/output error"):
+        write(tmp_path, 1, labels=("w", "x", "y", "z"), scale=5.0, overwrite=True)
+    assert snapshot(first) == before
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["1", "config.pbtxt"]
+
+
+class ShiftedMaps:
+    """An attention graph's session whose maps come out shifted by ``delta``: what an export bug
+    in the attention output only (the logits untouched) looks like to the verification."""
+
+    def __init__(self, session: ort.InferenceSession, delta: float) -> None:
+        self.session, self.delta = session, delta
+
+    def run(self, names, feed):
+        logits, maps = self.session.run(names, feed)
+        return [logits, maps + np.float32(self.delta)]
+
+
+def test_the_attention_maps_are_held_to_the_1e_4_tolerance(tiny_run, tmp_path, monkeypatch, capsys):
+    """Maps off by 1e-3 (ten times the tolerance; no prediction changes) refuse the export: with
+    ATTENTION_TOLERANCE loosened to 1e-2 this export would go through."""
+    real_session_for = onnx_export.session_for
+
+    def session_for(model):
+        session = real_session_for(model)
+        outputs = [output.name for output in model.graph.output]
+        return ShiftedMaps(session, 1e-3) if outputs == ["logits", "attention"] else session
+
+    monkeypatch.setattr(onnx_export, "session_for", session_for)
+    code = onnx_export.main(export_args(tiny_run, tmp_path, 1, "--skip-accuracy"))
+    assert code == 1
+    err = capsys.readouterr().err
+    differences = re.findall(r"batch \d+: attention maps differ by ([0-9.e-]+)", err)
+    assert len(differences) == 3, err  # batches 1, 7 and 64
+    assert all(abs(float(d) - 1e-3) < 1e-4 for d in differences), differences
+    assert "logits differ by" not in err  # neither graph's logits: only the maps' tolerance
+    assert "argmax mismatches" not in err
+    assert not (tmp_path / "tiny" / "1").exists()

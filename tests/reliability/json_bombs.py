@@ -129,6 +129,7 @@ def served(model_repository: str, **settings: object) -> Iterator[tuple[str, int
     env = {
         "VITSERVE_MODEL_REPOSITORY": model_repository,
         "VITSERVE_PORT": str(port),
+        "VITSERVE_GRPC_PORT": "0",  # no gRPC listener: the default 8001 may be held by anything
         "VITSERVE_INTRA_OP_THREADS": "1",
         "OMP_NUM_THREADS": "1",
         "VITSERVE_LOG_LEVEL": "warning",

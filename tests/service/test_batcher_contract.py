@@ -183,10 +183,10 @@ def test_a_timed_out_request_leaves_the_others_queued():
         running = asyncio.create_task(b.submit(rows(1, 2)))  # taken, held; times out at 2 s
         await asyncio.sleep(0.1)
         early = asyncio.create_task(b.submit(rows(3)))  # queued; times out at 2.1 s
-        await asyncio.sleep(0.9)
-        late = asyncio.create_task(b.submit(rows(4)))  # queued; would time out at 3 s
-        await asyncio.sleep(1.5)
-        model.gates[0].set()  # at 2.5 s: the first two have timed out, `late` has not
+        await asyncio.sleep(0.5)
+        late = asyncio.create_task(b.submit(rows(4)))  # queued; would time out at 2.6 s
+        await asyncio.wait({running, early})  # both timed out (about 2.1 s), `late` has not
+        model.gates[0].set()
         results = await asyncio.gather(running, early, late, return_exceptions=True)
         await b.stop(5)
         return results

@@ -11,7 +11,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from service.contract.model_repository import ModelLoadError
 from service.frontend.app import create_app
-from tests.support import MODEL_NAME, assert_error, make_settings
+from tests.support import MODEL_NAME, assert_error, make_settings, wait_until
 
 POLL_S = 0.1
 
@@ -35,14 +35,6 @@ def body(fashion_images) -> dict:
     return {"images": [{"pixels": fashion_images[0].tolist()}]}
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def index(client: TestClient) -> dict[tuple[str, str], dict]:
     rows = client.post("/v2/repository/index").json()
     return {(row["name"], row["version"]): row for row in rows}
@@ -56,23 +48,26 @@ def stage_version(repository: Path, name: str, source: int, target: int) -> None
 
 
 class Load:
-    """Threads posting /predict in a loop, recording (status, model version) of every answer."""
+    """Threads posting /predict in a loop, each recording (status, model version) of its answers
+    in the order it got them. Order holds within a client only: a request admitted by version 1 just
+    before a swap may finish after another client's first version 2 answer, so "never back to
+    version 1" is checked per client, not across threads by completion time."""
 
     def __init__(self, client: TestClient, payload: dict, threads: int = 4) -> None:
-        self.answers: list[tuple[float, int, int | None]] = []
+        self.per_client: list[list[tuple[int, int | None]]] = [[] for _ in range(threads)]
         self._stop = threading.Event()
-        self._lock = threading.Lock()
 
-        def work() -> None:
+        def work(answers: list[tuple[int, int | None]]) -> None:
             while not self._stop.is_set():
                 response = client.post("/predict", json=payload)
                 version = (
                     response.json()["model"]["version"] if response.status_code == 200 else None
                 )
-                with self._lock:
-                    self.answers.append((time.monotonic(), response.status_code, version))
+                answers.append((response.status_code, version))  # one writer per list
 
-        self._threads = [threading.Thread(target=work) for _ in range(threads)]
+        self._threads = [
+            threading.Thread(target=work, args=(answers,)) for answers in self.per_client
+        ]
 
     def __enter__(self) -> Load:
         for thread in self._threads:
@@ -84,9 +79,19 @@ class Load:
         for thread in self._threads:
             thread.join(30)
 
-    def versions(self) -> list[int | None]:
-        with self._lock:
-            return [version for _, _, version in sorted(self.answers)]
+    @property
+    def answers(self) -> list[tuple[int, int | None]]:
+        return [answer for answers in self.per_client for answer in list(answers)]
+
+    def statuses(self) -> set[int]:
+        return {status for status, _ in self.answers}
+
+    def latest_versions(self) -> set[int | None]:
+        """The version of each client's latest answer."""
+        return {answers[-1][1] for answers in self.per_client if answers}
+
+    def client_versions(self) -> list[list[int | None]]:
+        return [[version for _, version in list(answers)] for answers in self.per_client]
 
 
 @pytest.fixture
@@ -102,18 +107,17 @@ def test_a_new_version_takes_over_under_load_with_every_request_answered(
     polling, repository, fashion_images
 ):
     with Load(polling, body(fashion_images)) as load:
-        wait_for(lambda: len(load.answers) > 20, "answers from version 1")
+        wait_until(lambda: len(load.answers) > 20, "answers from version 1")
         stage_version(repository, MODEL_NAME, 1, 2)
-        wait_for(lambda: 2 in load.versions()[-5:], "answers from version 2")
+        wait_until(lambda: load.latest_versions() == {2}, "every client answered by version 2")
         count = len(load.answers)
-        wait_for(lambda: len(load.answers) > count + 20, "more answers after the swap")
-    statuses = {status for _, status, _ in load.answers}
-    assert statuses == {200}
-    versions = load.versions()
-    first_two = versions.index(2)
-    assert set(versions[:first_two]) == {1} and set(versions[first_two:]) == {2}  # never back
+        wait_until(lambda: len(load.answers) > count + 20, "more answers after the swap")
+    assert load.statuses() == {200}
+    for versions in load.client_versions():  # each client: version 1, then version 2 for good
+        first_two = versions.index(2)
+        assert set(versions[:first_two]) <= {1} and set(versions[first_two:]) == {2}, versions
     # version 1 is released once its requests are answered (latest 1 is the policy)
-    wait_for(lambda: ("tiny-vit", "1") not in index(polling), "version 1 released")
+    wait_until(lambda: ("tiny-vit", "1") not in index(polling), "version 1 released")
     assert index(polling)[(MODEL_NAME, "2")]["state"] == "READY"
 
 
@@ -124,7 +128,7 @@ def test_a_corrupt_version_is_refused_while_the_served_one_keeps_serving(
     broken.mkdir()
     (broken / "model.onnx").write_bytes(b"not an onnx graph")
     broken.rename(repository / MODEL_NAME / "3")
-    wait_for(lambda: (MODEL_NAME, "3") in index(polling), "version 3 in the index")
+    wait_until(lambda: (MODEL_NAME, "3") in index(polling), "version 3 in the index")
     row = index(polling)[(MODEL_NAME, "3")]
     assert row["state"] == "UNAVAILABLE" and "onnxruntime cannot load" in row["reason"]
     response = polling.post("/predict", json=body(fashion_images))
@@ -157,27 +161,38 @@ def test_a_version_still_being_copied_is_never_served_half_written(polling, repo
             time.sleep(3 * POLL_S)  # several scans see it, changed and unchanged
             assert index(polling).get((MODEL_NAME, "2"), {}).get("state") != "READY"
         graph.write(pieces[-1])
-    wait_for(lambda: index(polling).get((MODEL_NAME, "2"), {}).get("state") == "READY", "version 2")
+    wait_until(
+        lambda: index(polling).get((MODEL_NAME, "2"), {}).get("state") == "READY", "version 2"
+    )
 
 
 def test_rolling_back_by_removing_the_new_version(polling, repository, fashion_images):
     stage_version(repository, MODEL_NAME, 1, 2)
-    wait_for(lambda: index(polling).get((MODEL_NAME, "2"), {}).get("state") == "READY", "version 2")
+    wait_until(
+        lambda: index(polling).get((MODEL_NAME, "2"), {}).get("state") == "READY", "version 2"
+    )
     with Load(polling, body(fashion_images)) as load:
-        wait_for(lambda: len(load.answers) > 10, "answers")
+        wait_until(lambda: len(load.answers) > 10, "answers")
         shutil.rmtree(repository / MODEL_NAME / "2")
-        wait_for(lambda: 1 in load.versions()[-5:], "answers from version 1 again")
-    assert {status for _, status, _ in load.answers} == {200}
+        wait_until(lambda: load.latest_versions() == {1}, "every client answered by version 1")
+    assert load.statuses() == {200}
 
 
 def test_explicit_load_and_unload(repository, fashion_images):
-    settings = make_settings(repository, model_control="explicit")
+    settings = make_settings(repository, model_control="explicit", models=MODEL_NAME)
     with TestClient(create_app(settings)) as client:
         name = MODEL_NAME
         assert client.post(f"/v2/repository/models/{name}/unload").status_code == 200
-        assert index(client)[(name, "")]["state"] == "UNAVAILABLE"
-        assert_error(client.post("/predict", json=body(fashion_images)), 503, "not ready")
-        assert client.get("/health/ready").status_code == 503  # the default model is gone
+        assert index(client)[(name, "")] == {
+            "name": name,
+            "version": "",
+            "state": "UNAVAILABLE",
+            "reason": "unloaded",
+        }
+        unloaded = client.post("/predict", json=body(fashion_images))
+        assert_error(unloaded, 404, f"model '{name}' is not loaded", f"models/{name}/load")
+        assert "retry-after" not in unloaded.headers  # it will not come back by itself
+        assert client.get("/health/ready").status_code == 200  # Triton's: ready once up
         assert client.post(f"/v2/repository/models/{name}/load").status_code == 200
         assert index(client)[(name, "1")]["state"] == "READY"
         assert client.post("/predict", json=body(fashion_images)).status_code == 200
@@ -187,6 +202,36 @@ def test_explicit_load_and_unload(repository, fashion_images):
         failed = client.post(f"/v2/repository/models/{name}/load")
         assert failed.status_code == 400 and "onnxruntime cannot load" in failed.json()["error"]
         assert client.post("/predict", json=body(fashion_images)).status_code == 200  # kept
+
+
+def test_explicit_mode_loads_only_the_models_named_at_start_up(repository, fashion_images):
+    """Triton's --model-control-mode=explicit: no --load-model loads nothing; '*' loads all."""
+    shutil.copytree(repository / MODEL_NAME, repository / "second")
+    nothing = make_settings(repository, model_control="explicit", models=None, model_name=None)
+    with TestClient(create_app(nothing)) as client:
+        rows = index(client)
+        assert {key: row["reason"] for key, row in rows.items()} == {
+            (MODEL_NAME, ""): "unloaded",
+            ("second", ""): "unloaded",
+        }
+        assert {row["state"] for row in rows.values()} == {"UNAVAILABLE"}
+        assert client.get("/health/ready").status_code == 200
+        assert client.get("/v2/health/ready").json() == {"ready": True}
+        for path in ("/predict", "/models/second/predict"):
+            answer = client.post(path, json=body(fashion_images))
+            assert_error(answer, 404, "is not loaded")
+        assert client.post("/v2/repository/models/second/load").status_code == 200
+        assert client.post("/models/second/predict", json=body(fashion_images)).status_code == 200
+        assert index(client)[(MODEL_NAME, "")]["reason"] == "unloaded"
+    one = make_settings(repository, model_control="explicit", models="second", model_name=None)
+    with TestClient(create_app(one)) as client:
+        assert {row["state"] for row in index(client).values()} == {"READY", "UNAVAILABLE"}
+        assert (
+            client.post("/predict", json=body(fashion_images)).json()["model"]["name"] == "second"
+        )
+    every = make_settings(repository, model_control="explicit", models="*", model_name=None)
+    with TestClient(create_app(every)) as client:
+        assert {row["state"] for row in index(client).values()} == {"READY"}
 
 
 def test_load_and_unload_need_explicit_mode(client):

@@ -95,12 +95,14 @@ class ModelMetadataResponse(BaseModel):
 
 
 class RepositoryIndexRequest(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, json_schema_extra={"examples": [{"ready": True}]})
 
     ready: bool = Field(default=False, description="Only the model versions that are ready.")
 
 
 class RepositoryLoadRequest(_Lenient):
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"examples": [{}]})
+
     parameters: dict[str, Any] | None = Field(
         default=None, description="Triton's config and file overrides: not supported (400)."
     )

@@ -43,16 +43,21 @@ def add_model_routes(
         return await _serve(handler, request, name, version)
 
     openapi_extra = {**route.pop("openapi_extra", {}), **OPENAPI_SECURITY}
-    for prefix, endpoint, which in (
-        ("", default_model, ""),
-        ("/models/{name}", named_model, " (a model by name)"),
-        ("/models/{name}/versions/{version}", one_version, " (one version of a model)"),
+    for prefix, endpoint, which, kind in (
+        ("", default_model, "", ""),
+        ("/models/{name}", named_model, " (a model by name)", "_model"),
+        (
+            "/models/{name}/versions/{version}",
+            one_version,
+            " (one version of a model)",
+            "_model_version",
+        ),
     ):
         router.add_api_route(
             prefix + suffix,
             endpoint,
             methods=["POST"],
-            name=f"{handler.__name__}{prefix.replace('/', '_').replace('{', '').replace('}', '')}",
+            name=handler.__name__ + kind,  # and operation id: predict, predict_model, ...
             summary=summary + which,
             openapi_extra=openapi_extra,
             **route,

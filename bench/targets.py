@@ -1,0 +1,176 @@
+"""The benchmark targets of the issues, each checked against one run's medians (bench/comparison.py):
+issue 13's (vitserve against the plain server) and issue 23's (against mosec and Triton)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from bench.stats import fmt, median, ratio
+
+if TYPE_CHECKING:
+    from bench.comparison import Comparison
+
+PNG, TENSOR = "png", "tensor"  # the kinds of request: base64 PNGs, or the model's FP32 tensor
+TARGET_LEVELS = (64, 256)  # issue 13's and issue 23's concurrency levels
+ANCHOR_LEVELS = (1, 64, 256)  # issue 23's points for base64 PNGs ...
+TENSOR_LEVELS = (64,)  # ... and for the FP32 tensor on /v2
+MiB = 1024  # KiB per MiB
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    measured: str
+    passed: bool | None
+    busy: bool
+
+    @property
+    def verdict(self) -> str:
+        verdict = "NOT MEASURED" if self.passed is None else "PASS" if self.passed else "FAIL"
+        return verdict + (" (busy machine: not a result)" if self.busy else "")
+
+
+def issue13(result: Comparison) -> list[Target]:
+    """Issue 13's targets: vitserve against the plain server, the ceiling, int8, start-up, memory."""
+    rows = []
+    for c in TARGET_LEVELS:
+        ours, plain = result.spread("vitserve", 1, c), result.spread("plain", 1, c)
+        busy = result.busy("vitserve", 1, c) or result.busy("plain", 1, c)
+        x = ratio(median(ours), median(plain))
+        rows.append(
+            Target(
+                f"c={c}, 1 image/request: >= 1.5x the plain server's req/s",
+                f"{x:.3f}x ({fmt(median(ours))} vs {fmt(median(plain))})" if x else "-",
+                None if x is None else x >= 1.5,
+                busy,
+            )
+        )
+        ours, plain = (
+            result.spread("vitserve", 1, c, "p99_ms"),
+            result.spread("plain", 1, c, "p99_ms"),
+        )
+        both = ours is not None and plain is not None
+        rows.append(
+            Target(
+                f"c={c}, 1 image/request: lower p99 than the plain server",
+                f"{fmt(median(ours), 1)} vs {fmt(median(plain), 1)} ms" if both else "-",
+                ours.median < plain.median if both else None,
+                busy,
+            )
+        )
+    batch, ceiling = result.best_ceiling()
+    served = median(result.spread("vitserve", 1, 64, "images_per_s"))
+    bare = median(result.spread("nomodel", 1, 64))
+    x = ratio(served, median(ceiling))
+    rows.append(
+        Target(
+            "c=64, 1 image/request: >= 90% of the in-process ceiling's images/s",
+            f"{100 * x:.0f}% ({fmt(served)} vs {fmt(median(ceiling))} at batch {batch})"
+            + (f"; with no model at all the plain server answers {fmt(bare)}" if bare else "")
+            if x
+            else "-",
+            None if x is None else x >= 0.9,
+            result.busy("vitserve", 1, 64),
+        )
+    )
+    (c32, ours), (c1, plain) = result.best("vitserve", 32), result.best("plain", 1)
+    x = ratio(ours, plain)
+    rows.append(
+        Target(
+            "32 images/request: >= 1.5x the plain server's images/s (each at its best c)",
+            f"{x:.3f}x ({fmt(ours)} at c={c32} vs {fmt(plain)} at c={c1})" if x else "-",
+            None if x is None else x >= 1.5,
+            bool(c32 and result.busy("vitserve", 32, c32))
+            or bool(c1 and result.busy("plain", 1, c1)),
+        )
+    )
+    ours, int8 = result.spread("vitserve", 1, 64), result.spread("int8", 1, 64)
+    x = ratio(median(int8), median(ours))
+    rows.append(
+        Target(
+            "c=64, 1 image/request: the int8 model >= 1.5x the fp32 model's images/s",
+            f"{x:.3f}x ({fmt(median(int8))} vs {fmt(median(ours))})" if x else "-",
+            None if x is None else x >= 1.5,
+            result.busy("vitserve", 1, 64) or result.busy("int8", 1, 64),
+        )
+    )
+    start = result.starts.get("vitserve")
+    rows.append(
+        Target(
+            "start-up < 2 s (spawn to ready, slowest start)",
+            f"{start.ready_s.high:.2f} s (median {start.ready_s.median:.2f})" if start else "-",
+            None if start is None else start.ready_s.high < 2.0,
+            False,
+        )
+    )
+    peak = start.peak_kib if start else None
+    rows.append(
+        Target(
+            "peak resident memory < 300 MiB (sum of VmHWM over the process tree, after every load run)",
+            f"{peak / MiB:.0f} MiB" if peak else "-",
+            None if peak is None else peak / MiB < 300,
+            False,
+        )
+    )
+    return rows
+
+
+def _faster(result: Comparison, than: str, c: int, kind: str, factor: float, what: str) -> Target:
+    ours, theirs = (result.spread(k, 1, c, kind=kind) for k in ("vitserve", than))
+    x = ratio(median(ours), median(theirs))
+    return Target(
+        f"{what}: >= {factor:g}x {than}'s req/s",
+        f"{x:.3f}x ({fmt(median(ours))} vs {fmt(median(theirs))})" if x else "-",
+        None if x is None else x >= factor,
+        result.busy("vitserve", 1, c, kind=kind) or result.busy(than, 1, c, kind=kind),
+    )
+
+
+def issue23(result: Comparison) -> list[Target]:
+    """Issue 23's targets: ahead of mosec and Triton, c=1 as the plain server, memory, start-up."""
+    rows = []
+    for c in TARGET_LEVELS:
+        what = f"c={c}, one base64 PNG per request"
+        rows.append(_faster(result, "mosec", c, PNG, 1.15, what))
+        ours, theirs = (result.spread(k, 1, c, "p99_ms") for k in ("vitserve", "mosec"))
+        both = ours is not None and theirs is not None
+        rows.append(
+            Target(
+                f"{what}: lower p99 than mosec",
+                f"{fmt(median(ours), 1)} vs {fmt(median(theirs), 1)} ms" if both else "-",
+                ours.median < theirs.median if both else None,
+                result.busy("vitserve", 1, c) or result.busy("mosec", 1, c),
+            )
+        )
+    (c,) = TENSOR_LEVELS
+    rows.append(_faster(result, "triton", c, TENSOR, 1.2, f"c={c}, FP32 JSON tensor on /v2"))
+    ours, plain = (result.spread(k, 1, 1, "p50_ms") for k in ("vitserve", "plain"))
+    x = ratio(median(ours), median(plain))
+    rows.append(
+        Target(
+            "c=1, one base64 PNG per request: p50 within 5% of the plain server's",
+            f"{fmt(median(ours), 2)} vs {fmt(median(plain), 2)} ms ({x:.3f}x)" if x else "-",
+            None if x is None else x <= 1.05,
+            result.busy("vitserve", 1, 1) or result.busy("plain", 1, 1),
+        )
+    )
+    start = result.starts.get("vitserve")
+    peak = start.peak_kib if start else None
+    rows.append(
+        Target(
+            "peak RSS of all processes together < 600 MiB (sum of VmHWM over the process tree)",
+            f"{peak / MiB:.0f} MiB" if peak else "-",
+            None if peak is None else peak / MiB < 600,
+            False,
+        )
+    )
+    rows.append(
+        Target(
+            "start-up to ready < 3 s (spawn to ready, slowest start)",
+            f"{start.ready_s.high:.2f} s (median {start.ready_s.median:.2f})" if start else "-",
+            None if start is None else start.ready_s.high < 3.0,
+            False,
+        )
+    )
+    return rows
