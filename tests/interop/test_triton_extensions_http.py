@@ -95,7 +95,9 @@ def test_statistics_count_every_route_exactly(client, http, fashion_images):
     assert stats["fail"]["count"] - earlier["fail"]["count"] == 1
     for stage in ("queue", "compute_input", "compute_infer", "compute_output"):
         assert stats[stage]["count"] - earlier[stage]["count"] == 3, stage
-        assert stats[stage]["ns"] > earlier[stage]["ns"], stage
+        # an idle model runs a request at once: its time in the queue may be 0
+        grew = int(stats[stage]["ns"]) - int(earlier[stage]["ns"])
+        assert grew >= 0 if stage == "queue" else grew > 0, stage
     assert 3 <= after["execution_count"] - before["execution_count"] <= 4  # /predict may split
     assert (
         sum(b["compute_infer"]["count"] for b in after["batch_stats"]) == after["execution_count"]

@@ -112,7 +112,9 @@ def one_per_batch(model_repository, monkeypatch) -> Iterator[TestClient]:
 
 @pytest.fixture
 def slow_batches(model_repository, monkeypatch) -> Iterator[TestClient]:
-    with faulty_client(model_repository, monkeypatch, max_queue_delay_ms=1000.0) as client:
+    with faulty_client(
+        model_repository, monkeypatch, max_queue_delay_ms=1000.0, idle_dispatch=False
+    ) as client:
         yield client
 
 

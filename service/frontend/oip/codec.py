@@ -69,6 +69,27 @@ def _flatten(data: Any, where: str, limit: int) -> list[Any]:
     return flat
 
 
+def _numbers(
+    data: Any, header: bytes, elements: int, datatype: str, where: str
+) -> np.ndarray | None:
+    """``data`` as the datatype's array in one numpy call, when it is a regular (flat or nested)
+    list of exactly ``elements`` JSON numbers; None for anything else. A body with no ``true`` or
+    ``false`` anywhere holds no booleans (which numpy would take for 1 and 0), and numpy gives a
+    number dtype only when every element is a number (strings, nulls, ragged lists, integers past
+    64 bits give another dtype or raise)."""
+    if b"true" in header or b"false" in header:
+        return None
+    try:
+        array = np.array(data)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    if array.dtype.kind not in "iuf" or array.size != elements:
+        return None
+    return checked_values(
+        array.reshape(-1).astype(np.float64, copy=False), datatype, f"{where}.data"
+    )
+
+
 def _from_json(values: list[Any], datatype: str, where: str) -> np.ndarray:
     for index, value in enumerate(values):
         if isinstance(value, bool) or not isinstance(value, int | float):
@@ -268,12 +289,14 @@ def decode_request(
             )
         if tensor.data is None:
             raise OipError(f"{where}: no 'data' (nor parameters.binary_data_size)")
-        flat = _flatten(tensor.data, where, elements)
-        if len(flat) != elements:
-            raise OipError(
-                f"{where}: 'data' holds {len(flat)} elements; shape {shape} needs {elements}"
-            )
-        values = _from_json(flat, tensor.datatype, where)
+        values = _numbers(tensor.data, header, elements, tensor.datatype, where)
+        if values is None:  # anything unusual: element by element, to name what is wrong
+            flat = _flatten(tensor.data, where, elements)
+            if len(flat) != elements:
+                raise OipError(
+                    f"{where}: 'data' holds {len(flat)} elements; shape {shape} needs {elements}"
+                )
+            values = _from_json(flat, tensor.datatype, where)
     default_binary = bool(_bool_parameter(infer.parameters, "binary_data_output", "request"))
     if infer.outputs is None:
         outputs = all_outputs(meta, default_binary)
