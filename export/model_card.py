@@ -201,12 +201,18 @@ def quantization_lines(
         f"- Made by: `python -m export.onnx {run_dir} --name {entry.name} --version "
         f"{version_dir.name} --quantize int8 --quantization {method}`",
     ]
+    changed, images = batch_dependence(version_dir / "model.onnx")
     if method == "dynamic":
-        changed, images = batch_dependence(version_dir / "model.onnx")
         lines.append(
             "- Its activations are quantized with one scale per batch, so a prediction can depend on "
             f"the images batched with it: {changed} of {images} test images are classified "
             "differently at batch 1 and at batch 32."
+        )
+    else:
+        lines.append(
+            "- Its activation scales are fixed at calibration, so a prediction does not depend on the "
+            f"images batched with it: {changed} of {images} test images are classified differently "
+            "at batch 1 and at batch 32."
         )
     return lines
 

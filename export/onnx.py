@@ -45,6 +45,7 @@ from export.evaluate import dataset_logits, onnx_runner
 from export.model import VisionTransformer, WithAttention
 from export.pixels import preprocessing_document
 from export.repository import RepositoryError, write_version
+from service.contract.model_repository import Preprocessing, default_input_range
 
 OPSET = 18
 METADATA_KEY = "vitserve"
@@ -260,6 +261,7 @@ def describe(
             "channels": c.in_channels,
             "height": c.image_height,
             "width": c.image_width,
+            "range": list(default_input_range(Preprocessing(**preprocessing_document(spec)))),
         },
         "outputs": {"logits": "logits", "attention": "attention"},
         "preprocessing": preprocessing_document(spec),

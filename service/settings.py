@@ -14,6 +14,8 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.contract.model_config import LIMITS
+
 
 def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     """The CPUs a container's cgroup allows (cgroup v2 ``cpu.max``, or v1's CFS quota); None when
@@ -100,13 +102,13 @@ class Settings(BaseSettings):
     max_batch_size: int | None = Field(
         default=None,
         ge=1,
-        le=1024,
+        le=LIMITS["max_batch_size"],
         description="Most images run through the model in one batch (config.pbtxt: max_batch_size).",
     )
     max_queue_delay_ms: float | None = Field(
         default=None,
         ge=0.0,
-        le=10_000.0,
+        le=LIMITS["max_queue_delay_s"] * 1000.0,
         description=(
             "Longest time the oldest queued image waits for a batch to fill before the batch runs anyway "
             "(milliseconds; config.pbtxt: dynamic_batching.max_queue_delay_microseconds)."
@@ -115,6 +117,7 @@ class Settings(BaseSettings):
     max_queue_size: int | None = Field(
         default=None,
         ge=1,
+        le=LIMITS["max_queue_size"],
         description=(
             "Most images waiting in the queue of a graph; a request that does not fit is answered 503 "
             "with Retry-After at once (config.pbtxt: default_queue_policy.max_queue_size)."
@@ -123,6 +126,7 @@ class Settings(BaseSettings):
     request_timeout_s: float | None = Field(
         default=None,
         gt=0.0,
+        le=LIMITS["request_timeout_s"],
         description=(
             "A request not answered within this many seconds of entering the queue gets 503 "
             "(config.pbtxt: default_queue_policy.default_timeout_microseconds)."
@@ -131,7 +135,7 @@ class Settings(BaseSettings):
     instance_count: int | None = Field(
         default=None,
         ge=1,
-        le=64,
+        le=LIMITS["instance_count"],
         description=(
             "Model instances per graph: batches run concurrently, each on its own onnxruntime session "
             "(config.pbtxt: instance_group count)."
@@ -326,7 +330,37 @@ class Settings(BaseSettings):
         ge=1,
         description=(
             "`python -m service`: most open client connections (shared out among the front-end "
-            "processes); one more is answered 503 with Retry-After and closed."
+            "processes); one more is answered 503 with Retry-After and closed, unless it is a GET "
+            "of /health/* or /v2/health/*, which is answered."
+        ),
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        le=1024 * 1024,
+        description=(
+            "`python -m service`: most bytes of a request's line and headers together (at most "
+            "1 MiB); more is answered 431 and the connection closed, before the bytes pile up."
+        ),
+    )
+    max_header_count: int = Field(
+        default=100,
+        ge=8,
+        le=1000,
+        description=(
+            "`python -m service`: most header fields in one request (at most 1000); more is "
+            "answered 431 and the connection closed."
+        ),
+    )
+    health_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description=(
+            "`python -m service`: a second port, on the same host, serving only /health/* and "
+            "/v2/health/* from a thread of its own, so that probes are answered at once however "
+            "busy the service is (liveness there fails once the event loop has not run for 10 s); "
+            "0 (the default) turns it off."
         ),
     )
     docs: bool = Field(

@@ -27,6 +27,19 @@ PLATFORM = "onnxruntime_onnx"
 VersionPolicy = tuple[str, int] | tuple[str, tuple[int, ...]] | tuple[str]
 
 
+# The most each setting may be (a config.pbtxt over one is refused with its reason): beyond them a
+# single version could take the machine's memory (max_batch_size 4096 took 2.1 GiB in warm-up, an
+# instance count of 50 kept 870 MiB, issue 25). The environment overrides have the same bounds.
+LIMITS = {
+    "max_batch_size": 1024,
+    "instance_count": 64,
+    "max_queue_delay_s": 10.0,
+    "max_queue_size": 65536,
+    "request_timeout_s": 3600.0,
+}
+MAX_CONFIG_BYTES = 1024 * 1024  # a config.pbtxt is a few hundred bytes; a larger one is refused
+
+
 class ModelConfigError(ValueError):
     """A config.pbtxt that cannot be parsed, or whose settings the service cannot run."""
 
@@ -42,13 +55,22 @@ def parse_model_config(text: str, source: str | Path = CONFIG_FILE) -> ModelConf
         raise ModelConfigError(f"{source}: {where}: {message}") from error
 
 
-def read_model_config(path: str | Path) -> ModelConfig:
+def read_model_config(path: str | Path, source: str | Path | None = None) -> ModelConfig:
+    """The file at ``path``; errors name it as ``source`` (default: the path)."""
     path = Path(path)
+    source = path if source is None else source
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as file:
+            raw = file.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ModelConfigError(
+                f"{source}: larger than the limit of {MAX_CONFIG_BYTES} bytes for a config.pbtxt"
+            )
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as error:
-        raise ModelConfigError(f"{path}: cannot read it ({error})") from error
-    return parse_model_config(text, path)
+        reason = error.strerror if isinstance(error, OSError) else error
+        raise ModelConfigError(f"{source}: cannot read it ({reason})") from error
+    return parse_model_config(text, source)
 
 
 def format_model_config(config: ModelConfig) -> str:
@@ -148,6 +170,10 @@ class ServingConfig:
             problems.append(f"request_timeout_s must be above 0, got {self.request_timeout_s}")
         if self.instance_count < 1:
             problems.append(f"instance_count must be 1 or more, got {self.instance_count}")
+        for name, most in LIMITS.items():
+            value = getattr(self, name)
+            if value is not None and value > most:
+                problems.append(f"{name} must be at most {most:g}, got {value:g}")
         problems += _policy_problems(self.version_policy)
         if problems:
             raise ModelConfigError("; ".join(problems))

@@ -40,6 +40,14 @@ class InputSpec(_Meta):
     channels: Literal[1, 3]
     height: int = Field(ge=1)
     width: int = Field(ge=1)
+    # Smallest and largest FP32 element a client may send (/v2 tensors); absent: default_input_range.
+    range: tuple[float, float] | None = None
+
+    @model_validator(mode="after")
+    def _ordered_range(self) -> InputSpec:
+        if self.range is not None and not self.range[0] < self.range[1]:
+            raise ValueError(f"input.range {list(self.range)} must be [low, high] with low < high")
+        return self
 
 
 class Preprocessing(_Meta):
@@ -50,6 +58,22 @@ class Preprocessing(_Meta):
     scale: float = Field(gt=0)
     mean: list[float] = Field(min_length=1)
     std: list[float] = Field(min_length=1)
+
+
+def preprocessing_range(pre: Preprocessing) -> tuple[float, float]:
+    """The smallest and largest value the preprocessing can give: 0 and 255, scaled and normalised."""
+    ends = [
+        (v * pre.scale - m) / s for m, s in zip(pre.mean, pre.std, strict=True) for v in (0, 255)
+    ]
+    return min(ends), max(ends)
+
+
+def default_input_range(pre: Preprocessing) -> tuple[float, float]:
+    """The preprocessing's range widened by its own span on each side: what the export records in
+    ``input.range`` and what a model without one accepts."""
+    low, high = preprocessing_range(pre)
+    span = high - low
+    return low - span, high + span
 
 
 class Patch(_Meta):
@@ -139,6 +163,11 @@ class ModelMetadata(_Meta):
         """Whether the metadata has every field that attention maps need."""
         fields = (self.patch, self.pooling, self.class_token, self.tokens, self.depth, self.heads)
         return all(value is not None for value in fields)
+
+    @property
+    def input_range(self) -> tuple[float, float]:
+        """The FP32 elements a client may send: ``input.range``, else the default."""
+        return self.input.range or default_input_range(self.preprocessing)
 
     @property
     def grid(self) -> tuple[int, int]:

@@ -93,6 +93,31 @@ def sniff_format(data: bytes, field: str) -> str:
     )
 
 
+# Files larger than this are never taken for thumbnails: pixels_to_decode does not parse them.
+PEEK_BYTES = 256 * 1024
+
+
+def pixels_to_decode(data: bytes) -> int | None:
+    """The pixels decoding ``data``'s first frame really makes, told without decoding: a PNG's or
+    BMP's header (what its decoder allocates), a GIF's canvas as Pillow sizes it from the first
+    image descriptor (the logical screen may claim 1x1 for a 4096x4095 frame, issue 25). None when it
+    cannot be told cheaply: JPEG, WebP, malformed, or more than PEEK_BYTES."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) >= 24:
+        return int.from_bytes(data[16:20], "big") * int.from_bytes(data[20:24], "big")
+    if data[:2] == b"BM" and len(data) >= 26:
+        width = int.from_bytes(data[18:22], "little", signed=True)
+        height = int.from_bytes(data[22:26], "little", signed=True)
+        return abs(width * height)
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) <= PEEK_BYTES:
+        try:
+            with Image.open(io.BytesIO(data), formats=["GIF"]) as image:  # header and descriptor
+                width, height = image.size
+        except Exception:  # Pillow raises many exception types for malformed headers
+            return None
+        return width * height
+    return None
+
+
 def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> Image.Image:
     """Decode the first frame, upright, after checking the header's pixel count against the limit."""
     image_format = sniff_format(data, field)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from service.engine.batch_request import BatchRequest, ClientGone, QueueItem, TimedOut
+from service.engine.output_checks import require_finite
 from service.engine.statistics import BatchTimes, ModelStatistics
 from service.errors import ClientDisconnected, InferenceFailed, ServiceUnavailable
 from service.observability import tracing
@@ -213,6 +214,7 @@ class DynamicBatcher:
             max(round((item.started - item.enqueued) * 1e9) for item in items),
             {id(item.batch): item.batch for item in items if item.batch}.values(),
         )
+        require_finite(outputs, self.model, self.graph, self._metrics)
         return outputs
 
     def _reject(self, reason: str) -> None:

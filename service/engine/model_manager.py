@@ -22,6 +22,7 @@ import logging
 from pathlib import Path
 
 from service.contract.model_config import (
+    ModelConfig,
     ServingConfig,
     select_versions,
 )
@@ -37,6 +38,8 @@ from service.engine.model_versions import (
     Signature,
     VersionStatus,
     file_signature,
+    model_config,
+    relative,
     scan_version,
     serving_settings,
 )
@@ -236,6 +239,9 @@ class ModelManager:
             if model is None or not model.versions:
                 unloaded = self._explicit or (model is not None and model.unloaded)
                 reason = "unloaded" if unloaded else "not loaded"
+                reason = (
+                    model.config_problem if model is not None and model.config_problem else reason
+                )
                 rows.append((name, None, "UNAVAILABLE", reason))
                 continue
             rows.extend(
@@ -254,9 +260,9 @@ class ModelManager:
 
     # --- loading ----------------------------------------------------------------------------------
 
-    def _serving(self, name: str) -> ServingConfig:
+    def _serving(self, name: str, config: ModelConfig) -> ServingConfig:
         pinned = self.settings.model_version if name == self.default_name else None
-        return serving_settings(self.repository, name, self.settings, pinned)
+        return serving_settings(config, name, self.settings, pinned)
 
     async def _sync_model(self, name: str, initial: bool = False) -> list[str]:
         """Bring one model in line with the repository: load what its policy wants and is new or
@@ -265,17 +271,32 @@ class ModelManager:
         failures: list[str] = []
         model = self.models.get(name)
         config_signature = file_signature(self.repository / name / CONFIG_FILE)
-        try:
-            serving = self._serving(name)
+        if (
+            model is not None
+            and model.config_problem
+            and model.config_signature == config_signature
+        ):
+            return [model.config_problem]  # the same broken file: said once, when it appeared
+        try:  # parsed in a thread: a large file must not stall the event loop
+            config = await asyncio.to_thread(model_config, self.repository, name)
+            serving = self._serving(name, config)
         except ModelLoadError as error:
-            self._failed(name, None, str(error))
+            problem = relative(str(error), self.repository)
+            self._failed(name, None, problem)
             if model is None:
-                self.models[name] = ManagedModel(name, serving=None)
-            return [str(error)]
+                model = self.models[name] = ManagedModel(name, serving=None)
+            model.config_problem, model.config_signature = problem, config_signature
+            for status in model.versions.values():
+                if status.pipeline is not None:
+                    status.reason = (
+                        f"serving the previous config; the new one is refused: {problem}"
+                    )
+            return [problem]
         if model is None:
             model = self.models[name] = ManagedModel(name, serving, config_signature)
-        config_changed = model.config_signature != config_signature
+        config_changed = model.config_signature != config_signature or model.config_problem != ""
         model.serving, model.config_signature = serving, config_signature
+        model.config, model.config_problem = config, ""
         available = version_numbers(self.repository / name)
         wanted = select_versions(serving.version_policy, available)
         scanned = {version: self._scan(name, version, initial) for version in available}
@@ -288,7 +309,7 @@ class ModelManager:
                 continue
             if files is None:
                 self._record_failure(model, version, status, signature, problem)
-                failures.append(problem)
+                failures.append(relative(problem, self.repository))
             elif (
                 failure := await self._load_version(model, version, files, signature)
             ) is not None:
@@ -311,7 +332,7 @@ class ModelManager:
                 model.versions[version] = VersionStatus(
                     version,
                     "UNAVAILABLE",
-                    f"version {version} of model {name!r} not found in {self.repository / name}; "
+                    f"version {version} of model {name!r} not found in {name}/; "
                     f"available: {', '.join(map(str, available)) or 'none'}",
                 )
         return failures
@@ -336,9 +357,10 @@ class ModelManager:
             model.versions[version] = VersionStatus(version, "LOADING", signature=signature)
         try:
             runtime = await asyncio.to_thread(Runtime.load, files, self.settings, model.serving)
-        except ModelLoadError as error:
-            self._record_failure(model, version, previous, signature, str(error))
-            return str(error)
+        except (ModelLoadError, MemoryError) as error:  # never left LOADING
+            reason = relative(str(error) or "out of memory (MemoryError)", self.repository)
+            self._record_failure(model, version, previous, signature, reason)
+            return reason
         pipeline = ModelPipeline(model.name, runtime, model.serving, self.settings, self.metrics)
         pipeline.start()
         old = previous.pipeline if previous is not None else None
@@ -374,6 +396,7 @@ class ModelManager:
         signature: Signature,
         reason: str,
     ) -> None:
+        reason = relative(reason, self.repository)
         self._failed(model.name, version, reason)
         if previous is not None and previous.pipeline is not None:
             # the files changed and the new ones do not load: keep serving what was loaded
@@ -412,7 +435,10 @@ class ModelManager:
     async def poll_once(self) -> None:
         self._known_names()
         async with self._lock:
-            names = self.settings.model_list or model_names(self.repository)
+            # The models being served too: a removed folder is no longer in the listing.
+            names = self.settings.model_list or sorted(
+                {*model_names(self.repository), *self.models}
+            )
             for name in names:
                 if (self.repository / name).is_dir():
                     await self._sync_model(name)
@@ -432,16 +458,14 @@ class ModelManager:
         """Explicit control: (re)load a model's versions as its policy says; 400 with the reason
         when none loads."""
         if name not in self._known_names() or not (self.repository / name).is_dir():
-            raise NotFound(
-                f"model {name!r} is not in the repository {self.repository}", field="model"
-            )
+            raise NotFound(f"model {name!r} is not in the model repository", field="model")
         async with self._lock:
             model = self.models.get(name)
             if model is not None:
                 model.config_signature = ()  # an explicit load re-reads everything
             failures = await self._sync_model(name, initial=True)
             model = self.models[name]
-        if failures or not model.ready_versions():
+        if failures or not model.ready_versions():  # 400 with the reasons (explicit mode)
             kept = model.ready_versions()
             still = f"; still serving version(s) {kept}" if kept else ""
             raise ModelLoadError(f"{'; '.join(failures) or 'no version directory'}{still}")

@@ -21,6 +21,7 @@ from service.contract.model_repository import (
     version_files,
 )
 from service.engine.pipeline import ModelPipeline
+from service.errors import ServiceUnavailable
 from service.settings import Settings
 
 State = Literal["LOADING", "READY", "UNAVAILABLE", "UNLOADING"]
@@ -43,6 +44,8 @@ class ManagedModel:
     config_signature: Signature = ()
     versions: dict[int, VersionStatus] = field(default_factory=dict)
     unloaded: bool = False
+    config: ModelConfig | None = None  # the config.pbtxt being served, parsed once per change
+    config_problem: str = ""  # why the file on disk is not the one served, if it is not
 
     def ready_versions(self) -> list[int]:
         return sorted(v for v, s in self.versions.items() if s.state == "READY" and s.pipeline)
@@ -73,21 +76,52 @@ def file_signature(path: Path) -> Signature:
     return (stat.st_size, stat.st_mtime_ns)
 
 
-def serving_settings(
-    repository: Path, name: str, settings: Settings, pinned_version: int | None = None
-) -> ServingConfig:
-    """The model's config.pbtxt with the environment's overrides (a model without the file gets
-    :func:`default_config`). A queue without a size or timeout there gets the service's bounds: an
-    unbounded queue is not a setting this service offers."""
+def served_model_config(model: ManagedModel) -> ModelConfig:
+    """A copy of the config.pbtxt the model is served with (parsed when it changed, never per
+    request); 503 naming the problem when no valid one was ever read."""
+    if model.config is None:
+        raise ServiceUnavailable(
+            f"model '{model.name}' has no valid config: {model.config_problem or 'not loaded'}",
+            code="invalid_config",
+        )
+    copy = ModelConfig()
+    copy.CopyFrom(model.config)
+    return copy
+
+
+def relative(text: str, repository: Path) -> str:
+    """``text`` with the repository's path taken out: answers name files relative to it."""
+    for root in {str(repository.resolve()), str(repository)}:
+        text = text.replace(root.rstrip("/") + "/", "")
+    return text
+
+
+def model_config(repository: Path, name: str) -> ModelConfig:
+    """The model's config.pbtxt (:func:`default_config` without one); :class:`ModelLoadError` naming
+    it relative to the repository. Blocking: call it from a thread."""
     path = repository / name / CONFIG_FILE
+    try:
+        return (
+            read_model_config(path, f"{name}/{CONFIG_FILE}")
+            if path.is_file()
+            else default_config(name)
+        )
+    except ModelConfigError as error:
+        raise ModelLoadError(str(error)) from error
+
+
+def serving_settings(
+    config: ModelConfig, name: str, settings: Settings, pinned_version: int | None = None
+) -> ServingConfig:
+    """The model's config with the environment's overrides. A queue without a size or timeout
+    there gets the service's bounds: an unbounded queue is not a setting this service offers."""
     overrides: dict[str, object] = dict(settings.batching_overrides())
     if pinned_version is not None:
         overrides["version_policy"] = ("specific", (pinned_version,))
     try:
-        config = read_model_config(path) if path.is_file() else default_config(name)
         serving = serving_config(config, overrides)
     except ModelConfigError as error:
-        raise ModelLoadError(str(error)) from error
+        raise ModelLoadError(f"{name}/{CONFIG_FILE}: {error}") from error
     serving = replace(
         serving,
         max_queue_size=serving.max_queue_size or DEFAULT_MAX_QUEUE_SIZE,

@@ -13,15 +13,9 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from service.contract.model_config import (
-    CONFIG_FILE,
-    PLATFORM,
-    DataType,
-    ModelConfig,
-    read_model_config,
-)
+from service.contract.model_config import PLATFORM, DataType, ModelConfig
 from service.engine.model_manager import ModelManager
-from service.engine.model_versions import default_config
+from service.engine.model_versions import served_model_config
 from service.engine.pipeline import ModelPipeline
 from service.errors import NotFound
 
@@ -37,8 +31,7 @@ def served_config(manager: ModelManager, name: str, version: int | None = None) 
     """The ModelConfig a model is served with, as JSON; 404 for an unknown model or version."""
     _named_version(manager, name, version)
     model = manager.model(name)
-    path = manager.repository / name / CONFIG_FILE
-    config = read_model_config(path) if path.is_file() else default_config(name)
+    config = served_model_config(model)  # parsed when it changed, never per request (issue 25)
     config.name = name
     if not config.platform and not config.backend:
         config.platform = PLATFORM

@@ -133,11 +133,16 @@ def _check_graph(
             f"{path}: the batch axis is fixed at {shape[0]}; export it with a dynamic batch axis"
         )
     outputs = {o.name: list(o.shape) for o in session.get_outputs()}
+    types = {o.name: o.type for o in session.get_outputs()}
     wanted = [meta.outputs.logits] + ([meta.outputs.attention] if graph == "attention" else [])
     for name in wanted:
         if name not in outputs:
             raise ModelLoadError(
                 f"{path}: output {name!r} missing; the graph has {sorted(outputs)}"
+            )
+        if types[name] != "tensor(float)":  # the whole contract: outputs too (issue 25)
+            raise ModelLoadError(
+                f"{path}: output {name!r} is {types[name]}, expected tensor(float)"
             )
     classes = outputs[meta.outputs.logits][1:]
     if classes and isinstance(classes[0], int) and classes[0] != meta.num_classes:

@@ -13,7 +13,14 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
-from service.contract.preprocessing import Invert, Prepared, Preprocessor, decode_image, shrink
+from service.contract.preprocessing import (
+    Invert,
+    Prepared,
+    Preprocessor,
+    decode_image,
+    pixels_to_decode,
+    shrink,
+)
 from service.errors import InvalidInput, ServiceUnavailable
 from service.frontend.inputs import RawImage
 from service.observability.metrics import Metrics
@@ -77,16 +84,7 @@ def declared_pixels(image: RawImage) -> int | None:
         if first and isinstance(first[0], list):  # C x H x W
             return len(rows) * len(first) * len(first[0])
         return len(rows) * len(first) if first else None
-    data = image.data
-    if data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) >= 24:
-        return int.from_bytes(data[16:20], "big") * int.from_bytes(data[20:24], "big")
-    if data[:3] == b"GIF" and len(data) >= 10:
-        return int.from_bytes(data[6:8], "little") * int.from_bytes(data[8:10], "little")
-    if data[:2] == b"BM" and len(data) >= 26:
-        width = int.from_bytes(data[18:22], "little", signed=True)
-        height = int.from_bytes(data[22:26], "little", signed=True)
-        return abs(width * height)
-    return None
+    return pixels_to_decode(image.data)  # what decoding makes, not what a header claims
 
 
 def decode_inline(images: list[RawImage]) -> bool:

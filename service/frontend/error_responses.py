@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from service.errors import ServiceError, printable
+from service.observability.refusals import log_error_answer
 
 logger = logging.getLogger("vitserve")
 # Set in a request's ASGI state by service/frontend/server.py when the body deadline cut the request off.
@@ -101,8 +102,7 @@ def validation_message(details: Sequence[Mapping[str, Any]]) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, error: ServiceError) -> JSONResponse:
-        if error.status_code >= 500:
-            logger.error("%s [request %s]: %s", error.code, request_id_of(request), error.message)
+        log_error_answer(error.status_code, error.code, request_id_of(request), error.message)
         return error_response(
             request,
             error.status_code,

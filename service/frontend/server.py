@@ -11,7 +11,11 @@ httptools protocol (the one ``uvicorn[standard]`` runs) that adds
   a client at least that fast is never cut off; time the server itself is not reading (flow control)
   does not count;
 - a connection cap: a connection beyond ``max_connections`` is answered 503 with Retry-After as soon
-  as its request headers arrive (or after one second) and closed, without reaching the app.
+  as its request headers arrive (or after one second) and closed, without reaching the app; a ``GET``
+  of a health route is answered instead, by ``probes.probe_answer``, so probes never meet the cap;
+- header bounds: request headers of more than ``max_header_bytes`` bytes (request line included) or
+  more than ``max_header_count`` fields are answered 431 and the connection closed; the parser is
+  never fed more header bytes than the limit, so they cannot pile up in memory.
 
 A deadline that passes is answered 408 (when no response has started) and the connection closed. The
 app, if it was reading the body, sees the client gone (``error_responses.CUT_OFF`` in the request's state
@@ -27,6 +31,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.frontend.error_responses import CUT_OFF
+from service.frontend.probes import Readiness, probe_answer, probe_path
 from service.settings import Settings
 
 _EARLY_BYTES = 64 * 1024  # what an over-cap connection may send before it is answered
@@ -37,6 +42,10 @@ def _response(status: int, reason: str, code: str, message: str, retry_after: in
     body = json.dumps(
         {"error": {"code": code, "message": message, "field": None, "request_id": None}}
     ).encode()
+    return _raw(status, reason, body, retry_after)
+
+
+def _raw(status: int, reason: str, body: bytes, retry_after: int | None = None) -> bytes:
     headers = [
         f"HTTP/1.1 {status} {reason}",
         "content-type: application/json",
@@ -57,6 +66,9 @@ class GuardedProtocol(HttpToolsProtocol):
     body_min_bytes_per_s = 16 * 1024
     max_connections = 512
     retry_after_s = 1
+    max_header_bytes = 64 * 1024
+    max_header_count = 100
+    readiness: Readiness | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -64,8 +76,10 @@ class GuardedProtocol(HttpToolsProtocol):
         self._body_since = 0.0
         self._body_bytes = 0
         self._over_cap = False
-        self._early = 0
-        self._tail = b""
+        self._head = bytearray()  # an over-cap connection's first bytes, at most _EARLY_BYTES
+        self._in_headers = True  # the parser is inside a request's line and headers
+        self._header_bytes = 0
+        self._header_count = 0
 
     # --- timers -----------------------------------------------------------------------------------
 
@@ -124,8 +138,25 @@ class GuardedProtocol(HttpToolsProtocol):
             answer=not cycle.response_started,
         )
 
+    def _headers_too_large(self, what: str) -> None:
+        self._disarm()
+        self._close_with(
+            431,
+            "Request Header Fields Too Large",
+            "headers_too_large",
+            f"the request headers are larger than {what}",
+        )
+
     def _refuse_over_cap(self) -> None:
         self._deadline = None
+        end = self._head.find(b"\r\n")
+        path = probe_path(bytes(self._head[:end])) if end > 0 else None
+        if path is not None and not self.transport.is_closing():
+            status, body = probe_answer(path, self.readiness)
+            reason = {200: "OK", 400: "Bad Request"}.get(status, "Service Unavailable")
+            self.transport.write(_raw(status, reason, body))
+            self.transport.close()
+            return
         self._close_with(
             503,
             "Service Unavailable",
@@ -148,18 +179,50 @@ class GuardedProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if not self._over_cap:
-            super().data_received(data)
+        if self._over_cap:
+            # Never parsed: answered once the request headers are in (or enough bytes for them).
+            searched = max(0, len(self._head) - 3)
+            self._head += data[: _EARLY_BYTES + 4 - len(self._head)]
+            if b"\r\n\r\n" in self._head[searched:] or len(self._head) > _EARLY_BYTES:
+                self._disarm()
+                self._refuse_over_cap()
             return
-        # Never parsed: answered once the request headers are in (or enough bytes for them).
-        self._early += len(data)
-        window = self._tail + data
-        self._tail = window[-3:]
-        if b"\r\n\r\n" in window or self._early > _EARLY_BYTES:
-            self._disarm()
-            self._refuse_over_cap()
+        # While a request's headers are being read, the parser gets at most max_header_bytes of
+        # them; the rest of a chunk is fed once they are complete. (A next request that starts
+        # inside a chunk of the previous body is counted from the next chunk: at most one read,
+        # 256 KiB, more.)
+        while data and not self.transport.is_closing():
+            if not self._in_headers:
+                self._feed(data)
+                return
+            room = self.max_header_bytes - self._header_bytes
+            if room <= 0:
+                self._headers_too_large(f"max_header_bytes={self.max_header_bytes} bytes")
+                return
+            part, data = data[:room], data[room:]
+            self._header_bytes += len(part)
+            self._feed(part)
+
+    def _feed(self, data: bytes) -> None:
+        super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        if not self.transport.is_closing():  # not when a 431 went out already (on_header)
+            super().send_400_response(msg)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_headers, self._header_bytes, self._header_count = True, 0, 0
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self.max_header_count:
+            self._headers_too_large(f"max_header_count={self.max_header_count} fields")
+            raise ValueError("too many header fields")  # stops the parser (httptools wraps it)
+        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self._in_headers = False
         super().on_headers_complete()
         self._body_since, self._body_bytes = self.loop.time(), 0
         self._arm(self.body_timeout_s, self._body_check)
@@ -182,8 +245,11 @@ class GuardedProtocol(HttpToolsProtocol):
             self._arm(self.header_timeout_s, self._headers_late)
 
 
-def guarded_protocol(settings: Settings) -> type[GuardedProtocol]:
-    """The protocol class for ``uvicorn.Config(http=...)`` with the deadlines of ``settings``."""
+def guarded_protocol(
+    settings: Settings, readiness: Readiness | None = None
+) -> type[GuardedProtocol]:
+    """The protocol class for ``uvicorn.Config(http=...)`` with the deadlines and bounds of
+    ``settings``; ``readiness`` (the service's state) answers probes past the connection cap."""
     return type(
         "VitserveHttpProtocol",
         (GuardedProtocol,),
@@ -193,5 +259,8 @@ def guarded_protocol(settings: Settings) -> type[GuardedProtocol]:
             "body_min_bytes_per_s": settings.body_min_bytes_per_s,
             "max_connections": settings.max_connections,
             "retry_after_s": settings.retry_after_s,
+            "max_header_bytes": settings.max_header_bytes,
+            "max_header_count": settings.max_header_count,
+            "readiness": readiness,
         },
     )

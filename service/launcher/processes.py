@@ -7,6 +7,7 @@ terminal's Ctrl-C reaches the supervisor alone, which then stops everything in o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from service.frontend.probes import ProbeListener
 from service.frontend.server import guarded_protocol
 from service.link.wire import Addresses
 from service.observability.logs import uvicorn_log_config
@@ -67,7 +69,10 @@ class _Server(uvicorn.Server):
 
 
 def serve_http(app: FastAPI, settings: Settings, sockets: list[socket.socket] | None = None) -> int:
-    """Serve ``app`` with uvicorn and the guarded protocol until a signal; the exit code."""
+    """Serve ``app`` with uvicorn and the guarded protocol until a signal; the exit code. With
+    ``health_port`` set, each front end also answers probes there (probes.py; the port shared)."""
+    port = settings.health_port
+    probes = ProbeListener(settings.host, port, app.state.frontend) if port else None
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -78,7 +83,9 @@ def serve_http(app: FastAPI, settings: Settings, sockets: list[socket.socket] | 
         timeout_graceful_shutdown=settings.graceful_shutdown_s + ANSWER_MARGIN_S,
         access_log=settings.access_log,
         proxy_headers=False,
-        http=guarded_protocol(settings),
+        http=guarded_protocol(settings, app.state.frontend),
+        callback_notify=probes.heartbeat if probes else None,
+        timeout_notify=1,
     )
     server = _Server(config, app)
 
@@ -88,7 +95,8 @@ def serve_http(app: FastAPI, settings: Settings, sockets: list[socket.socket] | 
         sys.exit(0 if server.started else EXIT_START_FAILED)
 
     signal.signal(signal.SIGTERM, exit_after_drain)
-    server.run(sockets=sockets)
+    with contextlib.closing(probes.start()) if probes else contextlib.nullcontext():
+        server.run(sockets=sockets)
     return 0 if server.started else EXIT_START_FAILED
 
 

@@ -158,7 +158,17 @@ class Supervisor:
         return code
 
     def _stop(self, sig: int, frame: FrameType | None) -> None:
-        self.stopping = True
+        """At once, in the handler: every front end stops being ready and accepting, and the engine
+        runs what is queued, before the loop even wakes."""
+        if not self.stopping:
+            self.stopping = True
+            self._begin_drain()
+
+    def _begin_drain(self) -> None:
+        for process in self.front_ends.values():
+            _signal(process, signal.SIGTERM)
+        if self.engine is not None:
+            _signal(self.engine, signal.SIGUSR1)  # not ready; queued rows run at once
 
     def _watch(self, wake: int) -> int:
         """Restart what dies until a signal asks to stop; the exit code."""
@@ -204,14 +214,12 @@ class Supervisor:
 
     def _shutdown(self) -> None:
         """Front ends drain and exit, then the engine runs what is left and exits."""
-        self.stopping = True
+        if not self.stopping:  # not asked by a signal (start-up failed): tell them now
+            self.stopping = True
+            self._begin_drain()
         with contextlib.suppress(OSError, AttributeError):
             self.listener.close()  # new connections are refused once the front ends close theirs
         front_ends = [p for p in self.front_ends.values() if p.is_alive()]
-        for process in front_ends:
-            _signal(process, signal.SIGTERM)
-        if self.engine is not None and self.engine.is_alive():
-            _signal(self.engine, signal.SIGUSR1)  # not ready; queued rows run at once
         drain_s = self.settings.graceful_shutdown_s + processes.ANSWER_MARGIN_S
         _join(front_ends, drain_s + KILL_WAIT_S)
         if self.engine is not None:

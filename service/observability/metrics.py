@@ -118,6 +118,12 @@ class Metrics:
             _GRAPH,
             registry=r,
         )
+        self.non_finite_outputs = Counter(
+            "vitserve_non_finite_outputs",
+            "Images whose model outputs held NaN or Infinity (answered 500), by model and graph.",
+            _GRAPH,
+            registry=r,
+        )
         self.rejections = Counter(
             "vitserve_rejected_requests",
             "Requests answered 503 by the batcher, by model, graph and reason (queue_full, timeout, "

@@ -111,7 +111,9 @@ def test_metadata_describes_the_model(exported, tiny_run):
     assert metadata_of(repo / "tiny/3/attention.onnx")["graph"] == "attention"
     assert document["name"] == "tiny" and document["version"] == 3
     assert document["labels"][0] == "T-shirt/top" and len(document["labels"]) == 10
+    low, high = document["input"].pop("range")  # what the preprocessing gives, widened (issue 25)
     assert document["input"] == FASHION_INPUT
+    assert (low, high) == pytest.approx((-3.6431, 4.8555), abs=1e-4)
     pre = document["preprocessing"]
     assert pre["mean"] == [0.2860] and pre["std"] == [0.3530]
     assert pre["polarity"] == "light-on-dark" and pre["color"] == "grayscale"

@@ -211,6 +211,8 @@ def test_sigterm_runs_the_queued_images_at_once_then_exits_zero(
         # all six are accepted and wait for their batch: stop the server now, with three
         # connections open (idle) on which to ask for readiness right after the signal
         probes = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(3)]
+        for sock in probes:  # served by a front end (not only in the listener's backlog), ready
+            assert _probe(sock).startswith(b"HTTP/1.1 200")
         signalled = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
         readiness = [_probe(sock) for sock in probes]

@@ -127,6 +127,18 @@ def checked_values(values: np.ndarray, datatype: str, where: str) -> np.ndarray:
     return values.astype(np.float32)
 
 
+def check_range(values: np.ndarray, meta: ModelMetadata) -> None:
+    """FP32 elements within the model's ``input.range`` (a 3e38 is finite, and made NaN logits)."""
+    low, high = meta.input_range
+    inside = (values >= low) & (values <= high)
+    if not inside.all():
+        index = int(np.argmin(inside))
+        raise OipError(
+            f"input '{meta.input.name}': element {index} is {values[index].item():g}; FP32 "
+            f"elements must be within the model's input.range [{low:g}, {high:g}]"
+        )
+
+
 def values_from_bytes(raw: bytes, datatype: str, where: str) -> np.ndarray:
     """A tensor's little-endian bytes (binary_tensor_data, gRPC's raw contents) -> its elements."""
     return checked_values(np.frombuffer(raw, dtype=_NUMPY[datatype]), datatype, where)
@@ -223,6 +235,8 @@ def to_batch(values: np.ndarray, datatype: str, meta: ModelMetadata) -> np.ndarr
     batch = values.reshape(-1, spec.channels, spec.height, spec.width)
     if datatype == "UINT8":
         batch = normalise(batch, meta.preprocessing)
+    else:
+        check_range(values, meta)
     return np.ascontiguousarray(batch, dtype=np.float32)
 
 

@@ -33,6 +33,7 @@ from service.errors import NotFound, ServiceError
 from service.frontend.oip import repository
 from service.frontend.oip.codec import Decoded, OipError
 from service.frontend.oip.grpc_codec import decode_infer_request, encode_infer_response, parameter
+from service.frontend.oip.grpc_limits import grpc_server_options
 from service.frontend.oip.routes import (
     metadata_of,
     model_is_ready,
@@ -44,6 +45,7 @@ from service.frontend.security import check_api_key
 from service.frontend.serving import Call
 from service.frontend.state import FrontendState
 from service.observability import logs, tracing
+from service.observability.refusals import log_error_answer
 
 logger = logging.getLogger("vitserve")
 
@@ -87,8 +89,7 @@ def _rpc(protected: bool) -> Callable[[Callable[..., Awaitable[Any]]], Callable[
                         check_api_key(headers.get("authorization"), self.state.settings.api_key)
                     return await method(self, request, context, request_id)
             except ServiceError as error:
-                if error.status_code >= 500:
-                    logger.error("%s [request %s]: %s", error.code, request_id, error.message)
+                log_error_answer(error.status_code, error.code, request_id, error.message)
                 if "Retry-After" in error.headers:
                     trailers.append(("retry-after", error.headers["Retry-After"]))
                     context.set_trailing_metadata(trailers)
@@ -259,13 +260,10 @@ class GrpcServer:
 
     async def start(self) -> None:
         settings = self.state.settings
+        # one front end: a port in use is an error; several share it (the supervisor checked that
+        # no other program holds it)
         server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", settings.max_body_bytes),
-                # one front end: a port in use is an error; several share it (the supervisor
-                # checked that no other program holds it)
-                ("grpc.so_reuseport", 0 if self.state.worker is None else 1),
-            ]
+            options=grpc_server_options(settings, self.state.worker is not None)
         )
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
             InferenceServicer(self.state, self.version), server

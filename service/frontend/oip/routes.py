@@ -70,9 +70,9 @@ def version_number(version: str | None) -> int | None:
     """A protocol version string as the repository's integer; 404 for anything else."""
     if version is None:
         return None
-    if not (version.isascii() and version.isdigit()) or int(version) < 1:
+    if not (version.isascii() and version.isdigit()) or not 0 < len(version.lstrip("0")) <= 19:
         raise NotFound(f"unknown version '{version}': versions are positive integers")
-    return int(version)
+    return int(version.lstrip("0"))  # int() refuses more than 4,300 digits, zeros included
 
 
 def served_version(state: FrontendState, name: str, version: str | None) -> ServedVersion:

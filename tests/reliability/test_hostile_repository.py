@@ -1,0 +1,191 @@
+"""A model repository that changes under the service in hostile ways (issue 25): a model folder
+removed in poll mode is released and stops answering (it stayed READY, answering, before)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.frontend.app import create_app
+from tests.support import MODEL_NAME, RELIABILITY, make_settings
+
+
+@pytest.fixture
+def repository(model_repository: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "models"
+    shutil.copytree(model_repository, copy)
+    shutil.copytree(copy / MODEL_NAME, copy / "second")
+    config = copy / "second" / "config.pbtxt"
+    config.write_text(config.read_text().replace(f'name: "{MODEL_NAME}"', 'name: "second"'))
+    return copy
+
+
+def polled(repository: Path) -> TestClient:
+    settings = make_settings(
+        repository, RELIABILITY, model_control="poll", repository_poll_s=3600.0
+    )
+    return TestClient(create_app(settings), raise_server_exceptions=False)
+
+
+def index(client: TestClient) -> dict[str, list[dict]]:
+    rows: dict[str, list[dict]] = {}
+    for row in client.post("/v2/repository/index").json():
+        rows.setdefault(row["name"], []).append(row)
+    return rows
+
+
+def test_a_removed_model_folder_is_released_in_poll_mode(repository):
+    pixels = {"images": [{"pixels": [[0] * 28] * 28}]}
+    with polled(repository) as client:
+        assert client.post("/models/second/predict", json=pixels).status_code == 200
+        shutil.rmtree(repository / "second")
+        client.portal.call(client.app.state.frontend.engine.engine.manager.poll_once)
+        assert client.post("/models/second/predict", json=pixels).status_code in (404, 503)
+        assert client.get("/v2/models/second/ready").status_code != 200
+        rows = index(client).get("second", [])
+        assert all(row.get("state") != "READY" for row in rows), rows
+        assert client.post(f"/models/{MODEL_NAME}/predict", json=pixels).status_code == 200
+
+
+def explicit(repository: Path) -> TestClient:
+    unset = dict.fromkeys(
+        ("max_batch_size", "max_queue_delay_ms", "max_queue_size", "request_timeout_s")
+    )
+    settings = make_settings(repository, RELIABILITY, model_control="explicit", **unset)
+    return TestClient(create_app(settings), raise_server_exceptions=False)
+
+
+def set_config(repository: Path, text: str) -> None:
+    (repository / "second" / "config.pbtxt").write_text(text)
+
+
+def test_a_broken_config_is_named_once_and_everywhere(repository, caplog):
+    with polled(repository) as client:
+        manager = client.app.state.frontend.engine.engine.manager
+        set_config(repository, "max_batch_size: [oops\n")
+        for _ in range(3):
+            client.portal.call(manager.poll_once)
+        errors = [r for r in caplog.records if r.levelname == "ERROR" and "second" in r.message]
+        assert len(errors) == 1, [r.message for r in errors]  # not at every poll
+        (row,) = index(client)["second"]
+        assert row["state"] == "READY" and "second/config.pbtxt" in row["reason"], row
+        assert str(repository) not in row["reason"]
+        config = client.get("/v2/models/second/config")  # the config it is served with
+        assert config.status_code == 200 and config.json()["max_batch_size"] > 0
+
+
+def test_a_model_started_with_a_broken_config_says_why(repository):
+    set_config(repository, "max_batch_size: [oops\n")
+    with polled(repository) as client:
+        response = client.get("/v2/models/second/config")
+        assert response.status_code == 503, response.text
+        assert "second/config.pbtxt" in response.text and str(repository) not in response.text
+        (row,) = index(client)["second"]
+        assert row["state"] == "UNAVAILABLE" and "line 1" in row["reason"], row
+
+
+def test_config_files_are_parsed_off_the_event_loop(repository, monkeypatch):
+    from service.engine import model_manager
+
+    threads = []
+    real = model_manager.model_config
+
+    def spy(*args):
+        threads.append(threading.get_ident())
+        return real(*args)
+
+    monkeypatch.setattr(model_manager, "model_config", spy)
+    with polled(repository) as client:
+        loop_thread = client.portal.call(threading.get_ident)
+        set_config(repository, (repository / MODEL_NAME / "config.pbtxt").read_text() + "\n")
+        client.portal.call(client.app.state.frontend.engine.engine.manager.poll_once)
+    assert threads and loop_thread not in threads
+
+
+@pytest.mark.parametrize(
+    ("setting", "limit"),
+    [
+        ("max_batch_size: 1000000000", "max_batch_size must be at most 1024"),
+        ("max_batch_size: 4096", "max_batch_size must be at most 1024"),
+        (
+            "instance_group { count: 50 }\ninstance_group { count: 50 }",
+            "instance_count must be at most 64",
+        ),
+        (
+            "dynamic_batching { max_queue_delay_microseconds: 100000000 }",
+            "max_queue_delay_s must be at most 10",
+        ),
+        (
+            "dynamic_batching { default_queue_policy { max_queue_size: 10000000 } }",
+            "max_queue_size must be at most 65536",
+        ),
+        (
+            "dynamic_batching { default_queue_policy { default_timeout_microseconds: 9000000000 } }",
+            "request_timeout_s must be at most 3600",
+        ),
+    ],
+)
+def test_settings_beyond_their_maxima_are_refused_with_the_reason(repository, setting, limit):
+    batch = "" if "max_batch_size" in setting else "max_batch_size: 8\n"
+    set_config(repository, f'name: "second"\n{batch}{setting}\n')
+    with explicit(repository) as client:
+        response = client.post("/v2/repository/models/second/load")
+        assert response.status_code == 400, response.text
+        assert limit in response.text and str(repository) not in response.text
+        rows = index(client)["second"]
+        assert all(row["state"] != "LOADING" for row in rows), rows
+
+
+def test_running_out_of_memory_while_loading_is_a_load_failure(repository, monkeypatch):
+    from service.engine.runtime import Runtime
+
+    with explicit(repository) as client:
+
+        def no_memory(*args, **kwargs):
+            raise MemoryError
+
+        monkeypatch.setattr(Runtime, "load", no_memory)
+        response = client.post("/v2/repository/models/second/load")
+        assert response.status_code == 400 and "MemoryError" in response.text, response.text
+        (row,) = index(client)["second"]
+        assert row["state"] == "UNAVAILABLE" and "MemoryError" in row["reason"]
+
+
+def test_load_errors_name_files_relative_to_the_repository(repository):
+    (repository / "second" / "1" / "model.onnx").write_bytes(b"not onnx")
+    with explicit(repository) as client:
+        response = client.post("/v2/repository/models/second/load")
+        assert response.status_code == 400 and "second/1/model.onnx" in response.text
+        assert str(repository) not in response.text
+        (row,) = index(client)["second"]
+        assert str(repository) not in row["reason"] and "second/1/model.onnx" in row["reason"]
+
+
+@pytest.mark.parametrize("dtype", ["STRING", "INT64", "FLOAT16", "BOOL"])
+def test_a_model_whose_logits_are_not_float_is_unavailable(repository, dtype):
+    import onnx
+
+    path = repository / "second" / "1" / "model.onnx"
+    graph = onnx.load(str(path))
+    output = graph.graph.output[0]
+    for node in graph.graph.node:
+        node.output[:] = [f"{name}_float" if name == output.name else name for name in node.output]
+    target = getattr(onnx.TensorProto, dtype)
+    graph.graph.node.append(
+        onnx.helper.make_node("Cast", [f"{output.name}_float"], [output.name], to=target)
+    )
+    output.type.tensor_type.elem_type = target
+    onnx.save(graph, str(path))
+    with explicit(repository) as client:
+        response = client.post("/v2/repository/models/second/load")
+        assert response.status_code == 400, response.text
+        assert (
+            "output 'logits' is tensor(" in response.text
+            and "expected tensor(float)" in response.text
+        )
+        (row,) = index(client)["second"]
+        assert row["state"] == "UNAVAILABLE" and "expected tensor(float)" in row["reason"]
