@@ -29,11 +29,18 @@ def block_name(supervisor_pid: int, slot: int, pid: int) -> str:
 
 
 def _map(name: str, size: int = 0, create: bool = False) -> mmap.mmap:
+    """Map a block; a new one is reserved in full (posix_fallocate), so that a /dev/shm too small
+    (containers get 64 MiB by default) fails here with ENOSPC, not later with SIGBUS on a write."""
+    path = os.path.join(SHM, name)
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(os.path.join(SHM, name), flags, 0o600)
+    fd = os.open(path, flags, 0o600)
     try:
         if create:
-            os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError:
+                os.unlink(path)
+                raise
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)

@@ -84,7 +84,15 @@ class RemoteEngine(EngineClient):
     # --- life -------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.arena = Arena(self._arena_name, self._arena_bytes)
+        try:
+            self.arena = Arena(self._arena_name, self._arena_bytes)
+        except OSError as error:  # rows then travel inside the messages: slower, never wrong
+            logger.warning(
+                "no shared memory for the rows (%d MiB in /dev/shm: %s); they go inside the "
+                "messages to the engine (lower VITSERVE_ARENA_MIB, or give /dev/shm more room)",
+                self._arena_bytes // 2**20,
+                error.strerror or error,
+            )
         self._context = zmq.asyncio.Context()
         self._calls = self._context.socket(zmq.DEALER)
         self._tables = self._context.socket(zmq.SUB)
@@ -274,9 +282,8 @@ class RemoteEngine(EngineClient):
         request_id: str | None,
         disconnected: Awaitable[object] | None,
     ) -> list[tuple[np.ndarray, ...]]:
-        assert self.arena is not None
         rows = np.ascontiguousarray(rows)
-        region = self.arena.put(rows)
+        region = self.arena.put(rows) if self.arena is not None else None
         header = (
             next(self._ids),
             view.name,
@@ -285,7 +292,7 @@ class RemoteEngine(EngineClient):
             view.preprocessing_key,
             graph,
             request_id,
-            None if region is None else self.arena.name,
+            None if region is None or self.arena is None else self.arena.name,
             0 if region is None else region.offset,
             rows.shape,
             rows.dtype.str,
