@@ -4,6 +4,7 @@ are reused once freed (neighbours join again), and a block /dev/shm cannot hold 
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 
@@ -42,7 +43,7 @@ def test_regions_are_reused_and_neighbours_join_again(arena):
                 held.append(region)
         assert arena.free_bytes == arena.size - sum(r.size for r in held)
         spans = sorted((r.offset, r.offset + r.size) for r in held)
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # no overlap
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # no overlap
     for region in held:
         arena.free(region)
     assert arena.put(np.zeros(arena.size, np.uint8)) is not None  # whole again: one free span
@@ -54,6 +55,7 @@ def test_rows_that_do_not_fit_are_not_placed(arena):
 
 def test_a_block_dev_shm_cannot_hold_is_refused_at_once_and_leaves_nothing():
     name = f"vitserve-test-{os.getpid()}-huge"
-    with pytest.raises(OSError):
+    # ENOSPC (No space left on device), EFBIG (File too large) or ENOMEM, as the tmpfs has it
+    with pytest.raises(OSError, match=r"space|large|memory"):
         Arena(name, 1 << 50)
     assert not os.path.exists(os.path.join(SHM, name))

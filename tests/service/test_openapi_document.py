@@ -78,3 +78,15 @@ def test_every_json_request_body_has_an_example(document):
         examples = examples or _schema(document, content["schema"]).get("examples")
         assert examples, f"{method} {path}: its JSON body has no example"
     assert bodies >= 10
+
+
+def test_every_request_body_of_every_encoding_has_an_example(document):
+    """Not only JSON: the multipart forms and the protocol's binary tensor bodies too."""
+    kinds = set()
+    for method, path, op in operations(document):
+        for media, content in op.get("requestBody", {}).get("content", {}).items():
+            kinds.add(media)
+            examples = content.get("examples") or content.get("example")
+            examples = examples or _schema(document, content["schema"]).get("examples")
+            assert examples, f"{method} {path}: its {media} body has no example"
+    assert {"multipart/form-data", "application/octet-stream"} <= kinds

@@ -220,6 +220,16 @@ _versioned(
                         "schema": {"type": "string", "format": "binary"},
                         "description": "binary_tensor_data: the JSON request, then the tensors' "
                         "bytes; the header Inference-Header-Content-Length gives the JSON's length.",
+                        "examples": {
+                            "one_image": {
+                                "summary": "One 1x1x28x28 FP32 image as 3136 raw bytes",
+                                "description": "Inference-Header-Content-Length: 107; the JSON "
+                                "below, then the 784 little-endian float32 values.",
+                                "value": '{"inputs":[{"name":"images","shape":[1,1,28,28],'
+                                '"datatype":"FP32","parameters":{"binary_data_size":3136}}]}'
+                                "<3136 bytes>",
+                            }
+                        },
                     },
                 },
             }

@@ -22,9 +22,13 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def request_body(
-    json_model: str, multipart_schema: dict[str, Any], examples: dict[str, Any]
+    json_model: str,
+    multipart_schema: dict[str, Any],
+    examples: dict[str, Any],
+    multipart_example: dict[str, Any],
 ) -> dict[str, Any]:
-    """``openapi_extra`` for a route whose body is JSON (``json_model``) or multipart/form-data."""
+    """``openapi_extra`` for a route whose body is JSON (``json_model``) or multipart/form-data
+    (``multipart_example``: its form fields; the file parts are the images themselves)."""
     return {
         "requestBody": {
             "required": True,
@@ -33,7 +37,10 @@ def request_body(
                     "schema": {"$ref": f"#/components/schemas/{json_model}"},
                     "examples": examples,
                 },
-                "multipart/form-data": {"schema": multipart_schema},
+                "multipart/form-data": {
+                    "schema": multipart_schema,
+                    "examples": {"form": {"summary": "Form fields", "value": multipart_example}},
+                },
             },
         }
     }

@@ -147,5 +147,7 @@ add_model_routes(
             "description": "The map as JSON, or the overlay as PNG.",
         },
     },
-    openapi_extra=request_body("AttentionRequest", _MULTIPART, _EXAMPLES),
+    openapi_extra=request_body(
+        "AttentionRequest", _MULTIPART, _EXAMPLES, {"file": "shoe.png", "format": "png"}
+    ),
 )

@@ -100,5 +100,7 @@ add_model_routes(
         "One prediction per image, in order."
     ),
     responses=ERROR_RESPONSES,
-    openapi_extra=request_body("PredictRequest", _MULTIPART, _EXAMPLES),
+    openapi_extra=request_body(
+        "PredictRequest", _MULTIPART, _EXAMPLES, {"files": ["shoe.png"], "top_k": 3}
+    ),
 )
