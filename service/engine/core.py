@@ -176,7 +176,7 @@ class Engine:
         """The repository index, explicit load and unload, the served config and the statistics."""
         manager = self.manager
         if op == "index":
-            return manager.index()
+            return reports.index(manager)
         if op == "config":
             return reports.served_config(manager, arguments["name"], arguments.get("version"))
         if op == "statistics":

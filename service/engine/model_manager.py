@@ -86,7 +86,7 @@ class ModelManager:
                 f"available: {', '.join(available) or 'none'}"
             )
         names = available if self.settings.loads_every_model else named
-        servable = available if self._explicit else names
+        servable = available if self.explicit else names
         default = self.settings.model_name or (names or servable or [None])[0]
         if default is None or default not in servable:
             raise ModelLoadError(
@@ -111,24 +111,24 @@ class ModelManager:
         if self.settings.model_control == "poll":
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever(), name="poll")
 
+    def _serving_pipelines(self) -> list[ModelPipeline]:
+        return [
+            status.pipeline
+            for model in self.models.values()
+            for status in model.versions.values()
+            if status.pipeline is not None
+        ]
+
     def flush(self) -> None:
         """Shutdown has begun: every batcher runs what is queued without waiting for its delay."""
-        for model in self.models.values():
-            for status in model.versions.values():
-                if status.pipeline is not None:
-                    status.pipeline.flush()
+        for pipeline in self._serving_pipelines():
+            pipeline.flush()
 
     def fail_unanswered(self) -> int:
         """Answer 503 to every image still queued or running (the drain's deadline); how many."""
         return sum(
             batcher.fail_all("the service shut down before this request was answered")
-            for model in self.models.values()
-            for status in model.versions.values()
-            if status.pipeline is not None
-            for batcher in status.pipeline.batchers
-        ) + sum(
-            batcher.fail_all("the service shut down before this request was answered")
-            for pipeline in self._retired
+            for pipeline in [*self._serving_pipelines(), *self._retired]
             for batcher in pipeline.batchers
         )
 
@@ -138,12 +138,7 @@ class ModelManager:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
-        pipelines = [
-            status.pipeline
-            for model in self.models.values()
-            for status in model.versions.values()
-            if status.pipeline is not None
-        ]
+        pipelines = self._serving_pipelines()
         for model in self.models.values():
             model.versions.clear()
         results = await asyncio.gather(
@@ -154,7 +149,7 @@ class ModelManager:
     # --- lookup -----------------------------------------------------------------------------------
 
     @property
-    def _explicit(self) -> bool:
+    def explicit(self) -> bool:
         return self.settings.model_control == "explicit"
 
     def routing(self) -> ModelTable:
@@ -164,7 +159,7 @@ class ModelManager:
             default_name=self.default_name,
             models=self.views(),
             retry_after_s=self.settings.retry_after_s,
-            explicit=self._explicit,
+            explicit=self.explicit,
             repository_names=self.repository_names,
         )
 
@@ -200,25 +195,13 @@ class ModelManager:
 
     def views(self) -> dict[str, ModelView]:
         """Every model as front ends see it (service/engine/table.py)."""
-        return {
-            name: ModelView(
-                name=name,
-                serving=model.serving,
-                versions={v: (s.state, s.reason) for v, s in model.versions.items()},
-                ready={
-                    v: model.versions[v].pipeline.view  # type: ignore[union-attr]
-                    for v in model.ready_versions()
-                },
-                unloaded=model.unloaded,
-            )
-            for name, model in self.models.items()
-        }
+        return {name: model.view() for name, model in self.models.items()}
 
     @property
     def ready(self) -> bool:
         """The default model serves; in explicit mode, as Triton's, the service is ready once up
         (every model loaded is healthy), whichever models are loaded."""
-        if self._explicit and self.default_name is not None:
+        if self.explicit and self.default_name is not None:
             return all(
                 status.pipeline.healthy
                 for model in self.models.values()
@@ -230,27 +213,7 @@ class ModelManager:
         except (NotFound, ServiceUnavailable):
             return False
 
-    def index(self) -> list[tuple[str, int | None, str, str]]:
-        """(name, version, state, reason) of every model version known, Triton's repository index;
-        a model with no version known is listed once with version None."""
-        rows: list[tuple[str, int | None, str, str]] = []
-        for name in sorted(self._known_names()):
-            model = self.models.get(name)
-            if model is None or not model.versions:
-                unloaded = self._explicit or (model is not None and model.unloaded)
-                reason = "unloaded" if unloaded else "not loaded"
-                reason = (
-                    model.config_problem if model is not None and model.config_problem else reason
-                )
-                rows.append((name, None, "UNAVAILABLE", reason))
-                continue
-            rows.extend(
-                (name, v, status.state, status.reason)
-                for v, status in sorted(model.versions.items())
-            )
-        return rows
-
-    def _known_names(self) -> set[str]:
+    def known_names(self) -> set[str]:
         """The repository's models (kept for the front ends' table) and the models managed."""
         try:
             self.repository_names = frozenset(model_names(self.repository))
@@ -433,7 +396,7 @@ class ModelManager:
     # --- control ----------------------------------------------------------------------------------
 
     async def poll_once(self) -> None:
-        self._known_names()
+        self.known_names()
         async with self._lock:
             # The models being served too: a removed folder is no longer in the listing.
             names = self.settings.model_list or sorted(
@@ -457,7 +420,7 @@ class ModelManager:
     async def load(self, name: str) -> None:
         """Explicit control: (re)load a model's versions as its policy says; 400 with the reason
         when none loads."""
-        if name not in self._known_names() or not (self.repository / name).is_dir():
+        if name not in self.known_names() or not (self.repository / name).is_dir():
             raise NotFound(f"model {name!r} is not in the model repository", field="model")
         async with self._lock:
             model = self.models.get(name)

@@ -21,6 +21,7 @@ from service.contract.model_repository import (
     version_files,
 )
 from service.engine.pipeline import ModelPipeline
+from service.engine.table import ModelView
 from service.errors import ServiceUnavailable
 from service.settings import Settings
 
@@ -49,6 +50,16 @@ class ManagedModel:
 
     def ready_versions(self) -> list[int]:
         return sorted(v for v, s in self.versions.items() if s.state == "READY" and s.pipeline)
+
+    def view(self) -> ModelView:
+        """This model as front ends see it (service/engine/table.py)."""
+        return ModelView(
+            name=self.name,
+            serving=self.serving,
+            versions={v: (s.state, s.reason) for v, s in self.versions.items()},
+            ready={v: self.versions[v].pipeline.view for v in self.ready_versions()},  # type: ignore[union-attr]
+            unloaded=self.unloaded,
+        )
 
     def pipeline(self, version: int | None = None) -> ModelPipeline | None:
         ready = self.ready_versions()

@@ -1,4 +1,8 @@
-"""What the engine reports of its models: Triton's model configuration and statistics extensions.
+"""What the engine reports of its models: Triton's repository index, and its model configuration and
+statistics extensions.
+
+- The index: ``(name, version, state, reason)`` of every model version known; a model with no version
+  known is listed once, with version None.
 
 - The served ``ModelConfig`` as JSON, as Triton answers it (protobuf's JSON mapping with the proto field
   names, so 64-bit integers are strings): the model's ``config.pbtxt`` (or the defaults of a model without
@@ -89,3 +93,20 @@ def statistics(
                 )
             pipelines.append(pipeline)
     return [p.statistics.as_dict(p.name, str(p.version)) for p in pipelines]
+
+
+def index(manager: ModelManager) -> list[tuple[str, int | None, str, str]]:
+    """Triton's repository index: every model of the repository and every version known."""
+    rows: list[tuple[str, int | None, str, str]] = []
+    for name in sorted(manager.known_names()):
+        model = manager.models.get(name)
+        if model is None or not model.versions:
+            unloaded = manager.explicit or (model is not None and model.unloaded)
+            reason = "unloaded" if unloaded else "not loaded"
+            reason = model.config_problem if model is not None and model.config_problem else reason
+            rows.append((name, None, "UNAVAILABLE", reason))
+            continue
+        rows.extend(
+            (name, v, status.state, status.reason) for v, status in sorted(model.versions.items())
+        )
+    return rows
