@@ -13,11 +13,13 @@ import json
 import pickle
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from export.dataset_spec import FOLDER, DatasetError, DatasetSpec, Split
+from export.folder import load_folder
 
 FASHION_MNIST_LABELS = (
     "T-shirt/top",
@@ -44,27 +46,6 @@ CIFAR10_LABELS = (
     "ship",
     "truck",
 )
-
-
-class DatasetError(RuntimeError):
-    """A dataset file is missing or malformed; the message names the path and the remedy."""
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    name: str
-    labels: tuple[str, ...]
-    channels: int
-    height: int
-    width: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    default_dir: str
-    how_to_get: str
-    horizontal_flip: bool
-    # Light objects on a dark background: what a photo must be turned into before inference.
-    polarity: str = "light-on-dark"
-    files: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 DATASETS: dict[str, DatasetSpec] = {
@@ -112,8 +93,6 @@ DATASETS: dict[str, DatasetSpec] = {
 }
 
 
-# A user's folder of images (export/folder.py): its spec is made from the folder and the model.
-FOLDER = "folder"
 DATASET_CHOICES = (*DATASETS, FOLDER)
 
 
@@ -151,18 +130,6 @@ def spec_from_metadata(metadata: Mapping[str, str]) -> DatasetSpec:
         except (ValueError, TypeError, KeyError) as error:
             raise DatasetError(f"the checkpoint's dataset_spec is malformed ({error})") from error
     return get_dataset_spec(metadata["dataset"])
-
-
-@dataclass(frozen=True)
-class Split:
-    images: torch.Tensor  # uint8 (N, C, H, W)
-    labels: torch.Tensor  # int64 (N,)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def subset(self, indices: torch.Tensor) -> Split:
-        return Split(self.images[indices], self.labels[indices])
 
 
 def _read_maybe_gzipped(directory: Path, stem: str, spec: DatasetSpec) -> bytes:
@@ -296,8 +263,6 @@ def load_dataset(
     spec = dataset if isinstance(dataset, DatasetSpec) else get_dataset_spec(dataset)
     directory = Path(data_dir or spec.default_dir)
     if spec.name == FOLDER:
-        from export.folder import load_folder
-
         return load_folder(directory, spec)
     if not directory.is_dir():
         raise DatasetError(f"{spec.name}: directory {directory} does not exist; {spec.how_to_get}")
@@ -311,8 +276,6 @@ def load_dataset(
 def load_test_split(spec: DatasetSpec, data_dir: str | Path | None = None) -> Split:
     """The test split alone (a folder dataset then decodes only its test images)."""
     if spec.name == FOLDER:
-        from export.folder import load_folder
-
         return load_folder(Path(data_dir or spec.default_dir), spec, splits=("test",))[1]
     return load_dataset(spec, data_dir)[1]
 
@@ -334,56 +297,3 @@ def normalize(images: torch.Tensor, spec: DatasetSpec) -> torch.Tensor:
     mean = torch.tensor(spec.mean).view(1, -1, 1, 1)
     std = torch.tensor(spec.std).view(1, -1, 1, 1)
     return (images.float() / 255.0 - mean) / std
-
-
-@dataclass(frozen=True)
-class Augmentation:
-    """Batched augmentation: random translation (pad and crop), horizontal flip, random erasing."""
-
-    max_shift: int = 2
-    horizontal_flip: bool = True
-    erasing_probability: float = 0.25
-
-    def __call__(self, images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """Works on normalised float images (N, C, H, W); padding and erasing use zero (the mean)."""
-        n, _, h, w = images.shape
-        if self.max_shift:
-            s = self.max_shift
-            padded = torch.nn.functional.pad(images, (s, s, s, s))
-            dy = torch.randint(0, 2 * s + 1, (n,), generator=generator)
-            dx = torch.randint(0, 2 * s + 1, (n,), generator=generator)
-            rows = (dy.view(n, 1) + torch.arange(h).view(1, h)).view(n, 1, h, 1)
-            cols = (dx.view(n, 1) + torch.arange(w).view(1, w)).view(n, 1, 1, w)
-            batch = torch.arange(n).view(n, 1, 1, 1)
-            channel = torch.arange(images.shape[1]).view(1, -1, 1, 1)
-            images = padded[batch, channel, rows, cols]
-        if self.horizontal_flip:
-            flip = torch.rand(n, generator=generator) < 0.5
-            images = torch.where(flip.view(n, 1, 1, 1), images.flip(-1), images)
-        if self.erasing_probability:
-            erase = torch.rand(n, generator=generator) < self.erasing_probability
-            # Rectangles covering 2% to 20% of the image, aspect ratio 0.3 to 3.3.
-            area = (0.02 + 0.18 * torch.rand(n, generator=generator)) * h * w
-            aspect = torch.exp(
-                torch.empty(n).uniform_(np.log(0.3), np.log(1 / 0.3), generator=generator)
-            )
-            eh = (area * aspect).sqrt().round().clamp(1, h).long()
-            ew = (area / aspect).sqrt().round().clamp(1, w).long()
-            top = (torch.rand(n, generator=generator) * (h - eh + 1)).long()
-            left = (torch.rand(n, generator=generator) * (w - ew + 1)).long()
-            ys = torch.arange(h).view(1, h, 1)
-            xs = torch.arange(w).view(1, 1, w)
-            inside = (
-                (ys >= top.view(n, 1, 1))
-                & (ys < (top + eh).view(n, 1, 1))
-                & (xs >= left.view(n, 1, 1))
-                & (xs < (left + ew).view(n, 1, 1))
-                & erase.view(n, 1, 1)
-            )
-            images = images.masked_fill(inside.unsqueeze(1), 0.0)
-        return images
-
-
-def augmentation_for(spec: DatasetSpec) -> Augmentation:
-    shift = 4 if spec.height >= 32 else 2
-    return Augmentation(max_shift=shift, horizontal_flip=spec.horizontal_flip)

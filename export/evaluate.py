@@ -33,6 +33,7 @@ from export.data import (
     normalize,
     spec_from_metadata,
 )
+from export.folder import folder_spec
 from service.contract.model_repository import (
     ATTENTION_FILE,
     METADATA_KEY,
@@ -101,11 +102,15 @@ def _test_split(spec: DatasetSpec, data_dir: str | Path | None) -> Split:
 
 
 def _onnx_folder_spec(metadata: dict, data_dir: str | Path | None, path: Path) -> DatasetSpec:
-    """A folder dataset as an ONNX model describes it (no paths are exported: --data-dir says where)."""
-    from export.folder import folder_spec
-
+    """A folder dataset as an ONNX model describes it, in ``data_dir`` or else the directory its
+    metadata records (``data_dir``, written by the export), which the caller passes."""
     if data_dir is None:
         raise EvaluationError(f"{path} was trained on a folder of images; pass --data-dir DIR")
+    if not Path(data_dir).is_dir():
+        raise EvaluationError(
+            f"{path} was trained on the folder {data_dir}, which does not exist here; pass "
+            "--data-dir DIR"
+        )
     shape, pre = metadata["input"], metadata["preprocessing"]
     return folder_spec(
         data_dir,
@@ -228,6 +233,22 @@ def read_onnx_metadata(session, path: Path) -> ModelMetadata:
         raise EvaluationError(str(error)) from error
 
 
+def onnx_dataset_spec(
+    session, path: Path, dataset: str | None = None, data_dir: str | Path | None = None
+) -> DatasetSpec:
+    """The dataset an ONNX model names (or ``dataset``); a folder in ``data_dir``, else in the
+    directory its metadata records."""
+    metadata = read_onnx_metadata(session, path)
+    name = dataset or metadata.dataset
+    if not name:
+        raise EvaluationError(f"{path}: the metadata names no dataset; pass --dataset")
+    if name != FOLDER:
+        return get_dataset_spec(name)
+    provenance = json.loads(session.get_modelmeta().custom_metadata_map[METADATA_KEY])
+    data_dir = data_dir or provenance.get("data_dir")
+    return _onnx_folder_spec(metadata.model_dump(), data_dir, path)
+
+
 def evaluate_onnx(
     path: str | Path,
     dataset: str | None = None,
@@ -241,13 +262,8 @@ def evaluate_onnx(
         raise EvaluationError(f"{path}: no such ONNX file")
     session = onnx_session(path, threads)
     metadata = read_onnx_metadata(session, path)
-    name = dataset or metadata.dataset
-    if not name:
-        raise EvaluationError(f"{path}: the metadata names no dataset; pass --dataset")
-    if name == FOLDER:
-        spec = _onnx_folder_spec(metadata.model_dump(), data_dir, path)
-    else:
-        spec = get_dataset_spec(name)
+    provenance = json.loads(session.get_modelmeta().custom_metadata_map[METADATA_KEY])
+    spec = onnx_dataset_spec(session, path, dataset, data_dir)
     shape = metadata.input
     _check_fits(spec, shape.channels, shape.height, shape.width, metadata.num_classes, path)
     polarity = metadata.preprocessing.polarity
@@ -279,7 +295,6 @@ def evaluate_onnx(
         batch_size,
     )
     results = classification_metrics(logits, test.labels.numpy(), metadata.labels)
-    provenance = json.loads(session.get_modelmeta().custom_metadata_map[METADATA_KEY])
     return {
         "source": str(path),
         "format": "onnx",

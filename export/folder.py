@@ -6,7 +6,7 @@
 Class names are the folder names, sorted. Any file Pillow reads, of any size and mode, becomes the
 model's channels and size through the service's own preprocessing (``export.pixels``), so the model
 trains on the pixels the service will feed it. Hidden files and folders (a leading dot) are skipped;
-every other file must be an image, and those that are not are listed with their paths.
+every other file should be an image: those that are not are skipped, and one warning names them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from export.data import FOLDER, DatasetError, DatasetSpec, Split
+from export.dataset_spec import FOLDER, DatasetError, DatasetSpec, Split
+from export.pixels import UnreadableImage, preprocessor_for, read_image
 
 TEST_FRACTION = 0.2
 HOW_TO = (
@@ -131,7 +132,7 @@ def folder_spec(
         std=tuple(std) if std is not None else (1.0,) * channels,
         default_dir=str(Path(root).resolve()),
         how_to_get=HOW_TO,
-        horizontal_flip=True,
+        horizontal_flip=False,  # unknown: flips only with --hflip
         polarity="natural",
     )
 
@@ -139,12 +140,11 @@ def folder_spec(
 def read_split(files: tuple[tuple[Path, int], ...], spec: DatasetSpec) -> Split:
     """uint8 (N, C, H, W) images, each fit-padded by the service's preprocessing, and labels.
 
-    Reads every file before failing, so that one error lists all the unreadable ones.
+    A file that is not an image Pillow can read is skipped; one warning names and counts them all.
     """
-    from export.pixels import UnreadableImage, preprocessor_for, read_image
-
     preprocessor = preprocessor_for(spec)
     images = np.zeros((len(files), spec.channels, spec.height, spec.width), dtype=np.uint8)
+    read: list[int] = []
     failures: list[str] = []
     progress = tqdm(
         files, desc="reading images", mininterval=5.0, file=sys.stderr, disable=len(files) < 2000
@@ -157,15 +157,23 @@ def read_split(files: tuple[tuple[Path, int], ...], spec: DatasetSpec) -> Split:
             failures.append(f"{path} ({error})")
             continue
         images[index] = prepared.display.transpose(2, 0, 1)
+        read.append(index)
     if failures:
         listed = "; ".join(failures[:MAX_LISTED])
         more = f"; and {len(failures) - MAX_LISTED} more" if len(failures) > MAX_LISTED else ""
-        raise DatasetError(
-            f"{len(failures)} file(s) are not images Pillow can read: {listed}{more}. Move them "
-            "out of the dataset folder (files and folders whose name starts with '.' are skipped)"
+        print(
+            f"warning: skipped {len(failures)} of {len(files)} file(s), not images Pillow can "
+            f"read: {listed}{more}. Move them out of the dataset folder (files and folders whose "
+            "name starts with '.' are skipped quietly)",
+            file=sys.stderr,
+            flush=True,
         )
     labels = torch.tensor([label for _, label in files], dtype=torch.int64)
-    return Split(torch.from_numpy(images), labels)
+    kept = torch.tensor(read, dtype=torch.int64)
+    missing = sorted({spec.labels[i] for i in set(labels.tolist()) - set(labels[kept].tolist())})
+    if missing:
+        raise DatasetError(f"no readable image in the class folder(s) {', '.join(missing)}")
+    return Split(torch.from_numpy(images)[kept], labels[kept])
 
 
 def load_folder(

@@ -9,283 +9,34 @@ Writes (Triton layout, see docs/model-repository.md)::
     <repo>/<name>/<version>/attention.onnx   same weights, logits + every layer's attention maps
     <repo>/<name>/<version>/labels.txt       one class label per line
 
-Two graphs rather than one graph with two outputs, so that ``/predict`` never assembles and copies
-out attention maps it does not return (about 230 KiB an image; on the CPU the difference is within
-the machine's noise, BENCHMARKS.md, and on a GPU the maps would cross to the host). Nothing is
-written unless both graphs pass the ONNX checker and match PyTorch on real images at batch sizes 1,
-7 and 64; the classifier is checked against PyTorch's fused forward pass, the attention graph
-against the explicit one.
+Nothing is written unless both graphs pass the ONNX checker and match PyTorch on real images at
+batch sizes 1, 7 and 64 (export/onnx_graphs.py). ``--quantize int8`` writes an int8 classifier
+instead (export/quantize.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import logging
 import sys
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import onnx
-import onnxruntime as ort
-import torch
-
+from export import quantize
 from export.checkpoint import CheckpointError, file_sha256, load_checkpoint, resolve_checkpoint
-from export.data import (
-    DatasetError,
-    DatasetSpec,
-    load_test_split,
-    normalize,
-    spec_from_metadata,
+from export.data import DatasetError, load_test_split, normalize, spec_from_metadata
+from export.onnx_graphs import (
+    VERIFY_BATCH_SIZES,
+    VerificationError,
+    build_graphs,
+    classifier_graph,
+    describe,
+    measure_accuracy,
+    verify,
+    with_metadata,
 )
-from export.evaluate import dataset_logits, onnx_runner
-from export.model import VisionTransformer, WithAttention
-from export.pixels import preprocessing_document
 from export.repository import RepositoryError, write_version
-from service.contract.model_repository import Preprocessing, default_input_range
 
-OPSET = 18
-METADATA_KEY = "vitserve"
-VERIFY_BATCH_SIZES = (1, 7, 64)
-LOGITS_TOLERANCE = 1e-4
-ATTENTION_TOLERANCE = 1e-4
-
-
-class VerificationError(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class Graphs:
-    classifier: onnx.ModelProto
-    attention: onnx.ModelProto
-
-
-def strip_build_details(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Drop node metadata and doc strings: they hold stack traces with this machine's paths."""
-
-    def clean_graph(graph: onnx.GraphProto) -> None:
-        graph.doc_string = ""
-        del graph.metadata_props[:]
-        for value in [*graph.input, *graph.output, *graph.value_info]:
-            value.doc_string = ""
-            del value.metadata_props[:]
-        for initializer in graph.initializer:
-            initializer.doc_string = ""
-            del initializer.metadata_props[:]
-        for node in graph.node:
-            node.doc_string = ""
-            del node.metadata_props[:]
-            for attribute in node.attribute:
-                if attribute.type == onnx.AttributeProto.GRAPH:
-                    clean_graph(attribute.g)
-                for subgraph in attribute.graphs:
-                    clean_graph(subgraph)
-
-    clean_graph(model.graph)
-    for function in model.functions:
-        function.doc_string = ""
-        for node in function.node:
-            node.doc_string = ""
-            del node.metadata_props[:]
-    model.doc_string = ""
-    del model.metadata_props[:]
-    return model
-
-
-# The exporter warns about every torchvision op it cannot register; torchvision is not a dependency.
-logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-# torch 2.13's own decomposition pass deep-copies its LeafSpec objects, whose deprecated constructor
-# warns (attributed to copyreg, so no filter on torch's modules catches it); nothing of ours uses
-# LeafSpec. Ignored around the export only.
-LEAF_SPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
-
-
-def to_onnx(
-    module: torch.nn.Module,
-    example: torch.Tensor,
-    output_names: list[str],
-    opset: int = OPSET,
-) -> onnx.ModelProto:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=LEAF_SPEC_WARNING, category=FutureWarning)
-        program = torch.onnx.export(
-            module,
-            (example,),
-            dynamo=True,
-            input_names=["images"],
-            output_names=output_names,
-            dynamic_shapes=({0: torch.export.Dim.DYNAMIC},),
-            opset_version=opset,
-            external_data=False,
-            verbose=False,
-        )
-    return strip_build_details(program.model_proto)
-
-
-def example_input(model: VisionTransformer) -> torch.Tensor:
-    c = model.config
-    return torch.zeros(2, c.in_channels, c.image_height, c.image_width)
-
-
-def classifier_graph(model: VisionTransformer) -> onnx.ModelProto:
-    """``model.onnx``: logits only, exported from the explicit softmax path.
-
-    At opset 18 the exporter spells ``scaled_dot_product_attention`` as the same MatMul-Softmax-MatMul
-    plus extra Slice/Reshape/Shape/Concat nodes, which onnxruntime ran slower on the CPU than the
-    explicit graph (measured when this was chosen; see the git history of BENCHMARKS.md). Opset 23's
-    ``Attention`` op is not taken: onnxruntime's CUDA kernel for it is recent, it could not be checked
-    on a GPU here, and Triton servers with an older onnxruntime cannot load opset 23.
-    """
-    model.eval().set_fused_attention(False)
-    try:
-        return to_onnx(model, example_input(model), ["logits"])
-    finally:
-        model.set_fused_attention(True)
-
-
-def build_graphs(model: VisionTransformer) -> Graphs:
-    """The classifier and the attention graph: the same explicit graph, the second one also
-    outputting every layer's attention probabilities."""
-    attention = to_onnx(WithAttention(model).eval(), example_input(model), ["logits", "attention"])
-    return Graphs(classifier_graph(model), attention)
-
-
-def session_for(model: onnx.ModelProto) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-
-
-def verify(model: VisionTransformer, graphs: Graphs, images: torch.Tensor) -> dict:
-    """Checker, then onnxruntime against PyTorch; raises VerificationError with the figures."""
-    for label, proto in (("model.onnx", graphs.classifier), ("attention.onnx", graphs.attention)):
-        try:
-            onnx.checker.check_model(proto, full_check=True)
-        except onnx.checker.ValidationError as error:
-            raise VerificationError(f"{label}: ONNX checker failed: {error}") from error
-    classifier, attention = session_for(graphs.classifier), session_for(graphs.attention)
-    figures = {}
-    failures = []
-    for batch_size in VERIFY_BATCH_SIZES:
-        if len(images) < batch_size:
-            raise VerificationError(f"need {batch_size} images to verify, got {len(images)}")
-        batch = images[:batch_size]
-        with torch.inference_mode():
-            expected_logits, expected_maps = model.forward_with_attention(batch)
-            expected_fused = model(batch)
-        feed = {"images": batch.numpy()}
-        (logits,) = classifier.run(["logits"], feed)
-        attention_logits, maps = attention.run(["logits", "attention"], feed)
-        row = {
-            "logits_max_abs_diff": float(np.abs(logits - expected_fused.numpy()).max()),
-            "attention_graph_logits_max_abs_diff": float(
-                np.abs(attention_logits - expected_logits.numpy()).max()
-            ),
-            "attention_max_abs_diff": float(np.abs(maps - expected_maps.numpy()).max()),
-            "argmax_mismatches": int(
-                (logits.argmax(1) != expected_fused.numpy().argmax(1)).sum()
-                + (attention_logits.argmax(1) != expected_logits.numpy().argmax(1)).sum()
-            ),
-        }
-        figures[f"batch_{batch_size}"] = row
-        if row["logits_max_abs_diff"] > LOGITS_TOLERANCE:
-            failures.append(
-                f"batch {batch_size}: logits differ by {row['logits_max_abs_diff']:.3g}"
-            )
-        if row["attention_graph_logits_max_abs_diff"] > LOGITS_TOLERANCE:
-            failures.append(
-                f"batch {batch_size}: attention graph logits differ by "
-                f"{row['attention_graph_logits_max_abs_diff']:.3g}"
-            )
-        if row["attention_max_abs_diff"] > ATTENTION_TOLERANCE:
-            failures.append(
-                f"batch {batch_size}: attention maps differ by {row['attention_max_abs_diff']:.3g}"
-            )
-        if row["argmax_mismatches"]:
-            failures.append(f"batch {batch_size}: {row['argmax_mismatches']} argmax mismatches")
-    if failures:
-        raise VerificationError(
-            "ONNX output does not match PyTorch (tolerance "
-            f"{LOGITS_TOLERANCE:g}): " + "; ".join(failures) + f"\nfigures: {json.dumps(figures)}"
-        )
-    return figures
-
-
-def measure_accuracy(graph: onnx.ModelProto, images: torch.Tensor, labels: torch.Tensor) -> float:
-    """Accuracy of ``graph`` on ``images``, already normalised."""
-    logits = dataset_logits(onnx_runner(session_for(graph)), images.numpy(), lambda x: x, 500)
-    return float((logits.argmax(1) == labels.numpy()).mean())
-
-
-def tool_versions() -> dict:
-    import onnxscript
-
-    return {
-        "torch": torch.__version__,
-        "onnx": onnx.__version__,
-        "onnxscript": onnxscript.__version__,
-        "onnxruntime": ort.__version__,
-        "opset": OPSET,
-        "python": sys.version.split()[0],
-    }
-
-
-def describe(
-    model: VisionTransformer,
-    spec: DatasetSpec,
-    labels: list[str],
-    name: str,
-    version: int,
-    graph: str,
-    test_accuracy: float | None,
-    test_images: int | None,
-    checkpoint_sha256: str,
-) -> dict:
-    c = model.config
-    return {
-        "format": 1,
-        "graph": graph,
-        "name": name,
-        "version": version,
-        "labels": labels,
-        "input": {
-            "name": "images",
-            "layout": "NCHW",
-            "dtype": "float32",
-            "channels": c.in_channels,
-            "height": c.image_height,
-            "width": c.image_width,
-            "range": list(default_input_range(Preprocessing(**preprocessing_document(spec)))),
-        },
-        "outputs": {"logits": "logits", "attention": "attention"},
-        "preprocessing": preprocessing_document(spec),
-        "patch": {"size": c.patch_size, "grid": list(c.grid)},
-        "pooling": c.pooling,
-        "class_token": c.pooling == "token",
-        "tokens": c.num_tokens,
-        "depth": c.depth,
-        "heads": c.heads,
-        "attention_graph": "attention.onnx",
-        "dataset": spec.name,
-        "test_accuracy": test_accuracy,
-        "test_images": test_images,
-        "checkpoint_sha256": checkpoint_sha256,
-        "model_config": c.to_dict(),
-        "tools": tool_versions(),
-        "exported_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
-
-
-def with_metadata(model: onnx.ModelProto, document: dict) -> onnx.ModelProto:
-    onnx.helper.set_model_props(model, {METADATA_KEY: json.dumps(document, sort_keys=True)})
-    model.producer_name = "vitserve-export"
-    return model
+__all__ = ["build_graphs", "classifier_graph", "export_model", "main"]
 
 
 def export_model(
@@ -336,8 +87,6 @@ def export_model(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from export import quantize  # it builds on this module
-
     parser = argparse.ArgumentParser(
         prog="python -m export.onnx",
         description=__doc__,

@@ -15,7 +15,7 @@ import io
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from export.data import DatasetSpec
+from export.dataset_spec import DatasetSpec
 
 if TYPE_CHECKING:
     from service.contract.preprocessing import Invert, Prepared, Preprocessor
@@ -82,7 +82,7 @@ def read_image(path: Path, preprocessor: Preprocessor, invert: Invert = "auto") 
     A format the service refuses (TIFF, PPM, ...) is opened by Pillow, then goes through the same
     steps after decoding. Raises :class:`UnreadableImage` naming the reason.
     """
-    from PIL import Image, ImageOps
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     from service.contract.preprocessing import image_to_array, shrink
     from service.errors import ServiceError
@@ -101,6 +101,8 @@ def read_image(path: Path, preprocessor: Preprocessor, invert: Invert = "auto") 
             opened.draft(None, (side, side))
             opened.load()
             image = ImageOps.exif_transpose(opened)
+    except UnidentifiedImageError:
+        raise UnreadableImage(f"{service_reason}; Pillow knows no image format it is in") from None
     except Exception as error:  # Pillow raises many exception types for files it cannot read
         raise UnreadableImage(f"{service_reason}; Pillow: {error}") from error
     image = shrink(image, preprocessor.height, preprocessor.width)

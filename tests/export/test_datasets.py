@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 import torch
 
+from export.augment import Augmentation, augmentation_for
 from export.data import (
-    Augmentation,
     DatasetError,
     Split,
-    augmentation_for,
     get_dataset_spec,
     load_cifar_batch,
     load_dataset,
     parse_idx,
     train_validation_split,
 )
+from export.folder import folder_spec
 
 
 def idx_bytes(array: np.ndarray) -> bytes:
@@ -301,6 +301,40 @@ def test_augmentation_fits_each_dataset():
     assert augmentation_for(get_dataset_spec("fashion-mnist")).horizontal_flip
     assert not augmentation_for(get_dataset_spec("mnist")).horizontal_flip  # a mirrored 2 is no 2
     assert augmentation_for(get_dataset_spec("cifar10")).max_shift == 4
+    # A run's flags override the recipe, each on its own.
+    mnist = augmentation_for(get_dataset_spec("mnist"), hflip=True, erase=False)
+    assert mnist.horizontal_flip and mnist.erasing_probability == 0
+
+
+def test_a_folder_gets_scale_changes_and_translations_only_unless_asked():
+    spec = folder_spec("d", ("a", "b"), 3, 64, 64, mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.5))
+    augment = augmentation_for(spec, hflip=False, erase=False)
+    assert (augment.horizontal_flip, augment.erasing_probability) == (False, 0.0)
+    assert augment.max_scale > 0 and augment.max_shift == 6
+    asked = augmentation_for(spec, hflip=True, erase=True)
+    assert asked.horizontal_flip and asked.erasing_probability > 0
+
+
+def test_zooming_out_and_shifting_pad_with_the_services_black():
+    """The border a zoom or a shift opens is the normalised black the service pads with, not the
+    mean: the model never sees a grey frame at training that it would not see when served."""
+    black = (-2.0, -1.6, -0.6)
+    images = torch.zeros(64, 3, 32, 32)  # the mean everywhere
+    augment = Augmentation(
+        max_shift=3, horizontal_flip=False, erasing_probability=0.0, max_scale=0.2, fill=black
+    )
+    out = augment(images, torch.Generator().manual_seed(0))
+    corner, black = out[:, :, 0, 0], torch.tensor(black)
+    assert torch.isclose(corner, black).all(dim=1).sum() > 16  # shifted or zoomed out
+    # Elsewhere the mean, or a blend of the two at the edge of a zoomed-out image: never grey.
+    assert ((corner >= black - 1e-5) & (corner <= 1e-5)).all()
+    # A zoom alone keeps the image's centre where it was.
+    zoom = Augmentation(max_shift=0, horizontal_flip=False, erasing_probability=0.0, max_scale=0.2)
+    dot = torch.zeros(8, 1, 33, 33)
+    dot[:, :, 16, 16] = 1.0
+    assert (
+        zoom(dot, torch.Generator().manual_seed(1))[:, 0].flatten(1).argmax(1) == 16 * 33 + 16
+    ).all()
 
 
 # -- validation split ----------------------------------------------------------------------------

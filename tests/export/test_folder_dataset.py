@@ -132,7 +132,7 @@ def test_classes_too_small_to_hold_images_out_are_refused(tmp_path):
         scan_folder(tmp_path)
 
 
-def test_every_unreadable_file_is_listed_with_its_path(tmp_path):
+def test_files_that_are_not_images_are_skipped_with_one_warning_naming_them(tmp_path, capsys):
     class_folders(tmp_path, {"a": 5, "b": 5})
     notes = tmp_path / "a" / "notes.txt"
     notes.write_text("not an image")
@@ -141,11 +141,20 @@ def test_every_unreadable_file_is_listed_with_its_path(tmp_path):
     solid(30, 30).save(buffer, "PNG")
     truncated.write_bytes(buffer.getvalue()[:60])
     layout = scan_folder(tmp_path)
-    with pytest.raises(DatasetError) as error:
+    files = layout.train + layout.test
+    split = read_split(files, spec_for(tmp_path, layout.classes))
+    assert sorted(split.labels.tolist()) == [0] * 5 + [1] * 5
+    warning = capsys.readouterr().err.strip()
+    assert warning.count("\n") == 0 and warning.startswith("warning: skipped 2 of 12 file(s)")
+    assert f"{notes} (" in warning and f"{truncated} (" in warning
+    assert "BytesIO" not in warning and " at 0x" not in warning
+    # A class left with no image cannot train.
+    for path in (tmp_path / "b").glob("*.png"):
+        if path != truncated:
+            path.unlink()
+    layout = scan_folder(tmp_path)
+    with pytest.raises(DatasetError, match="no readable image in the class folder"):
         read_split(layout.train + layout.test, spec_for(tmp_path, layout.classes))
-    message = str(error.value)
-    assert message.startswith("2 file(s) are not images Pillow can read")
-    assert f"{notes} (" in message and f"{truncated} (" in message
 
 
 # -- pixels --------------------------------------------------------------------------------------
