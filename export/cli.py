@@ -9,12 +9,25 @@ import sys
 from collections.abc import Callable
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written, and each option's default after its help (argparse's
+    ArgumentDefaultsHelpFormatter), unless the help already says it or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            "default" in text
+            or action.default in (None, argparse.SUPPRESS)
+            or not action.option_strings
+        ):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def command_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     """The parser of ``python -m <prog>``; ``doc`` (the module docstring) is its help text."""
     return argparse.ArgumentParser(
-        prog=f"python -m {prog}",
-        description=doc,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=f"python -m {prog}", description=doc, formatter_class=HelpFormatter
     )
 
 

@@ -14,21 +14,25 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 from export.checkpoint import CheckpointError, file_sha256, read_metadata, resolve_checkpoint
 from export.cli import command_parser, exit_status
-from export.data import load_dataset
+from export.data import DATASETS, load_test_split
 from export.evaluate import (
     dataset_logits,
     evaluate_onnx,
+    onnx_dataset_spec,
     onnx_runner,
     onnx_session,
     read_onnx_metadata,
 )
 from export.hardware import cpu_model
+from export.model_flags import architecture_flags
 from export.report import plot_curves, read_metrics, write_report
-from export.train_settings import TrainSettings, architecture_flags
+from export.teacher import TEACHER_FILE, teacher_metadata
+from export.train_settings import TrainSettings
 from service.contract.model_repository import version_numbers
 from service.contract.preprocessing import normalise
 
@@ -38,15 +42,20 @@ CARD_PLOTS = ("curves.png", "confusion_matrix.png", "attention_gallery.png")
 
 def train_command(settings: dict, out: str = "runs/NAME", init_from: str | None = None) -> str:
     """The ``python -m export.train`` command that reproduces a run's settings (``init_from``, when
-    given, replaces the recorded parent: the reproduction starts from the reproduced parent)."""
+    given, replaces the recorded parent: the reproduction starts from the reproduced parent). What a
+    folder run chose from its images is left out: the same images choose it again."""
     defaults = TrainSettings()
     if init_from is not None:
         settings = {**settings, "init_from": init_from}
+    chosen = settings.get("chosen_from_data") or {}
+    if settings.get("steps"):
+        chosen = {**chosen, "epochs": None}  # the steps give the epochs
     flags = {
         "preset": "--preset",
         "dataset": "--dataset",
         "data_dir": "--data-dir",
         "epochs": "--epochs",
+        "steps": "--steps",
         "batch_size": "--batch-size",
         "learning_rate": "--lr",
         "min_learning_rate": "--min-lr",
@@ -59,18 +68,29 @@ def train_command(settings: dict, out: str = "runs/NAME", init_from: str | None 
         "train_limit": "--train-limit",
         "seed": "--seed",
         "threads": "--threads",
+        "teacher": "--teacher",
+        "distillation": "--distillation",
         "init_from": "--init-from",
     }
     parts = ["python -m export.train"]
     for key, flag in flags.items():
         value = settings.get(key)
-        if key in ("preset", "dataset") or (value is not None and value != getattr(defaults, key)):
+        if key in chosen or value is None:
+            continue
+        if key == "dataset" or (key == "preset" and value) or value != getattr(defaults, key):
             parts.append(f"{flag} {value}")
     parts += architecture_flags(settings)
     if settings.get("compile"):
         parts.append("--compile")
     if settings.get("augment") is False:
         parts.append("--no-augment")
+    recipe = {"hflip": None, "erase": True}
+    if settings.get("dataset") in DATASETS:
+        recipe["hflip"] = DATASETS[settings["dataset"]].horizontal_flip
+    for key, default in recipe.items():
+        value = settings.get(key)
+        if key not in chosen and value is not None and value != default:
+            parts.append(f"--{key}" if value else f"--no-{key}")
     parts.append(f"--out {out}")
     return " ".join(parts)
 
@@ -179,7 +199,7 @@ def batch_dependence(path: Path, data_dir: str | Path | None = None) -> tuple[in
     quantizes activations with one scale per batch lets an image's neighbours change its class."""
     session = onnx_session(path, threads=None)
     metadata = read_onnx_metadata(session, path)
-    _, test = load_dataset(metadata.dataset, data_dir)
+    test = load_test_split(onnx_dataset_spec(session, path, data_dir=data_dir), data_dir)
     run = onnx_runner(session, metadata.input.name, metadata.outputs.logits)
     images = normalise(test.images.numpy(), metadata.preprocessing)
     alone, batched = (dataset_logits(run, images, lambda x: x, size).argmax(1) for size in (1, 32))
@@ -213,6 +233,32 @@ def quantization_lines(
             "- Its activation scales are fixed at calibration, so a prediction does not depend on the "
             f"images batched with it: {changed} of {images} test images are classified differently "
             "at batch 1 and at batch 32."
+        )
+    return lines
+
+
+def lineage_lines(stages: list[Stage]) -> list[str]:
+    """Where the weights came from besides the data: a parent trained on other data, a teacher."""
+    lines = []
+    for earlier, stage in pairwise(stages):
+        before, after = earlier.settings, stage.settings
+        if (before.get("dataset"), before.get("data_dir")) != (after["dataset"], after["data_dir"]):
+            source = before.get("data_dir") or before.get("dataset")
+            lines.append(
+                f"- Fine-tuned: `{stage.run_dir}` started from `{stage.settings['init_from']}`, "
+                f"trained on {source} ({before.get('dataset')}); its head was initialised afresh "
+                "where the classes differ and its patch embedding adapted to the channels."
+            )
+    final = stages[-1]
+    teacher = final.settings.get("teacher")
+    if teacher not in (None, "none"):
+        path = final.run_dir / TEACHER_FILE if teacher == "auto" else Path(teacher)
+        figures = teacher_metadata(path)["figures"] if path.is_file() else {}
+        made = "trained first on the same split" if teacher == "auto" else "given"
+        lines.append(
+            f"- Distilled ({final.settings.get('distillation')} distillation, DeiT-style) from a "
+            f"small CNN teacher, {made}: `{path}` (validation accuracy "
+            f"{percent(figures.get('val_accuracy', float('nan')))}). Only the ViT is exported."
         )
     return lines
 
@@ -287,13 +333,20 @@ def render(
         "",
         "## Model",
         "",
-        f"- Preset `{final.settings.get('preset')}`, {results['parameters']:,} parameters: "
+        (
+            f"- Preset `{final.settings['preset']}`"
+            if final.settings.get("preset")
+            else "- Chosen from the data by `export.train` (`chosen_from_data` in its settings.json)"
+        )
+        + f", {results['parameters']:,} parameters: "
         f"`{json.dumps(model_config, sort_keys=True)}`.",
         f"- Checkpoint from {kept}, the lowest validation loss of that run "
         f"({results.get('val_loss')}; validation accuracy {results.get('val_accuracy')}).",
         "",
         "## Training",
         "",
+        *lineage_lines(stages),
+        *([""] if lineage_lines(stages) else []),
         (
             "To train it again, run from the repository root, in this order (each later run starts "
             "from the best weights of the one before, with a new learning-rate schedule):"

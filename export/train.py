@@ -1,15 +1,11 @@
-"""Train a ViT: ``python -m export.train --preset fashion-small --out runs/NAME``.
+"""Train a ViT: ``python -m export.train --help`` (its text is export/train_settings.py's).
 
-    python -m export.train --dataset folder --data-dir photos/ --image-size 64 --channels 3 \
-        --patch-size 8 --dim 128 --depth 6 --heads 4 --mlp-dim 256 --epochs 30 --out runs/photos
+    python -m export.train --dataset folder --data-dir photos --out runs/photos
+    python -m export.train --preset fashion-small --out runs/fashion-small
 
-Datasets: the built-in ones (their files, never downloaded), or ``--dataset folder`` for a folder of
-one sub-folder of images per class (export/folder.py). The model is a preset, then ``--config
-FILE.json``, then the architecture flags (export/train_settings.py); the run's settings.json records
-the resolved model, and ``--resume RUN_DIR`` continues with it. The loop is export/trainer.py.
-
-``--init-from CHECKPOINT`` starts a new run (its own schedule, a fresh optimizer) from trained weights:
-a warm restart of the learning rate, the way to train a finished run for longer.
+This module prepares a run: a new one (a folder dataset's defaults chosen from its images,
+export/folder_defaults.py), a resumed one, or one started from other weights (``--init-from``), and
+its CNN teacher when it has one (export/teacher.py). The loop is export/trainer.py.
 """
 
 from __future__ import annotations
@@ -18,12 +14,20 @@ import dataclasses
 import importlib.util
 import json
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
-from export.checkpoint import CheckpointError, file_sha256, resolve_checkpoint
+from export.augment import augmentation_for
+from export.checkpoint import (
+    CheckpointError,
+    file_sha256,
+    load_checkpoint,
+    read_metadata,
+    resolve_checkpoint,
+)
+from export.config import ViTConfig
 from export.data import (
     FOLDER,
     DatasetError,
@@ -34,7 +38,11 @@ from export.data import (
     spec_from_dict,
     train_validation_split,
 )
-from export.folder import folder_spec, load_folder, measure_mean_std, scan_folder
+from export.finetune import architecture, conflicting_fields
+from export.folder import FolderLayout, folder_spec, load_folder, measure_mean_std, scan_folder
+from export.folder_defaults import choose, describe, survey
+from export.model_flags import dataset_fitted
+from export.teacher import TEACHER_FILE, load_teacher, train_teacher
 from export.train_settings import TrainSettings, parse_args, settings_json
 from export.trainer import (
     METRIC_FIELDS,
@@ -78,6 +86,29 @@ def check_same_validation_split(settings: TrainSettings, checkpoint: Path) -> No
             )
 
 
+def fine_tuning(settings: TrainSettings, checkpoint: Path) -> tuple[TrainSettings, bool]:
+    """(settings, True) when the parent was trained on other data: the run keeps the parent's
+    architecture at this dataset's size, channels and classes (export/finetune.py)."""
+    parent = load_checkpoint(checkpoint)[0].config
+    metadata = read_metadata(checkpoint)
+    same = metadata["dataset"] == settings.dataset
+    if same and settings.dataset == FOLDER:
+        recorded = json.loads(metadata.get("dataset_spec", "{}")).get("default_dir")
+        same = recorded == str(Path(settings.data_dir).resolve())
+    if same:
+        return settings, False
+    if settings.dataset != FOLDER:
+        config = dataset_fitted(parent, settings.dataset)
+        return replace(settings, model_config=config.to_dict()), True
+    conflicts = conflicting_fields(parent, settings.model_flags)
+    if conflicts:
+        raise ValueError(
+            f"--init-from {checkpoint} keeps the parent's model; these differ from it: "
+            + ", ".join(conflicts)
+        )
+    return replace(settings, model_flags={**settings.model_flags, **architecture(parent)}), True
+
+
 def refuse_existing_run(out_dir: Path) -> None:
     """A new run never writes into the directory of a run that has weights. One that has none (it
     stopped before its first epoch was saved) holds nothing to lose, and is started over."""
@@ -89,9 +120,31 @@ def refuse_existing_run(out_dir: Path) -> None:
         )
 
 
+def validation_count(settings: TrainSettings, images: int) -> int:
+    size = settings.validation_size
+    return max(1, round(size * images)) if isinstance(size, float) and size < 1 else int(size)
+
+
+def choose_from_data(settings: TrainSettings, layout: FolderLayout) -> TrainSettings:
+    """A new folder run's settings with every one left unset chosen from its images, and its model."""
+    images = len(layout.train) - validation_count(settings, len(layout.train))
+    if settings.train_limit:
+        images = min(images, settings.train_limit)
+    found = survey([path for path, _ in layout.train])
+    given = {**asdict(settings), **settings.model_flags}
+    chosen = choose(found, images, given)
+    print(f"{layout.root}: defaults chosen from the data: {describe(chosen)}", flush=True)
+    fields = {f.name for f in dataclasses.fields(ViTConfig)}
+    model = {k: v for k, v in {**chosen, **settings.model_flags}.items() if k in fields}
+    config = ViTConfig.from_dict({**model, "num_classes": len(layout.classes)})
+    settings = replace(settings, **{k: v for k, v in chosen.items() if k not in fields})
+    return replace(settings, model_config=config.to_dict(), chosen_from_data=chosen)
+
+
 def load_training_data(settings: TrainSettings) -> tuple[TrainSettings, DatasetSpec, Split, Split]:
-    """(settings, spec, train, validation). A new folder run measures the mean and std of its
-    training images and records them, with the classes, in the settings' ``dataset_spec``."""
+    """(settings, spec, train, validation). A new folder run chooses its defaults from the images,
+    then measures the mean and std of its training images and records them, with the classes, in
+    the settings' ``dataset_spec``."""
     if settings.dataset != FOLDER:
         spec = get_dataset_spec(settings.dataset)
         train_full, _ = load_dataset(spec, settings.data_dir)
@@ -100,12 +153,12 @@ def load_training_data(settings: TrainSettings) -> tuple[TrainSettings, DatasetS
         train_full, _ = load_dataset(spec, settings.data_dir)
     else:
         layout = scan_folder(settings.data_dir)
-        config = settings.config().replace(num_classes=len(layout.classes))
+        settings = choose_from_data(settings, layout)
+        config = settings.config()
         spec = folder_spec(
             layout.root, layout.classes, config.in_channels, config.image_height, config.image_width
         )
         train_full, _ = load_folder(layout.root, spec, splits=("train",))
-        settings = replace(settings, model_config=config.to_dict())
     train, validation = train_validation_split(train_full, settings.validation_size, settings.seed)
     if settings.train_limit:
         train = train.subset(torch.arange(min(settings.train_limit, len(train))))
@@ -119,7 +172,31 @@ def load_training_data(settings: TrainSettings) -> tuple[TrainSettings, DatasetS
             f"std {[round(s, 4) for s in std]}",
             flush=True,
         )
+    if settings.steps and len(train) >= settings.batch_size:
+        per_epoch = len(train) // settings.batch_size
+        settings = replace(settings, epochs=-(-settings.steps // per_epoch))
     return settings, spec, train, validation
+
+
+def teacher_for(
+    settings: TrainSettings, out_dir: Path, spec: DatasetSpec, train: Split, validation: Split
+) -> torch.nn.Module | None:
+    """No teacher, the one given, or (``auto``) the one this run trained, training it first if it
+    has not yet: for half as many steps as the ViT, on the same split and augmentation."""
+    if settings.teacher in (None, "none"):
+        return None
+    if settings.teacher != "auto":
+        return load_teacher(Path(settings.teacher), spec)
+    path = out_dir / TEACHER_FILE
+    if path.is_file():
+        return load_teacher(path, spec)
+    per_epoch = len(train) // settings.batch_size
+    steps = (settings.steps or settings.epochs * per_epoch) // 2
+    augment = augmentation_for(spec, settings.hflip, settings.erase) if settings.augment else None
+    print(f"training a CNN teacher for {steps} steps: {path}", flush=True)
+    return train_teacher(
+        train, validation, spec, augment, steps, settings.batch_size, settings.seed, path
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,10 +234,12 @@ def prepare(
         raise ValueError(
             "--tensorboard needs the tensorboard package: pip install -r requirements/export.txt"
         )
-    initial_weights = None
+    initial_weights, fine_tune = None, False
     if resume is None and settings.init_from is not None:
         initial_weights = resolve_checkpoint(settings.init_from)
-        check_same_validation_split(settings, initial_weights)
+        settings, fine_tune = fine_tuning(settings, initial_weights)
+        if not fine_tune:
+            check_same_validation_split(settings, initial_weights)
         settings = replace(settings, init_from_sha256=file_sha256(initial_weights))
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -174,7 +253,7 @@ def prepare(
         trainer.load_state(resume / "last")
         print(f"resumed {resume} at epoch {trainer.epoch}", flush=True)
     elif initial_weights is not None:
-        trainer.load_initial_weights(initial_weights)
+        trainer.load_initial_weights(initial_weights, fine_tune)
         if file_sha256(initial_weights) != settings.init_from_sha256:
             raise ValueError(f"{initial_weights} changed while it was read; is it still training?")
         print(f"starting from the weights of {initial_weights}", flush=True)
@@ -184,12 +263,14 @@ def prepare(
     (out_dir / "settings.json").write_text(settings_json(settings))
     c = trainer.model.config
     print(
-        f"{settings.preset}: {trainer.model.num_parameters():,} parameters (dim {c.dim}, depth "
+        f"{settings.preset or 'model chosen from the data'}: "
+        f"{trainer.model.num_parameters():,} parameters (dim {c.dim}, depth "
         f"{c.depth}, heads {c.heads}, patch {c.patch_size} {c.patch_embedding}, "
         f"{c.in_channels}x{c.image_height}x{c.image_width} -> {c.num_classes} classes), "
         f"{len(train)} train / {len(validation)} validation images, device {trainer.device}",
         flush=True,
     )
+    trainer.use_teacher(teacher_for(settings, out_dir, spec, train, validation))
     return trainer, train, validation
 
 

@@ -8,7 +8,6 @@ channels). The resolved config is recorded in the run's settings.json, which ``-
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,14 +15,28 @@ from pathlib import Path
 from export.cli import command_parser
 from export.config import PRESETS, ViTConfig, get_preset
 from export.data import DATASET_CHOICES, DATASETS, FOLDER
+from export.folder_defaults import SMALL_DATASET
+from export.model_flags import (
+    add_architecture_arguments,
+    check_folder_fields,
+    dataset_fitted,
+    given_model_fields,
+    resolve_config,
+)
+from export.teacher import DISTILLATIONS
 
 
 @dataclass(frozen=True)
 class TrainSettings:
-    preset: str = "fashion-small"
+    """A run's settings. For a folder dataset, those left None here are chosen from its images when
+    the run starts (export/folder_defaults.py) and recorded resolved."""
+
+    preset: str | None = "fashion-small"
     dataset: str = "fashion-mnist"
     data_dir: str | None = None
     epochs: int = 50
+    # Optimizer steps in all, when the length was given (or chosen) in steps; epochs then follow.
+    steps: int | None = None
     batch_size: int = 128
     learning_rate: float = 1e-3
     min_learning_rate: float = 1e-5
@@ -39,6 +52,12 @@ class TrainSettings:
     threads: int | None = None
     compile: bool = False
     augment: bool = True
+    # None: recorded before these were flags, the built-in recipe (export/augment.py).
+    hflip: bool | None = None
+    erase: bool | None = None
+    # "auto" (train a CNN teacher first), a teacher file, or None: no distillation.
+    teacher: str | None = None
+    distillation: str = "hard"
     tensorboard: bool = False
     init_from: str | None = None
     # Recorded, not flags: which weights ``init_from`` held when this run started, the model's
@@ -46,53 +65,16 @@ class TrainSettings:
     init_from_sha256: str | None = None
     model_config: dict | None = None
     dataset_spec: dict | None = None
+    # A folder dataset: the model fields the user gave (preset, --config, flags), and every default
+    # chosen from the data, as printed at start-up.
+    model_flags: dict | None = None
+    chosen_from_data: dict | None = None
 
     def config(self) -> ViTConfig:
         """The run's model; a run recorded before configs were recorded used its preset as is."""
         if self.model_config is not None:
             return ViTConfig.from_dict(self.model_config)
         return dataset_fitted(get_preset(self.preset), self.dataset)
-
-
-# ViTConfig field -> flag. in_channels, image size and num_classes come from the dataset (or the
-# image flags for a folder dataset), so they are listed apart.
-ARCHITECTURE_FLAGS = {
-    "patch_size": "--patch-size",
-    "dim": "--dim",
-    "depth": "--depth",
-    "heads": "--heads",
-    "mlp_dim": "--mlp-dim",
-    "pooling": "--pooling",
-    "position_embedding": "--position-embedding",
-    "patch_embedding": "--patch-embedding",
-    "representation_size": "--representation-size",
-    "dropout": "--dropout",
-    "attention_dropout": "--attention-dropout",
-    "qkv_bias": "--qkv-bias",
-    "layer_norm_eps": "--layer-norm-eps",
-}
-IMAGE_FLAGS = {
-    "in_channels": "--channels",
-    "image_height": "--image-height",
-    "image_width": "--image-width",
-}
-
-
-def dataset_fitted(config: ViTConfig, dataset: str) -> ViTConfig:
-    """A built-in dataset's image size, channels and classes replace the config's."""
-    if dataset not in DATASETS:
-        return config
-    spec = DATASETS[dataset]
-    return config.replace(
-        in_channels=spec.channels,
-        image_height=spec.height,
-        image_width=spec.width,
-        num_classes=len(spec.labels),
-    )
-
-
-def _optional_int(text: str) -> int | None:
-    return None if text.lower() == "none" else int(text)
 
 
 def _count_or_fraction(text: str) -> int | float:
@@ -106,130 +88,134 @@ def _count_or_fraction(text: str) -> int | float:
     )
 
 
-def add_architecture_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every flag defaults to absent, so that what the user gave is told from what the preset says."""
-    group = parser.add_argument_group(
-        "model", "override the preset (and --config) field by field; see export/config.py"
-    )
-    unset = {"default": argparse.SUPPRESS}
-    group.add_argument("--config", type=Path, default=None, help="JSON object of ViTConfig fields")
-    group.add_argument("--image-size", type=int, help="square images of this side", **unset)
-    group.add_argument("--image-height", type=int, **unset)
-    group.add_argument("--image-width", type=int, **unset)
-    group.add_argument("--channels", type=int, choices=(1, 3), dest="in_channels", **unset)
-    for name in ("patch_size", "dim", "depth", "heads", "mlp_dim"):
-        group.add_argument(ARCHITECTURE_FLAGS[name], type=int, **unset)
-    group.add_argument("--pooling", choices=("token", "mean"), **unset)
-    group.add_argument("--position-embedding", choices=("learned", "sinusoidal"), **unset)
-    group.add_argument("--patch-embedding", choices=("conv", "linear"), **unset)
+DESCRIPTION = f"""Train a ViT on a built-in dataset or on a folder of your own images.
+
+    python -m export.train --dataset folder --data-dir photos --out runs/photos
+    python -m export.train --preset fashion-small --out runs/fashion-small
+
+--dataset {FOLDER} reads one sub-folder of images per class (photos/<class>/*, a fifth of each class
+held out for testing, or photos/train/<class>/* and photos/test/<class>/*). Every setting it is not
+given is chosen from the images and printed in one line at start-up: image size and channels, patch
+size, model size, batch size, length in optimizer steps, augmentation, and a CNN teacher to distil
+from on small datasets (export/folder_defaults.py). Any flag below overrides its choice.
+
+The model is a preset, then --config FILE.json, then the model flags, each overriding the one
+before. The run's settings.json records everything resolved; --resume RUN_DIR continues with it.
+--init-from RUN_DIR starts a new run from trained weights with its own schedule: a warm restart of
+the same model, or fine-tuning on another dataset (a new head, an adapted patch embedding)."""
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, defaults: TrainSettings) -> None:
+    chosen = f"default: chosen from the data for {FOLDER}, else"
+    group = parser.add_argument_group("schedule")
     group.add_argument(
-        "--representation-size",
-        type=_optional_int,
-        help="pre-logits Linear + Tanh of this size, or 'none'",
-        **unset,
+        "--epochs", type=int, default=None, help=f"length in epochs ({chosen} {defaults.epochs})"
     )
-    group.add_argument("--dropout", type=float, **unset)
-    group.add_argument("--attention-dropout", type=float, **unset)
-    group.add_argument("--qkv-bias", action=argparse.BooleanOptionalAction, **unset)
-    group.add_argument("--layer-norm-eps", type=float, **unset)
-
-
-def read_config_file(path: Path) -> dict:
-    try:
-        values = json.loads(path.read_text())
-    except OSError as error:
-        raise ValueError(f"--config {path}: cannot read it ({error.strerror or error})") from error
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--config {path}: not valid JSON ({error})") from error
-    if not isinstance(values, dict):
-        raise ValueError(f"--config {path}: expected a JSON object of ViTConfig fields")
-    known = {f.name for f in dataclasses.fields(ViTConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"--config {path}: unknown ViTConfig fields: {', '.join(unknown)}")
-    return values
-
-
-def resolve_config(args: dict) -> ViTConfig:
-    """Preset, then --config, then flags; pops the architecture arguments out of ``args``.
-    Raises ValueError with one line naming what is wrong."""
-    values = get_preset(args["preset"]).to_dict()
-    explicit: dict = {}
-    path = args.pop("config")
-    if path is not None:
-        explicit.update(read_config_file(path))
-        explicit.pop("num_classes", None)  # always the dataset's
-    if "image_size" in args:
-        if "image_height" in args or "image_width" in args:
-            raise ValueError(
-                "--image-size sets both sides; give it or --image-height/--image-width"
-            )
-        args["image_height"] = args["image_width"] = args.pop("image_size")
-    explicit.update(
-        {name: args.pop(name) for name in (*IMAGE_FLAGS, *ARCHITECTURE_FLAGS) if name in args}
+    group.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="length in optimizer steps instead of epochs (default: chosen from the data for "
+        f"{FOLDER}, else --epochs)",
     )
-    values.update(explicit)
-    dataset = args["dataset"]
-    if dataset in DATASETS:
-        spec = DATASETS[dataset]
-        wanted = {
-            "in_channels": spec.channels,
-            "image_height": spec.height,
-            "image_width": spec.width,
-        }
-        for name, flag in IMAGE_FLAGS.items():
-            if name in explicit and explicit[name] != wanted[name]:
-                raise ValueError(
-                    f"{flag} {explicit[name]}: {dataset} images are {spec.height}x{spec.width} with "
-                    f"{spec.channels} channel(s); image size and channels are chosen for "
-                    f"--dataset {FOLDER}"
-                )
-    config = ViTConfig.from_dict(values)
-    return dataset_fitted(config, dataset)
-
-
-def architecture_flags(settings: dict) -> list[str]:
-    """The flags that turn the recorded preset into the recorded model (for reproducing a run)."""
-    if settings.get("model_config") is None:
-        return []
-    recorded = ViTConfig.from_dict(settings["model_config"])
-    preset = dataset_fitted(get_preset(settings["preset"]), settings["dataset"])
-    flags = []
-    for name, flag in {**IMAGE_FLAGS, **ARCHITECTURE_FLAGS}.items():
-        value = getattr(recorded, name)
-        if value == getattr(preset, name):
-            continue
-        if isinstance(value, bool):
-            flags.append(flag if value else f"--no-{flag[2:]}")
-        else:
-            flags.append(f"{flag} {'none' if value is None else value}")
-    return flags
+    group.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help=f"images a step ({chosen} {defaults.batch_size})",
+    )
+    group.add_argument(
+        "--lr", type=float, default=defaults.learning_rate, dest="learning_rate", help="peak"
+    )
+    group.add_argument(
+        "--min-lr",
+        type=float,
+        default=defaults.min_learning_rate,
+        dest="min_learning_rate",
+        help="end of the cosine decay",
+    )
+    group.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW's")
+    group.add_argument(
+        "--warmup-epochs",
+        type=float,
+        default=None,
+        help=f"epochs of linear warm-up ({chosen} {defaults.warmup_epochs:g})",
+    )
+    group.add_argument(
+        "--label-smoothing", type=float, default=defaults.label_smoothing, help="of the labels"
+    )
+    group.add_argument(
+        "--clip-grad-norm", type=float, default=defaults.clip_grad_norm, help="0: no clipping"
+    )
+    group.add_argument(
+        "--patience",
+        type=int,
+        default=None,
+        help="stop after this many epochs without a lower validation loss (default: never for "
+        f"{FOLDER}, else {defaults.patience})",
+    )
+    group = parser.add_argument_group("augmentation")
+    group.add_argument(
+        "--no-augment",
+        action="store_false",
+        dest="augment",
+        help="no augmentation at all (by default: translations, and scale changes for a folder)",
+    )
+    group.add_argument(
+        "--hflip",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="mirror half the images left-right; only for classes a mirror image keeps (not digits "
+        "or letters). Default: off for a folder, the dataset's recipe for a built-in one",
+    )
+    group.add_argument(
+        "--erase",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="blank a random rectangle in a quarter of the images; it can hide what tells two "
+        "classes apart. Default: off for a folder, on for a built-in dataset",
+    )
+    group = parser.add_argument_group("distillation (export/teacher.py)")
+    group.add_argument(
+        "--teacher",
+        default=None,
+        help="'auto': train a small CNN on the same split first, then distil it into the ViT; a "
+        "teacher file (RUN_DIR/teacher.safetensors of an earlier run) reuses one; 'none'. "
+        f"Default: auto for a {FOLDER} of fewer than {SMALL_DATASET:,} training images, else none",
+    )
+    group.add_argument(
+        "--distillation",
+        choices=DISTILLATIONS,
+        default=defaults.distillation,
+        help="hard: the teacher's class as a second label; soft: its distribution (KL divergence)",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[TrainSettings, Path, Path | None, bool]:
-    from export import train
-
     defaults = TrainSettings()
-    parser = command_parser("export.train", train.__doc__)
-    parser.add_argument("--preset", default=defaults.preset, choices=sorted(PRESETS))
-    parser.add_argument("--dataset", default=defaults.dataset, choices=sorted(DATASET_CHOICES))
+    parser = command_parser("export.train", DESCRIPTION)
     parser.add_argument(
-        "--data-dir", default=None, help=f"directory of the dataset's files (required for {FOLDER})"
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help=f"the model to start from (default: chosen from the data for {FOLDER}, else "
+        f"{defaults.preset})",
+    )
+    parser.add_argument(
+        "--dataset",
+        default=defaults.dataset,
+        choices=sorted(DATASET_CHOICES),
+        help="what to train on",
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help=f"directory of the dataset's files (required for {FOLDER}; else the dataset's own)",
     )
     parser.add_argument(
         "--out", type=Path, default=None, help="run directory to write (a new run needs one)"
     )
-    parser.add_argument("--epochs", type=int, default=defaults.epochs)
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    parser.add_argument("--lr", type=float, default=defaults.learning_rate, dest="learning_rate")
-    parser.add_argument(
-        "--min-lr", type=float, default=defaults.min_learning_rate, dest="min_learning_rate"
-    )
-    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    parser.add_argument("--warmup-epochs", type=float, default=defaults.warmup_epochs)
-    parser.add_argument("--label-smoothing", type=float, default=defaults.label_smoothing)
-    parser.add_argument("--clip-grad-norm", type=float, default=defaults.clip_grad_norm)
-    parser.add_argument("--patience", type=int, default=defaults.patience)
+    add_training_arguments(parser, defaults)
     parser.add_argument(
         "--validation-size",
         type=_count_or_fraction,
@@ -240,10 +226,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainSettings, Path, Path
     parser.add_argument(
         "--train-limit", type=int, default=None, help="use only the first N training images"
     )
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="of everything random")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="PyTorch CPU threads (default: all cores)"
+    )
     parser.add_argument("--compile", action="store_true", help="torch.compile the training step")
-    parser.add_argument("--no-augment", action="store_false", dest="augment")
     parser.add_argument(
         "--tensorboard",
         action="store_true",
@@ -266,18 +253,42 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainSettings, Path, Path
         )
     if args["resume"] is None and args["out"] is None:
         parser.error("--out RUN_DIR is required for a new run (--resume RUN_DIR continues one)")
-    if args["dataset"] == FOLDER and args["data_dir"] is None and args["resume"] is None:
+    folder = args["dataset"] == FOLDER
+    if folder and args["data_dir"] is None and args["resume"] is None:
         parser.error(
             f"--dataset {FOLDER} needs --data-dir DIR (one sub-folder of images per class)"
         )
+    if args["epochs"] is not None and args["steps"] is not None:
+        parser.error("give the length in --epochs or in --steps, not both")
     if args["validation_size"] is None:
-        args["validation_size"] = 0.1 if args["dataset"] == FOLDER else defaults.validation_size
+        args["validation_size"] = 0.1 if folder else defaults.validation_size
+    if args["teacher"] == "none":
+        args["teacher"] = None if not folder else "none"
+    model_config, model_flags = None, None
     try:
-        config = resolve_config(args)
+        if folder:
+            model_flags = given_model_fields(args)
+            check_folder_fields(model_flags)
+        else:
+            args["preset"] = args["preset"] or defaults.preset
+            model_config = resolve_config(args).to_dict()
     except ValueError as error:
         parser.error(str(error))
+    if not folder:
+        spec = DATASETS[args["dataset"]]
+        for name, value in {
+            "epochs": None if args["steps"] else defaults.epochs,
+            "batch_size": defaults.batch_size,
+            "warmup_epochs": defaults.warmup_epochs,
+            "patience": defaults.patience,
+            "hflip": spec.horizontal_flip,
+            "erase": True,
+        }.items():
+            if args[name] is None:
+                args[name] = value
     out, resume, no_report = args.pop("out"), args.pop("resume"), args.pop("no_report")
-    return TrainSettings(**args, model_config=config.to_dict()), out, resume, no_report
+    settings = TrainSettings(**args, model_config=model_config, model_flags=model_flags)
+    return settings, out, resume, no_report
 
 
 def settings_json(settings: TrainSettings) -> str:

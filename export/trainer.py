@@ -19,9 +19,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from export.augment import augmentation_for
 from export.checkpoint import load_checkpoint, load_optimizer, save_checkpoint, save_optimizer
-from export.data import FOLDER, DatasetSpec, Split, augmentation_for, normalize, spec_to_json
+from export.data import FOLDER, DatasetSpec, Split, normalize, spec_to_json
+from export.finetune import adapt
 from export.model import VisionTransformer
+from export.schedule import cosine_learning_rate
+from export.teacher import distillation_loss
 from export.train_settings import TrainSettings
 
 if TYPE_CHECKING:
@@ -63,12 +67,8 @@ def configure_optimizer(model: torch.nn.Module, settings: TrainSettings) -> torc
 def learning_rate_at(
     step: int, total_steps: int, warmup_steps: int, settings: TrainSettings
 ) -> float:
-    if step < warmup_steps:
-        return settings.learning_rate * (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return (
-        settings.min_learning_rate + (settings.learning_rate - settings.min_learning_rate) * cosine
+    return cosine_learning_rate(
+        step, total_steps, warmup_steps, settings.learning_rate, settings.min_learning_rate
     )
 
 
@@ -101,6 +101,7 @@ def evaluate_split(
 class Trainer:
     def __init__(self, settings: TrainSettings, out_dir: Path, spec: DatasetSpec) -> None:
         self.settings = settings
+        self.teacher: torch.nn.Module | None = None
         self.out_dir = out_dir
         self.device = pick_device()
         self.spec = spec
@@ -123,6 +124,10 @@ class Trainer:
         self.step = 0
         self.best_val_loss = math.inf
         self.epochs_without_improvement = 0
+
+    def use_teacher(self, teacher: torch.nn.Module | None) -> None:
+        """Distil ``teacher`` (export/teacher.py) into the model; None trains on the labels alone."""
+        self.teacher = teacher.to(self.device).eval() if teacher is not None else None
 
     # -- persistence -------------------------------------------------------------------------
     @property
@@ -165,9 +170,15 @@ class Trainer:
         self.generator.set_state(torch.tensor(state["generator_state"], dtype=torch.uint8))
         torch.set_rng_state(torch.tensor(state["torch_rng_state"], dtype=torch.uint8))
 
-    def load_initial_weights(self, checkpoint: Path) -> None:
-        """Weights of a trained checkpoint whose architecture is this run's, for a warm restart."""
+    def load_initial_weights(self, checkpoint: Path, fine_tune: bool = False) -> None:
+        """Weights of a trained checkpoint: of this run's architecture and dataset for a warm
+        restart, or (``fine_tune``) of another dataset, adapted to this one's."""
         model, metadata = load_checkpoint(checkpoint)
+        if fine_tune:
+            same_classes = json.loads(metadata["labels"]) == list(self.spec.labels)
+            adapted = adapt(model, self.model, same_classes)
+            print(f"fine-tuning {checkpoint}: {'; '.join(adapted) or 'nothing to adapt'}")
+            return
         if model.config != self.model.config:
             raise ValueError(
                 f"{checkpoint} holds a different model ({model.config.to_json()}) than preset "
@@ -222,17 +233,29 @@ class Trainer:
             if log is not None:
                 log.close()
 
+    def loss(
+        self, images: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        """Cross-entropy with the labels, or with a teacher the distillation loss."""
+        smoothing = self.settings.label_smoothing
+        if self.teacher is None:
+            return F.cross_entropy(logits, labels, label_smoothing=smoothing)
+        with torch.no_grad():
+            teacher_logits = self.teacher(images).float()
+        kind = self.settings.distillation
+        return distillation_loss(logits, teacher_logits, labels, kind, smoothing)
+
     def run_epochs(self, train: Split, validation: Split, log: TensorBoardLog | None) -> None:
         s = self.settings
         steps_per_epoch = len(train) // s.batch_size
         if steps_per_epoch == 0:
             raise ValueError(f"batch size {s.batch_size} exceeds the {len(train)} training images")
-        total_steps = steps_per_epoch * s.epochs
+        total_steps = s.steps or steps_per_epoch * s.epochs
         warmup_steps = max(1, int(s.warmup_epochs * steps_per_epoch))
-        augment = augmentation_for(self.spec) if s.augment else None
+        augment = augmentation_for(self.spec, s.hflip, s.erase) if s.augment else None
         step_model = torch.compile(self.model) if s.compile else self.model
         use_bf16 = self.device.type == "cuda"
-        while self.epoch < s.epochs:
+        while self.epoch < s.epochs and self.step < total_steps:
             if self.epochs_without_improvement >= s.patience:
                 print(f"early stop: validation loss has not improved for {s.patience} epochs")
                 break
@@ -241,7 +264,7 @@ class Trainer:
             order = torch.randperm(len(train), generator=self.generator)
             loss_sum, correct, seen = 0.0, 0, 0
             bar = tqdm(
-                range(steps_per_epoch),
+                range(min(steps_per_epoch, total_steps - self.step)),
                 desc=f"epoch {self.epoch + 1}/{s.epochs}",
                 mininterval=5.0,
                 file=sys.stderr,
@@ -257,7 +280,7 @@ class Trainer:
                     group["lr"] = lr
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16):
                     logits = step_model(images)
-                loss = F.cross_entropy(logits.float(), labels, label_smoothing=s.label_smoothing)
+                loss = self.loss(images, logits.float(), labels)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if s.clip_grad_norm:

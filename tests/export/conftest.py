@@ -13,8 +13,8 @@ import torch
 
 from export import train
 from export.config import PRESETS, ViTConfig
+from export.sample_folders import write_shapes
 from tests.export.runs import shapes_run_args, tiny_run_args
-from tests.export.shapes import write_shapes
 
 REPO = Path(__file__).resolve().parents[2]
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")

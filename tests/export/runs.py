@@ -30,6 +30,7 @@ def shapes_run_args(data_dir: Path, out: Path) -> list[str]:
         *("--mlp-dim", "64", "--pooling", "mean", "--patch-embedding", "linear"),
         *("--epochs", "30", "--batch-size", "16", "--lr", "3e-3", "--warmup-epochs", "3"),
         *("--validation-size", "0.15", "--threads", "1", "--tensorboard", "--no-report"),
+        *("--teacher", "none"),
         *("--out", str(out)),
     ]
 

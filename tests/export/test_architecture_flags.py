@@ -11,7 +11,7 @@ import pytest
 from export import train
 from export.config import ViTConfig, get_preset
 from export.model_card import train_command
-from export.train_settings import ARCHITECTURE_FLAGS, IMAGE_FLAGS
+from export.model_flags import ARCHITECTURE_FLAGS, IMAGE_FLAGS
 
 OUT = ["--out", "runs/x"]
 
@@ -71,17 +71,28 @@ def test_flags_override_every_field():
     )
 
 
-def test_a_folder_dataset_takes_image_size_and_channels_from_the_flags(tmp_path):
-    config = resolved(
-        *("--dataset", "folder", "--data-dir", str(tmp_path), "--image-size", "48"),
-        *("--channels", "3", "--patch-size", "8"),
-    )
-    assert (config.in_channels, config.image_height, config.image_width) == (3, 48, 48)
-    config = resolved(
-        *("--dataset", "folder", "--data-dir", str(tmp_path), "--image-height", "24"),
-        *("--image-width", "40", "--patch-size", "8"),
-    )
-    assert (config.image_height, config.image_width, config.grid) == (24, 40, (3, 5))
+def given(*args: str) -> dict:
+    settings, _, _, _ = train.parse_args([*args, *OUT])
+    assert settings.model_config is None  # chosen once the images are read
+    return settings.model_flags
+
+
+def test_a_folder_dataset_records_the_image_size_and_channels_it_was_given(tmp_path):
+    folder = ("--dataset", "folder", "--data-dir", str(tmp_path))
+    assert given(*folder, "--image-size", "48", "--channels", "3", "--patch-size", "8") == {
+        "image_height": 48,
+        "image_width": 48,
+        "in_channels": 3,
+        "patch_size": 8,
+    }
+    assert given(*folder, "--image-height", "24", "--image-width", "40") == {
+        "image_height": 24,
+        "image_width": 40,
+    }
+    assert given(*folder) == {}  # everything is chosen from the data
+    # A preset names a model, not an image size.
+    preset = given(*folder, "--preset", "fashion-small")
+    assert preset["dim"] == 96 and "image_height" not in preset and "in_channels" not in preset
 
 
 def test_config_file_then_flags(tmp_path):
@@ -179,19 +190,11 @@ def test_resume_keeps_the_recorded_model(tmp_path, tiny_preset):
 
 
 def test_the_train_your_own_images_command_is_valid():
-    """The README's "train on your own images" command parses into the model it names."""
+    """The README's "train on your own images" command parses, leaving the model to the data."""
     from tests.export.conftest import REPO
 
     text = (REPO / "README.md").read_text()
     (command,) = re.findall(r"`\.venv/bin/python -m export\.train (--dataset folder[^`]+)`", text)
     settings, out, _, _ = train.parse_args(command.split())
-    config = ViTConfig.from_dict(settings.model_config)
-    assert (
-        settings.dataset == "folder" and settings.data_dir == "photos" and str(out) == "runs/photos"
-    )
-    assert (config.in_channels, config.image_height, config.patch_size, config.depth) == (
-        3,
-        64,
-        8,
-        6,
-    )
+    assert (settings.dataset, settings.data_dir, str(out)) == ("folder", "photos", "runs/photos")
+    assert settings.model_flags == {} and settings.batch_size is None and settings.teacher is None

@@ -1,6 +1,6 @@
 """A user's folder of images to a served model, from the command line, with nothing edited by hand.
 
-Drawn shapes (tests/export/shapes.py) -> ``python -m export.train --dataset folder`` with architecture
+Drawn shapes (export/sample_folders.py) -> ``python -m export.train --dataset folder`` with architecture
 flags -> ``python -m export.onnx RUN`` into a fresh repository, next to the shipped model ->
 ``python -m service`` -> held-out images (never seen in training) classified over HTTP.
 """
@@ -16,8 +16,8 @@ import numpy as np
 import onnx
 import pytest
 
-from export.evaluate import EvaluationError, evaluate_onnx
-from tests.export.shapes import SHAPES
+from export.evaluate import evaluate_onnx
+from export.sample_folders import SHAPES
 from tests.support import REPO, Suite, running_server
 
 EXPORT_SUITE = Suite(range(18400, 18450), ready_within_s=90.0)
@@ -50,11 +50,13 @@ def test_a_folder_of_shapes_is_trained_exported_and_served(
     assert (shape["channels"], shape["height"], shape["width"]) == (3, 32, 32)
     assert metadata["model_config"]["patch_embedding"] == "linear"
     assert metadata["test_accuracy"] > 0.7, metadata["test_accuracy"]
-    # The ONNX file knows no paths: evaluating it on the folder needs --data-dir, and agrees.
-    results = evaluate_onnx(repository / "shapes/1/model.onnx", data_dir=shapes_folders[0])
+    # The ONNX file records the folder it was trained on: evaluating it finds the test images
+    # there (or in --data-dir), and agrees with the export.
+    assert metadata["data_dir"] == str(shapes_folders[0].resolve())
+    results = evaluate_onnx(repository / "shapes/1/model.onnx")
     assert results["accuracy"] == metadata["test_accuracy"] and results["images"] == 36
-    with pytest.raises(EvaluationError, match="trained on a folder of images; pass --data-dir"):
-        evaluate_onnx(repository / "shapes/1/model.onnx")
+    again = evaluate_onnx(repository / "shapes/1/model.onnx", data_dir=shapes_folders[0])
+    assert again["accuracy"] == results["accuracy"]
 
     held_out = sorted(shapes_folders[1].rglob("*.*"))
     assert len(held_out) == 30

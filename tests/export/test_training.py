@@ -176,7 +176,6 @@ def test_init_from_continues_from_the_trained_model(tiny_run, tiny_preset, tmp_p
     [
         (("--seed", "1"), "seed=0.*seed=1.*validation split would differ"),
         (("--validation-size", "500"), "validation_size=1000.*validation_size=500"),
-        (("--dataset", "mnist"), "dataset='fashion-mnist'.*dataset='mnist'"),
     ],
 )
 def test_init_from_refuses_a_parent_trained_on_this_runs_validation_images(

@@ -1,0 +1,188 @@
+"""A small CNN teacher for DeiT-style distillation (Touvron et al., 2021), and the distillation loss.
+
+A ViT trained from scratch on a few thousand images lacks the convolution's built-in locality; a CNN
+trained on the same split learns fast, and its predictions, used as a second target, carry that bias
+over to the ViT. ``--teacher auto`` trains one first (``RUN_DIR/teacher.safetensors``); ``--teacher
+PATH`` reuses it. Only the ViT is exported and served.
+
+Hard distillation (DeiT's best without a distillation token): the ViT is trained on the mean of the
+cross-entropy with the labels and the cross-entropy with the teacher's predicted class. Soft: the
+Kullback-Leibler divergence from the teacher's distribution at temperature ``TEMPERATURE`` instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, safe_open, save_file
+from torch import nn
+
+from export.augment import Augmentation
+from export.data import DatasetSpec, Split, normalize
+from export.schedule import cosine_learning_rate
+
+DISTILLATIONS = ("hard", "soft")
+TEMPERATURE = 3.0
+FORMAT = "vitserve-teacher-1"
+TEACHER_FILE = "teacher.safetensors"  # in the run directory, for --teacher auto
+LEARNING_RATE = 3e-3
+WEIGHT_DECAY = 5e-4
+
+
+class TeacherCNN(nn.Module):
+    """Five 3x3 conv-BN-ReLU layers in three stages (width, 2 x width, 4 x width), max-pooled between
+    them, global average pooling and a linear head; images above 32 pixels start with a stride of 2."""
+
+    def __init__(self, in_channels: int, num_classes: int, side: int, width: int = 16) -> None:
+        super().__init__()
+        self.hyper = {"in_channels": in_channels, "num_classes": num_classes, "side": side}
+        self.hyper["width"] = width
+
+        def conv(inputs: int, outputs: int, stride: int = 1) -> list[nn.Module]:
+            layer = nn.Conv2d(inputs, outputs, 3, stride=stride, padding=1, bias=False)
+            return [layer, nn.BatchNorm2d(outputs), nn.ReLU(inplace=True)]
+
+        w, stem = width, 2 if side > 32 else 1
+        self.features = nn.Sequential(
+            *conv(in_channels, w, stem),
+            *conv(w, w),
+            nn.MaxPool2d(2),
+            *conv(w, 2 * w),
+            *conv(2 * w, 2 * w),
+            nn.MaxPool2d(2),
+            *conv(2 * w, 4 * w),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
+        self.head = nn.Linear(4 * w, num_classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(images))
+
+
+def distillation_loss(
+    logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    kind: str,
+    label_smoothing: float,
+) -> torch.Tensor:
+    """Half the usual cross-entropy, half the distillation term of ``kind``."""
+    supervised = F.cross_entropy(logits, labels, label_smoothing=label_smoothing)
+    if kind == "hard":
+        distilled = F.cross_entropy(logits, teacher_logits.argmax(dim=1))
+    elif kind == "soft":
+        t = TEMPERATURE
+        distilled = F.kl_div(
+            F.log_softmax(logits / t, dim=1),
+            F.log_softmax(teacher_logits / t, dim=1),
+            reduction="batchmean",
+            log_target=True,
+        ) * (t * t)
+    else:
+        raise ValueError(f"distillation must be one of {DISTILLATIONS}, got {kind!r}")
+    return 0.5 * supervised + 0.5 * distilled
+
+
+@torch.inference_mode()
+def evaluate_teacher(model: nn.Module, split: Split, spec: DatasetSpec) -> tuple[float, float]:
+    """(mean cross-entropy, accuracy) on a split."""
+    model.eval()
+    logits = torch.cat(
+        [model(normalize(split.images[i : i + 500], spec)) for i in range(0, len(split), 500)]
+    )
+    loss = F.cross_entropy(logits, split.labels).item()
+    return loss, (logits.argmax(dim=1) == split.labels).float().mean().item()
+
+
+def train_teacher(
+    train: Split,
+    validation: Split,
+    spec: DatasetSpec,
+    augment: Augmentation | None,
+    steps: int,
+    batch_size: int,
+    seed: int,
+    path: Path,
+) -> TeacherCNN:
+    """Trains a teacher on ``train`` for ``steps`` steps (AdamW, cosine schedule), keeps the weights
+    of the epoch of lowest validation loss, and saves them to ``path``."""
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    model = TeacherCNN(spec.channels, len(spec.labels), max(spec.height, spec.width))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    per_epoch = max(1, len(train) // batch_size)
+    warmup = max(1, steps // 20)
+    best, best_state, step, started = math.inf, None, 0, time.perf_counter()
+    while step < steps:
+        model.train()
+        order = torch.randperm(len(train), generator=generator)
+        for index in range(min(per_epoch, steps - step)):
+            chosen = order[index * batch_size : (index + 1) * batch_size]
+            images = normalize(train.images[chosen], spec)
+            if augment is not None:
+                images = augment(images, generator)
+            for group in optimizer.param_groups:
+                group["lr"] = cosine_learning_rate(step, steps, warmup, LEARNING_RATE, 1e-5)
+            loss = F.cross_entropy(model(images), train.labels[chosen], label_smoothing=0.1)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+        val_loss, val_accuracy = evaluate_teacher(model, validation, spec)
+        if val_loss < best:
+            best, best_state = val_loss, {k: v.clone() for k, v in model.state_dict().items()}
+            kept = {"step": step, "val_loss": round(val_loss, 6), "val_accuracy": val_accuracy}
+    model.load_state_dict(best_state)
+    seconds = round(time.perf_counter() - started, 1)
+    print(f"teacher: {json.dumps({**kept, 'steps': steps, 'seconds': seconds})}", flush=True)
+    save_teacher(model, path, spec.labels, {**kept, "steps": steps, "seconds": seconds})
+    return model.eval()
+
+
+def save_teacher(model: TeacherCNN, path: Path, labels: tuple[str, ...], figures: dict) -> None:
+    metadata = {
+        "format": FORMAT,
+        "hyper": json.dumps(model.hyper),
+        "labels": json.dumps(list(labels)),
+        "figures": json.dumps(figures),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp), metadata)
+    tmp.replace(path)
+
+
+def teacher_metadata(path: Path) -> dict:
+    """The metadata of a teacher file; ValueError naming the file when it is not one."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"--teacher {path}: not a teacher file ({error})") from error
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"--teacher {path}: not a teacher written by --teacher auto")
+    return {key: json.loads(value) for key, value in metadata.items() if key != "format"}
+
+
+def load_teacher(path: Path, spec: DatasetSpec) -> TeacherCNN:
+    """A saved teacher, checked to take this dataset's images and predict its classes."""
+    metadata = teacher_metadata(path)
+    hyper, labels = metadata["hyper"], tuple(metadata["labels"])
+    if labels != spec.labels or hyper["in_channels"] != spec.channels:
+        raise ValueError(
+            f"--teacher {path} takes {hyper['in_channels']}-channel images of the classes "
+            f"{', '.join(labels)}; this run has {spec.channels}-channel images of "
+            f"{', '.join(spec.labels)}"
+        )
+    model = TeacherCNN(**hyper)
+    model.load_state_dict(load_file(str(path)))
+    print(f"teacher {path}: {json.dumps(metadata['figures'])}", file=sys.stderr, flush=True)
+    return model.eval()
