@@ -19,7 +19,7 @@ from pathlib import Path
 
 from export.checkpoint import CheckpointError, file_sha256, read_metadata, resolve_checkpoint
 from export.cli import command_parser, exit_status
-from export.data import DATASETS, load_test_split
+from export.data import DATASETS, FOLDER, load_test_split
 from export.evaluate import (
     dataset_logits,
     evaluate_onnx,
@@ -50,6 +50,8 @@ def train_command(settings: dict, out: str = "runs/NAME", init_from: str | None 
     chosen = settings.get("chosen_from_data") or {}
     if settings.get("steps"):
         chosen = {**chosen, "epochs": None}  # the steps give the epochs
+    if settings.get("dataset") == FOLDER and settings.get("validation_size") == 0.1:
+        chosen = {**chosen, "validation_size": None}  # a folder's default
     flags = {
         "preset": "--preset",
         "dataset": "--dataset",

@@ -3,6 +3,7 @@ and fine-tuning weights across datasets."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -202,3 +203,19 @@ def test_init_from_a_run_on_other_data_fine_tunes_it(tiny_run, shapes_folders, t
     changed = (*data, "--out", str(tmp_path / "other"), "--init-from", str(tiny_run), "--dim", "48")
     assert train.main([*changed, "--steps", "4"]) == 2
     assert "keeps the parent's model; these differ from it: dim 48" in capsys.readouterr().err
+
+
+def test_the_model_card_command_leaves_out_what_the_images_chose():
+    from export.model_card import train_command
+
+    args = ["--dataset", "folder", "--data-dir", "photos", "--dim", "48", "--hflip", "--out", "r"]
+    settings, _, _, _ = train.parse_args(args)
+    given = dataclasses.asdict(settings)
+    chosen = choose(FolderSurvey(0, 28, 28, True), 1800, {**given, **settings.model_flags})
+    recorded = {**given, **{k: v for k, v in chosen.items() if k in given}}
+    recorded["chosen_from_data"] = chosen
+    recorded["model_config"] = ViTConfig(dim=48, heads=4).to_dict()
+    command = train_command(recorded, out="runs/again")
+    assert command == (
+        "python -m export.train --dataset folder --data-dir photos --dim 48 --hflip --out runs/again"
+    )
