@@ -178,15 +178,11 @@ def load_training_data(settings: TrainSettings) -> tuple[TrainSettings, DatasetS
     return settings, spec, train, validation
 
 
-def teacher_for(
+def auto_teacher(
     settings: TrainSettings, out_dir: Path, spec: DatasetSpec, train: Split, validation: Split
-) -> torch.nn.Module | None:
-    """No teacher, the one given, or (``auto``) the one this run trained, training it first if it
-    has not yet: for half as many steps as the ViT, on the same split and augmentation."""
-    if settings.teacher in (None, "none"):
-        return None
-    if settings.teacher != "auto":
-        return load_teacher(Path(settings.teacher), spec)
+) -> torch.nn.Module:
+    """``--teacher auto``: the teacher this run trained, training it first if it has not yet: for
+    half as many steps as the ViT, on the same split and augmentation."""
     path = out_dir / TEACHER_FILE
     if path.is_file():
         return load_teacher(path, spec)
@@ -248,6 +244,8 @@ def prepare(
         raise ValueError(
             f"batch size {settings.batch_size} exceeds the {len(train)} training images"
         )
+    given_teacher = settings.teacher not in (None, "auto")
+    teacher = load_teacher(Path(settings.teacher), spec) if given_teacher else None
     trainer = Trainer(settings, out_dir, spec)
     if resume is not None:
         trainer.load_state(resume / "last")
@@ -270,7 +268,9 @@ def prepare(
         f"{len(train)} train / {len(validation)} validation images, device {trainer.device}",
         flush=True,
     )
-    trainer.use_teacher(teacher_for(settings, out_dir, spec, train, validation))
+    if settings.teacher == "auto":
+        teacher = auto_teacher(settings, out_dir, spec, train, validation)
+    trainer.use_teacher(teacher)
     return trainer, train, validation
 
 

@@ -53,11 +53,11 @@ def test_the_defaults_are_chosen_from_the_images_printed_once_and_recorded(defau
     out, completed = defaults_run
     settings = json.loads((out / "settings.json").read_text())
     chosen = settings["chosen_from_data"]
-    # 28 x 28 grey PNGs: that size and one channel, patch 4; 360 training images: a small model,
-    # a small batch, and a CNN teacher; no flips or erasing for a folder.
+    # 28 x 28 grey PNGs: that size and one channel, patch 4; 360 training images: a small model
+    # and a small batch; no flips or erasing for a folder, no teacher.
     assert (chosen["image_height"], chosen["image_width"], chosen["in_channels"]) == (28, 28, 1)
     assert (chosen["patch_size"], chosen["dim"], chosen["depth"]) == (4, 64, 4)
-    assert chosen["batch_size"] == 16 and chosen["teacher"] == "auto"
+    assert chosen["batch_size"] == 16 and settings["teacher"] is None
     assert (chosen["hflip"], chosen["erase"]) == (False, False)
     assert "steps" not in chosen and settings["steps"] == STEPS  # the flag overrides
     config = settings["model_config"]
@@ -65,8 +65,8 @@ def test_the_defaults_are_chosen_from_the_images_printed_once_and_recorded(defau
     lines = [
         line for line in completed.stdout.splitlines() if "defaults chosen from the data" in line
     ]
-    assert len(lines) == 1 and "image_height 28" in lines[0] and "teacher auto" in lines[0]
-    assert (out / "teacher.safetensors").is_file()
+    assert len(lines) == 1 and "image_height 28" in lines[0] and "batch_size 16" in lines[0]
+    assert not (out / "teacher.safetensors").exists()
     # The stray file: skipped with one warning that names it, no Python object in it.
     warnings = [line for line in completed.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1, completed.stderr[-2000:]

@@ -72,14 +72,13 @@ def test_model_batch_and_length_follow_the_number_of_images():
     assert large["steps"] == defaults.MAX_STEPS and large["epochs"] < 50
     tiny = choose(found, 300, {})
     assert tiny["batch_size"] == 16 and tiny["steps"] == defaults.MIN_STEPS
-    assert small["teacher"] == "auto" and large["teacher"] is None
     assert (small["hflip"], small["erase"], small["patience"]) == (False, False, small["epochs"])
 
 
 def test_what_the_user_gave_is_kept_and_shapes_the_rest():
     found = FolderSurvey(0, 28, 28, True)
-    chosen = choose(found, 1800, {"batch_size": 32, "teacher": "none", "image_height": 32})
-    assert "batch_size" not in chosen and "teacher" not in chosen and "image_height" not in chosen
+    chosen = choose(found, 1800, {"batch_size": 32, "hflip": True, "image_height": 32})
+    assert "batch_size" not in chosen and "hflip" not in chosen and "image_height" not in chosen
     assert chosen["steps"] == defaults.EPOCHS_WORTH * (1800 // 32)  # from the given batch
     assert chosen["patch_size"] == 4 and chosen["image_width"] == 28
     assert "steps" not in choose(found, 1800, {"epochs": 10})
@@ -219,3 +218,44 @@ def test_the_model_card_command_leaves_out_what_the_images_chose():
     assert command == (
         "python -m export.train --dataset folder --data-dir photos --dim 48 --hflip --out runs/again"
     )
+
+
+@pytest.mark.slow
+def test_a_teacher_is_trained_first_then_reused_and_its_file_checked(
+    shapes_folders, tiny_run, tmp_path, capsys, monkeypatch
+):
+    from export import trainer as trainer_module
+
+    data = ("--dataset", "folder", "--data-dir", str(shapes_folders[0]), "--threads", "1")
+    first = tmp_path / "first"
+    terms = []
+    real = trainer_module.distillation_loss
+
+    def spy(logits, teacher_logits, labels, kind, smoothing):
+        terms.append((kind, teacher_logits.shape))
+        return real(logits, teacher_logits, labels, kind, smoothing)
+
+    monkeypatch.setattr(trainer_module, "distillation_loss", spy)
+    args = [*data, "--steps", "6", "--no-report", "--teacher", "auto", "--out", str(first)]
+    assert train.main(args) == 0
+    assert "training a CNN teacher for 3 steps" in capsys.readouterr().out
+    teacher = first / "teacher.safetensors"
+    assert teacher.is_file() and terms == [("hard", (16, 3))] * 6  # every step distils
+    # Reused by path, with soft distillation: no new teacher is trained.
+    second = tmp_path / "second"
+    args = [*data, "--steps", "2", "--no-report", "--teacher", str(teacher), "--out", str(second)]
+    assert train.main([*args, "--distillation", "soft"]) == 0
+    assert "training a CNN teacher" not in capsys.readouterr().out
+    assert not (second / "teacher.safetensors").exists() and terms[-1] == ("soft", (16, 3))
+    # A teacher of other classes, or a file that is not a teacher, is refused.
+    fashion = ("--dataset", "fashion-mnist", "--train-limit", "100", "--validation-size", "50")
+    fashion = (*fashion, "--batch-size", "10")
+    other = [*fashion, "--teacher", str(teacher), "--out", str(tmp_path / "x"), "--no-report"]
+    assert train.main(other) == 2
+    assert "takes 3-channel images of the classes circle, square, triangle" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "x").exists()  # refused before anything is written
+    wrong = [*data, "--teacher", str(tiny_run / "model.safetensors"), "--out", str(tmp_path / "y")]
+    assert train.main(wrong) == 2
+    assert "not a teacher written by --teacher auto" in capsys.readouterr().err
