@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from export import onnx as onnx_export
-from export import quantize, repository
+from export import onnx_graphs, quantize, repository
 from export.checkpoint import CheckpointError, load_checkpoint
 from export.data import get_dataset_spec, load_dataset, normalize
 from export.model import VisionTransformer
@@ -582,14 +582,14 @@ class ShiftedMaps:
 def test_the_attention_maps_are_held_to_the_1e_4_tolerance(tiny_run, tmp_path, monkeypatch, capsys):
     """Maps off by 1e-3 (ten times the tolerance; no prediction changes) refuse the export: with
     ATTENTION_TOLERANCE loosened to 1e-2 this export would go through."""
-    real_session_for = onnx_export.session_for
+    real_session_for = onnx_graphs.session_for
 
     def session_for(model):
         session = real_session_for(model)
         outputs = [output.name for output in model.graph.output]
         return ShiftedMaps(session, 1e-3) if outputs == ["logits", "attention"] else session
 
-    monkeypatch.setattr(onnx_export, "session_for", session_for)
+    monkeypatch.setattr(onnx_graphs, "session_for", session_for)
     code = onnx_export.main(export_args(tiny_run, tmp_path, 1, "--skip-accuracy"))
     assert code == 1
     err = capsys.readouterr().err
