@@ -66,6 +66,7 @@ def train_command(settings: dict, out: str = "runs/NAME", init_from: str | None 
         "label_smoothing": "--label-smoothing",
         "clip_grad_norm": "--clip-grad-norm",
         "patience": "--patience",
+        "keep": "--keep",
         "validation_size": "--validation-size",
         "train_limit": "--train-limit",
         "seed": "--seed",
@@ -342,8 +343,10 @@ def render(
         )
         + f", {results['parameters']:,} parameters: "
         f"`{json.dumps(model_config, sort_keys=True)}`.",
-        f"- Checkpoint from {kept}, the lowest validation loss of that run "
-        f"({results.get('val_loss')}; validation accuracy {results.get('val_accuracy')}).",
+        f"- Checkpoint from {kept}, "
+        + ("the last" if final.settings.get("keep") == "last" else "the lowest validation loss")
+        + f" of that run ({results.get('val_loss')}; validation accuracy "
+        f"{results.get('val_accuracy')}).",
         "",
         "## Training",
         "",

@@ -44,6 +44,8 @@ class TrainSettings:
     label_smoothing: float = 0.1
     clip_grad_norm: float = 1.0
     patience: int = 12
+    # The weights model.safetensors holds: the epoch of lowest validation loss, or the last.
+    keep: str = "best"
     # A count of images, or a fraction of the training images when below 1.
     validation_size: int | float = 5000
     train_limit: int | None = None
@@ -153,6 +155,13 @@ def add_training_arguments(parser: argparse.ArgumentParser, defaults: TrainSetti
         default=None,
         help="stop after this many epochs without a lower validation loss (default: never for "
         f"{FOLDER}, else {defaults.patience})",
+    )
+    group.add_argument(
+        "--keep",
+        choices=("best", "last"),
+        default=None,
+        help="the weights the run keeps: the epoch of lowest validation loss, or the last "
+        f"(default: last for {FOLDER}, else best)",
     )
     group = parser.add_argument_group("augmentation")
     group.add_argument(
@@ -282,6 +291,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainSettings, Path, Path
             "batch_size": defaults.batch_size,
             "warmup_epochs": defaults.warmup_epochs,
             "patience": defaults.patience,
+            "keep": defaults.keep,
             "hflip": spec.horizontal_flip,
             "erase": True,
         }.items():

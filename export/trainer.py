@@ -2,6 +2,8 @@
 
 AdamW (weight decay on matrices only), linear warmup then cosine decay, label smoothing, gradient
 clipping, early stopping on validation loss, a resumable checkpoint every epoch, bf16 autocast on CUDA.
+``model.safetensors`` holds the epoch of lowest validation loss (``keep="best"``) or the last one
+(``keep="last"``, a folder's default: docs/training.md).
 """
 
 from __future__ import annotations
@@ -311,9 +313,13 @@ class Trainer:
             if log is not None:
                 log.epoch(self.step, row)
             print(json.dumps(row), flush=True)
-            if val_loss < self.best_val_loss:
+            improved = val_loss < self.best_val_loss
+            if improved:
                 self.best_val_loss = val_loss
                 self.epochs_without_improvement = 0
+            else:
+                self.epochs_without_improvement += 1
+            if improved or s.keep == "last":
                 save_checkpoint(
                     self.model,
                     self.out_dir / "model.safetensors",
@@ -322,6 +328,4 @@ class Trainer:
                     val_loss=f"{val_loss:.6f}",
                     val_accuracy=f"{val_accuracy:.6f}",
                 )
-            else:
-                self.epochs_without_improvement += 1
             self.save_state()

@@ -58,7 +58,7 @@ def test_the_defaults_are_chosen_from_the_images_printed_once_and_recorded(defau
     assert (chosen["image_height"], chosen["image_width"], chosen["in_channels"]) == (28, 28, 1)
     assert (chosen["patch_size"], chosen["dim"], chosen["depth"]) == (4, 64, 4)
     assert chosen["batch_size"] == 16 and settings["teacher"] is None
-    assert (chosen["hflip"], chosen["erase"]) == (False, False)
+    assert (chosen["hflip"], chosen["erase"], chosen["keep"]) == (False, False, "last")
     assert "steps" not in chosen and settings["steps"] == STEPS  # the flag overrides
     config = settings["model_config"]
     assert (config["in_channels"], config["image_height"], config["patch_size"]) == (1, 28, 4)

@@ -309,3 +309,20 @@ def test_early_stopping_stops_after_patience_epochs_without_improvement(
     from export.checkpoint import read_metadata
 
     assert read_metadata(tmp_path / "model.safetensors")["epoch"] == str(best_epoch)
+
+
+@pytest.mark.parametrize(("keep", "kept_epoch"), [("best", 2), ("last", 20)])
+def test_the_run_keeps_its_best_or_its_last_weights(
+    tmp_path, tiny_config, monkeypatch, keep, kept_epoch
+):
+    from export.checkpoint import read_metadata
+
+    trainer, train_split, validation = synthetic_trainer(
+        tmp_path, tiny_config, patience=20, keep=keep
+    )
+    scripted = iter([1.0, 0.5, *(0.7 + 0.01 * epoch for epoch in range(18))])
+    monkeypatch.setattr(
+        "export.trainer.evaluate_split", lambda *args, **kwargs: (next(scripted), 0.5, None)
+    )
+    trainer.fit(train_split, validation)
+    assert read_metadata(tmp_path / "model.safetensors")["epoch"] == str(kept_epoch)

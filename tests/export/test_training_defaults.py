@@ -70,9 +70,10 @@ def test_model_batch_and_length_follow_the_number_of_images():
     # Length in optimizer steps: a small dataset gets many epochs, a large one fewer.
     assert small["steps"] == defaults.EPOCHS_WORTH * (1800 // 64)
     assert large["steps"] == defaults.MAX_STEPS and large["epochs"] < 50
-    tiny = choose(found, 300, {})
+    tiny = choose(found, 100, {})
     assert tiny["batch_size"] == 16 and tiny["steps"] == defaults.MIN_STEPS
     assert (small["hflip"], small["erase"], small["patience"]) == (False, False, small["epochs"])
+    assert small["keep"] == "last"
 
 
 def test_what_the_user_gave_is_kept_and_shapes_the_rest():
