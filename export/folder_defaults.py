@@ -17,7 +17,7 @@ image is grey. From them and the number of training images:
   accuracy below the last: docs/training.md);
 - augmentation: scale changes and translations, no flips and no erasing (``export/augment.py``);
 - no CNN teacher: on 2,000 Fashion-MNIST images, distilling one (``--teacher auto``,
-  export/teacher.py) gained under a point of test accuracy for a third more CPU time
+  export/teacher.py) gained under a point of test accuracy for 37-45% more CPU time
   (docs/training.md).
 
 ``choose`` returns only what the user left unset; ``describe`` is the line printed at start-up.

@@ -190,7 +190,7 @@ def add_training_arguments(parser: argparse.ArgumentParser, defaults: TrainSetti
         default=None,
         help="'auto': train a small CNN on the same split first, then distil it into the ViT; a "
         "teacher file (RUN_DIR/teacher.safetensors of an earlier run) reuses one; 'none'. "
-        "Default: none (on 2,000 Fashion-MNIST images a teacher gained under a point, for a third "
+        "Default: none (on 2,000 Fashion-MNIST images a teacher gained under a point, for 37-45%% "
         "more CPU time: docs/training.md)",
     )
     group.add_argument(
