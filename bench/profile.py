@@ -204,7 +204,9 @@ class Profile:
             [
                 "## Where the service's core time goes (py-spy)",
                 "",
-                f"vitserve with its defaults, c={self.concurrency} single-image requests, "
+                "vitserve in one process (`VITSERVE_WORKERS=0`: the engine in the front end; "
+                "py-spy follows one process, and the per-request work is the same code), "
+                f"otherwise its defaults, c={self.concurrency} single-image requests, "
                 f"{self.seconds:g} s sampled, {fmt(self.requests)} requests answered 200 in the "
                 f"window: **{fmt(total, 3)} core ms per request**. Of the model run, "
                 f"{fmt(self.unsampled_ms, 3)} ms ran on threads without Python frames "
@@ -242,7 +244,7 @@ def run(out: Path, model_dir: Path, seconds: float, concurrency: int = 64) -> Pr
     record = [py_spy(), "record", "--threads", "--nonblocking", "--rate", "100"]
     repository = model_dir.parents[1]
     with running_service(
-        out / "profile-service.log", ports=PORTS, model_repository=repository
+        out / "profile-service.log", ports=PORTS, model_repository=repository, workers=0
     ) as server:
         url, pid = server.url + "/predict", str(server.process.pid)
         hey.run(hey.command(url, body, concurrency=8, requests=200), wall_limit_s=120)

@@ -190,7 +190,12 @@ def test_deployment_writes_only_to_tmp_and_reads_models_from_the_claim(variant):
     pod = deployment(variant)["spec"]["template"]["spec"]
     volumes = {volume["name"]: volume for volume in pod["volumes"]}
     mounts = {mount["mountPath"]: mount for mount in container(variant)["volumeMounts"]}
-    assert set(mounts) == {"/tmp", "/app/models"}
+    assert set(mounts) == {"/tmp", "/app/models", "/dev/shm"}
+    # the front ends' shared-memory arenas (VITSERVE_ARENA_MIB each) need more than the 64 MiB a
+    # container's /dev/shm has by default
+    shm = volumes[mounts["/dev/shm"]["name"]]["emptyDir"]
+    arena = pytest.importorskip("service.settings").Settings.model_fields["arena_mib"].default
+    assert shm["medium"] == "Memory" and quantity(shm["sizeLimit"]) >= 4 * arena * 2**20
     tmp = volumes[mounts["/tmp"]["name"]]
     assert "emptyDir" in tmp and not mounts["/tmp"].get("readOnly", False)
     # Starlette spools uploaded files over 1 MiB there: one body of the limit must fit.
