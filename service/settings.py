@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.contract.model_config import LIMITS
+from service.contract.limits import LIMITS
 
 
 def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:

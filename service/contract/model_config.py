@@ -17,6 +17,8 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from service.contract.limits import LIMITS
+
 ModelConfig = model_config_pb2.ModelConfig
 DataType = model_config_pb2.DataType
 CONFIG_FILE = "config.pbtxt"
@@ -27,16 +29,6 @@ PLATFORM = "onnxruntime_onnx"
 VersionPolicy = tuple[str, int] | tuple[str, tuple[int, ...]] | tuple[str]
 
 
-# The most each setting may be (a config.pbtxt over one is refused with its reason): beyond them a
-# single version could take the machine's memory (max_batch_size 4096 took 2.1 GiB in warm-up, an
-# instance count of 50 kept 870 MiB, issue 25). The environment overrides have the same bounds.
-LIMITS = {
-    "max_batch_size": 1024,
-    "instance_count": 64,
-    "max_queue_delay_s": 10.0,
-    "max_queue_size": 65536,
-    "request_timeout_s": 3600.0,
-}
 MAX_CONFIG_BYTES = 1024 * 1024  # a config.pbtxt is a few hundred bytes; a larger one is refused
 
 

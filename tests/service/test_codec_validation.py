@@ -372,11 +372,22 @@ def test_a_long_non_number_is_quoted_to_40_characters(meta):
     assert f"element 783 is {shown}, not a number" in message
 
 
-def test_the_largest_finite_fp32_is_accepted(meta):
-    largest = float(np.finfo(np.float32).max)
-    data = [*[0.0] * (PIXELS - 1), largest]
-    _, decoded = decode(meta, request(data, datatype="FP32", shape=[1, 1, 28, 28]))
-    assert decoded.batch[0, 0, 27, 27] == np.float32(largest)
+def test_fp32_elements_are_accepted_up_to_the_input_range_and_refused_past_it(meta):
+    """The edges of the model's input.range are accepted exactly; the next float past either edge,
+    and the largest finite FP32 (finite, but it made NaN logits: issue 25), are refused."""
+    low, high = meta.input_range
+    for edge in (low, high):
+        data = [*[0.0] * (PIXELS - 1), float(np.float32(edge))]
+        _, decoded = decode(meta, request(data, datatype="FP32", shape=[1, 1, 28, 28]))
+        assert decoded.batch[0, 0, 27, 27] == np.float32(edge)
+    outside = (
+        float(np.nextafter(np.float32(high), np.float32(np.inf))),
+        float(np.nextafter(np.float32(low), np.float32(-np.inf))),
+        float(np.finfo(np.float32).max),
+    )
+    for value in outside:
+        data = [*[0.0] * (PIXELS - 1), value]
+        refused(meta, request(data, datatype="FP32", shape=[1, 1, 28, 28]), "input.range")
 
 
 def test_a_bad_binary_element_is_named_with_its_input(meta):

@@ -1,0 +1,15 @@
+"""The most each serving setting may be, in config.pbtxt and in the environment alike.
+
+Beyond them a single version could take the machine's memory (max_batch_size 4096 took 2.1 GiB in
+warm-up, an instance count of 50 kept 870 MiB: issue 25); a config.pbtxt over one is refused with its
+reason. A module of its own, without protobuf: the settings (and so ``--help``) read it before anything
+heavy is imported.
+"""
+
+LIMITS = {
+    "max_batch_size": 1024,
+    "instance_count": 64,
+    "max_queue_delay_s": 10.0,
+    "max_queue_size": 65536,
+    "request_timeout_s": 3600.0,
+}
