@@ -27,7 +27,8 @@ from service.contract.model_repository import (
     check_pair,
     parse_metadata,
 )
-from service.settings import Settings, usable_cores
+from service.machine import usable_cores
+from service.settings import Settings
 
 logger = logging.getLogger("vitserve")
 
