@@ -247,10 +247,10 @@ class Settings(BaseSettings):
     idle_dispatch: bool = Field(
         default=True,
         description=(
-            "When every instance of the model is idle, run a request at once if requests come "
-            "sparsely (a lone client is not held for partners that will not come), and run what "
-            "queued during a batch as soon as it ends; false: always wait up to the queue delay "
-            "for a fuller batch, as Triton does."
+            "When every instance of the model is idle, run what is queued at once (the requests "
+            "of one event-loop turn together; a lone client is not held for partners that will "
+            "not come), and what queued during a batch as soon as it ends; false: always wait up "
+            "to the queue delay for a fuller batch, as Triton does."
         ),
     )
     workers: int | None = Field(

@@ -2,10 +2,11 @@
 batch sizes, and several model instances running batches at once.
 
 Every image is one queue item, so a request holding several images may be split across batches. When every
-instance is idle and requests come sparsely (as from one client), a request runs at once instead of waiting
-for partners that will not come; what queued while a batch ran runs as soon as it ends (unless
-``idle_dispatch`` is off). Otherwise a batch runs when it reaches a preferred size (else the max batch size) or
-when its oldest image has waited ``max_queue_delay``, and an instance is idle: each instance is a run function with its own worker thread
+instance is idle, what is queued runs at once instead of waiting for partners that may not come (the
+requests that arrive in one turn of the event loop still run together, and what queued while a batch ran
+runs as soon as it ends), unless ``idle_dispatch`` is off. Otherwise a batch runs when it reaches a preferred
+size (else the max batch size) or when its oldest image has waited ``max_queue_delay``, and an instance is
+idle: each instance is a run function with its own worker thread
 (and, in the service, its own onnxruntime session), so up to ``instances`` batches run at once while the
 next one fills. Each caller gets its own rows back. Admission is all-or-nothing and immediate: when a
 request's images do not fit in the queue it is answered 503 with ``Retry-After`` without waiting. A
@@ -42,6 +43,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vitserve")
 
 RunBatch = Callable[[np.ndarray], Sequence[np.ndarray]]
+
+# A lone image whose last lone run took at most this long runs on the event loop when nothing else is
+# queued or running: the hop to the instance's thread and back (two thread wake-ups) costs more than
+# blocking the loop this long, and nothing could run meanwhile anyway. A slower model keeps its thread.
+INLINE_RUN_MAX_S = 0.002
 
 
 @dataclass(eq=False)
@@ -82,7 +88,6 @@ class DynamicBatcher:
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_s
         self.idle_dispatch = idle_dispatch
-        self._last_arrival, self._last_gap = -float("inf"), float("inf")  # between requests
         self.max_queue_size = max_queue_size
         self.timeout_s = timeout_s
         self.retry_after_s = retry_after_s
@@ -109,6 +114,7 @@ class DynamicBatcher:
         self._flushing = False
         self._task: asyncio.Task | None = None
         self.failure: BaseException | None = None
+        self._lone_run_s = float("inf")  # how long the last batch of one image took to run
 
     @property
     def healthy(self) -> bool:
@@ -183,7 +189,6 @@ class DynamicBatcher:
         now = loop.time()
         wait = tracing.enter_queue(count)
         request = BatchRequest(loop.create_future(), count)
-        self._last_gap, self._last_arrival = now - self._last_arrival, now
         items = [QueueItem(rows[i], request, i, now, request_id, wait=wait) for i in range(count)]
         self._pending.extend(items)
         self._depth.set(len(self._pending))
@@ -251,16 +256,15 @@ class DynamicBatcher:
             else:
                 await self._wakeup.wait()
 
-    def _idle_due(self, after_batch: bool) -> bool:
-        """With every instance idle, run what is queued now rather than after the queue delay when
-        requests come sparsely (the last came more than a delay after the one before: nobody is
-        coming to share the batch, as at one client), or when a batch has just ended (what is
-        queued gathered while it ran)."""
-        if not self.idle_dispatch or len(self._idle) != len(self._instances):
-            return False
-        return after_batch or self._last_gap >= self.max_queue_delay_s
+    def _idle_due(self) -> bool:
+        """With every instance idle, what is queued runs now rather than after the queue delay: the
+        requests of one loop turn are queued together before this runs, what queued while a batch
+        ran runs as it ends, and a lone client is not held for partners that are not coming.
+        (Waiting whenever the last request came less than a delay after the one before held every
+        other request of one client for the whole delay, once the service answered faster than it.)"""
+        return self.idle_dispatch and len(self._idle) == len(self._instances)
 
-    def _dispatch(self, loop: asyncio.AbstractEventLoop, after_batch: bool = False) -> None:
+    def _dispatch(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start every batch that is due on an idle instance, now (not in a later loop turn: this runs
         as soon as an instance finishes, before its callers are answered)."""
         while self._idle:
@@ -268,7 +272,7 @@ class DynamicBatcher:
             waiting = len(self._pending)
             if not waiting:
                 break
-            due = self._idle_due(after_batch) or (
+            due = self._idle_due() or (
                 self._pending[0].enqueued + self.max_queue_delay_s <= loop.time()
             )
             if not (due or self._flushing or self._full(waiting)):
@@ -286,13 +290,22 @@ class DynamicBatcher:
     def _start(
         self, batch: list[QueueItem], instance: _Instance, loop: asyncio.AbstractEventLoop
     ) -> None:
-        """Hand ``batch`` to ``instance``'s thread at once; a task answers its callers when it ends."""
+        """Hand ``batch`` to ``instance``'s thread at once; a task answers its callers when it ends.
+        A lone image of a fast model runs here instead (``INLINE_RUN_MAX_S``)."""
         started = loop.time()
         for item in batch:
             self._queue_wait.observe(started - item.enqueued)
         span = tracing.start_batch(
             self.model, self.graph, instance.index, (item.wait for item in batch)
         )
+        if (
+            len(batch) == 1
+            and self._lone_run_s <= INLINE_RUN_MAX_S
+            and not self._pending
+            and not self._running
+        ):
+            self._run_inline(batch, instance, started, span, loop)
+            return
         running = instance.executor.submit(_timed, instance.run, [item.row for item in batch])
         task = loop.create_task(self._finish(batch, instance, running, started, span))
         self._running[task] = batch
@@ -310,17 +323,13 @@ class DynamicBatcher:
         try:
             try:
                 outputs, times = await asyncio.wrap_future(running)
-                for output in outputs:
-                    if len(output) != len(batch):
-                        raise RuntimeError(
-                            f"the model returned {len(output)} rows for a batch of {len(batch)}"
-                        )
+                self._check_rows(outputs, batch)
             except Exception as failure:
                 error = failure
             finally:  # the instance takes the next batch before this one's callers are answered
                 self._running.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
                 self._idle.append(instance)
-                self._dispatch(loop, after_batch=True)
+                self._dispatch(loop)
                 self._wakeup.set()
             if error is not None:
                 self._fail_batch(batch, error)
@@ -328,6 +337,38 @@ class DynamicBatcher:
                 self._deliver(batch, outputs, times, started, loop)
         finally:
             tracing.end_batch(span, error)
+
+    def _run_inline(
+        self,
+        batch: list[QueueItem],
+        instance: _Instance,
+        started: float,
+        span: Span | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        error: Exception | None = None
+        try:
+            outputs, times = _timed(instance.run, [item.row for item in batch])
+            self._check_rows(outputs, batch)
+        except Exception as failure:
+            error = failure
+        finally:
+            self._idle.append(instance)
+        try:
+            if error is not None:
+                self._fail_batch(batch, error)
+            else:
+                self._deliver(batch, outputs, times, started, loop)
+        finally:
+            tracing.end_batch(span, error)
+
+    @staticmethod
+    def _check_rows(outputs: Sequence[np.ndarray], batch: list[QueueItem]) -> None:
+        for output in outputs:
+            if len(output) != len(batch):
+                raise RuntimeError(
+                    f"the model returned {len(output)} rows for a batch of {len(batch)}"
+                )
 
     def _fail_batch(self, batch: list[QueueItem], error: BaseException) -> None:
         self._metrics.inference_failures.labels(*self._labels).inc()
@@ -362,6 +403,8 @@ class DynamicBatcher:
             times.compute_input_ns, times.compute_infer_ns, time.perf_counter_ns() - splitting
         )
         self.statistics.record_batch(len(batch), times)
+        if len(batch) == 1:
+            self._lone_run_s = times.compute_infer_ns / 1e9
         for item, row in zip(batch, rows, strict=True):
             item.started, item.batch = started, times
             item.request.deliver(item.index, row)

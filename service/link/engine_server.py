@@ -1,7 +1,8 @@
 """The engine process's end of the link: calls from every front end on a ROUTER, tables on a PUB socket.
 
 Each call runs as its own task on the engine's event loop, so the batcher sees the rows of every front end
-at once and fills its batches from all of them. The table is published whenever it changes (looked at
+at once and fills its batches from all of them; the answers a batch completes go back to each front end in
+one message. The table is published whenever it changes (looked at
 every ``TABLE_CHECK_S``) and at least every ``HEARTBEAT_S``.
 """
 
@@ -43,6 +44,7 @@ class EngineServer:
         self._reader = ArenaReader()
         self._gone: dict[tuple[bytes, int], asyncio.Future] = {}  # a call's client-gone signal
         self._running: set[asyncio.Task] = set()
+        self._outboxes: dict[bytes, wire.Outbox] = {}  # a front end's answers, by its identity
         self._publish_now = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -63,6 +65,8 @@ class EngineServer:
                 await task
         if self._running:
             await asyncio.gather(*self._running, return_exceptions=True)
+        for outbox in self._outboxes.values():
+            outbox.flush()
         self._context.destroy(linger=0)
         self._reader.close()
 
@@ -82,67 +86,76 @@ class EngineServer:
                 published = -1
 
     async def _receive(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             frames = await self._calls.recv_multipart(copy=False)
-            identity, kind, header = frames[0].bytes, frames[1].bytes, frames[2].bytes
-            if kind == wire.TABLE:  # a front end starting: the table to it now, not to everyone
-                table = (os.getpid(), self.engine.table())
-                await self._answer(identity, wire.TABLE_CALL, True, table)
-                continue
-            if kind == wire.FAILED:
-                self.engine.record_failure(*wire.loads(header))
-                continue
-            if kind == wire.CANCEL:
-                gone = self._gone.get((identity, wire.loads(header)))
-                if gone is not None and not gone.done():
-                    gone.set_result(None)
-                continue
-            handler = self._infer if kind == wire.INFER else self._control
-            task = loop.create_task(handler(identity, wire.loads(header), frames[3:]))
+            identity = frames[0].bytes
+            for (kind, header), raw in wire.unpack(frames[1:]):
+                self._take(identity, kind, header, raw)
+
+    def _take(self, identity: bytes, kind: bytes, header: Any, raw: list) -> None:
+        if kind == wire.TABLE:  # a front end starting: the table to it now, not to everyone
+            self._answer(identity, wire.TABLE_CALL, True, (os.getpid(), self.engine.table()))
+        elif kind == wire.FAILED:
+            self.engine.record_failure(*header)
+        elif kind == wire.CANCEL:
+            gone = self._gone.get((identity, header))
+            if gone is not None and not gone.done():
+                gone.set_result(None)
+        else:
+            if kind == wire.INFER:
+                # registered now, not when the task starts: a cancel in the same message finds it
+                gone = asyncio.get_running_loop().create_future()
+                self._gone[(identity, header[0])] = gone
+                call = self._infer(identity, header, raw, gone)
+            else:
+                call = self._control(identity, header)
+            task = asyncio.get_running_loop().create_task(call)
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
-    async def _answer(self, identity: bytes, call_id: int, ok: bool, payload: Any, *frames: Any):
-        await self._calls.send_multipart(
-            [identity, wire.dumps((call_id, ok, payload)), *frames], copy=False
-        )
+    def _answer(self, identity: bytes, call_id: int, ok: bool, payload: Any, *frames: Any) -> None:
+        outbox = self._outboxes.get(identity)
+        if outbox is None:
+            calls = self._calls
+            send = lambda frames: calls.send_multipart(frames, copy=False)  # noqa: E731
+            outbox = self._outboxes[identity] = wire.Outbox(send, prefix=(identity,))
+        outbox.put((call_id, ok, payload), *frames)
 
-    async def _infer(self, identity: bytes, header: tuple, inline: list) -> None:
+    async def _infer(
+        self, identity: bytes, header: tuple, inline: list, gone: asyncio.Future
+    ) -> None:
         (call_id, name, version, requested, key, graph, request_id, arena, offset, shape, dtype,
          trace) = header  # fmt: skip
         if arena is None:
             rows = np.frombuffer(inline[0].buffer, dtype=np.dtype(dtype)).reshape(shape)
         else:
             rows = self._reader.rows(arena, offset, shape, dtype)
-        gone = asyncio.get_running_loop().create_future()
-        self._gone[(identity, call_id)] = gone
         try:
             with tracing.attached(trace):
                 outputs = await self.engine.infer(
                     name, version, requested, key, graph, rows, request_id, gone
                 )
             specs, frames = wire.output_frames(outputs)
-            await self._answer(identity, call_id, True, specs, *frames)
+            self._answer(identity, call_id, True, specs, *frames)
         except ServiceError as error:
-            await self._answer(identity, call_id, False, wire.error_payload(error))
+            self._answer(identity, call_id, False, wire.error_payload(error))
         except Exception as error:
             logger.exception("engine call %s [request %s] failed", call_id, request_id)
             failure = InferenceFailed(f"the engine failed on this request ({type(error).__name__})")
-            await self._answer(identity, call_id, False, wire.error_payload(failure))
+            self._answer(identity, call_id, False, wire.error_payload(failure))
         finally:
             del self._gone[(identity, call_id)]
 
-    async def _control(self, identity: bytes, header: tuple, _: list) -> None:
+    async def _control(self, identity: bytes, header: tuple) -> None:
         call_id, op, arguments = header
         try:
             result = await self.engine.control(op, **arguments)
         except ServiceError as error:
-            await self._answer(identity, call_id, False, wire.error_payload(error))
+            self._answer(identity, call_id, False, wire.error_payload(error))
         except Exception as error:
             logger.exception("engine control %s failed", op)
             failure = ServiceError(f"the engine failed on {op} ({type(error).__name__})")
-            await self._answer(identity, call_id, False, wire.error_payload(failure))
+            self._answer(identity, call_id, False, wire.error_payload(failure))
         else:
-            await self._answer(identity, call_id, True, result)
+            self._answer(identity, call_id, True, result)
         self._publish_now.set()  # a load or unload changes the table

@@ -64,7 +64,7 @@ class RemoteEngine(EngineClient):
         # a call's answer, its rows' region, and what a queue-full answer would mark full
         self._pending: dict[int, tuple[asyncio.Future, Region | None, tuple | None]] = {}
         self._tasks: list[asyncio.Task] = []
-        self._sending: set[asyncio.Future] = set()
+        self._outbox: wire.Outbox | None = None
         self._first_table = asyncio.Event()
         self._last_table = time.monotonic()
         self._full: dict[tuple[str, int, str], tuple[float, ServiceUnavailable]] = {}
@@ -103,13 +103,15 @@ class RemoteEngine(EngineClient):
         self._tables.setsockopt(zmq.SUBSCRIBE, b"")
         self._calls.connect(self.addresses.calls)
         self._tables.connect(self.addresses.tables)
+        calls = self._calls
+        self._outbox = wire.Outbox(lambda frames: calls.send_multipart(frames, copy=False))
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._receive_answers(), name="engine-answers"),
             loop.create_task(self._receive_tables(), name="engine-tables"),
             loop.create_task(self._watch_heartbeat(), name="engine-heartbeat"),
         ]
-        await self._calls.send_multipart([wire.TABLE, b""])
+        self._outbox.put((wire.TABLE, None))
         # accept connections knowing the engine's state (a running engine answers at once; one that
         # is starting later, and meanwhile this front end answers 503 not_ready)
         with contextlib.suppress(TimeoutError):
@@ -206,28 +208,32 @@ class RemoteEngine(EngineClient):
     async def _receive_answers(self) -> None:
         assert self._calls is not None
         while True:
-            frames = await self._calls.recv_multipart(copy=False)
-            call_id, ok, payload = wire.loads(frames[0].bytes)
-            if call_id == wire.TABLE_CALL:
-                self._take_table(*payload)
-                continue
-            entry = self._pending.pop(call_id, None)
-            if entry is None:
-                continue  # answered already (the engine restarted meanwhile)
-            future, region, full_key = entry
-            if region is not None and self.arena is not None:
-                self.arena.free(region)
-            if future.done():
-                continue
-            if not ok:
-                error = wire.error_from(payload)
-                if error.code == "queue_full" and full_key is not None:
-                    self._full[full_key] = (time.monotonic() + FULL_MEMORY_S, error)
-                future.set_exception(error)
-            elif len(frames) > 1:
-                future.set_result(wire.output_rows(payload, [f.buffer for f in frames[1:]]))
-            else:
-                future.set_result(payload)
+            for (call_id, ok, payload), raw in wire.unpack(
+                await self._calls.recv_multipart(copy=False)
+            ):
+                self._answered(call_id, ok, payload, raw)
+
+    def _answered(self, call_id: int, ok: bool, payload: Any, raw: list) -> None:
+        if call_id == wire.TABLE_CALL:
+            self._take_table(*payload)
+            return
+        entry = self._pending.pop(call_id, None)
+        if entry is None:
+            return  # answered already (the engine restarted meanwhile)
+        future, region, full_key = entry
+        if region is not None and self.arena is not None:
+            self.arena.free(region)
+        if future.done():
+            return
+        if not ok:
+            error = wire.error_from(payload)
+            if error.code == "queue_full" and full_key is not None:
+                self._full[full_key] = (time.monotonic() + FULL_MEMORY_S, error)
+            future.set_exception(error)
+        elif raw:
+            future.set_result(wire.output_rows(payload, [frame.buffer for frame in raw]))
+        else:
+            future.set_result(payload)
 
     def admit(self, view: VersionView, requested: int | None, graph: Graph, count: int) -> None:
         if not self.connected:
@@ -241,19 +247,20 @@ class RemoteEngine(EngineClient):
 
     async def _call(
         self,
-        frames: list,
+        item: tuple[bytes, tuple],
+        raw: tuple,
         region: Region | None,
         disconnected: Awaitable[object] | None = None,
         full_key: tuple[str, int, str] | None = None,
     ) -> Any:
-        if not self.connected or self._calls is None:
+        if not self.connected or self._outbox is None:
             if region is not None and self.arena is not None:
                 self.arena.free(region)
             raise self._unavailable("the engine process is not running")
-        call_id = wire.loads(frames[1])[0]
+        call_id = item[1][0]
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = (future, region, full_key)
-        await self._calls.send_multipart(frames, copy=False)
+        self._outbox.put(item, *raw)
         watch = asyncio.ensure_future(disconnected) if disconnected is not None else None
         if watch is not None:
             watch.add_done_callback(lambda _: self._cancel(call_id))
@@ -266,12 +273,8 @@ class RemoteEngine(EngineClient):
                 self._cancel(call_id)
 
     def _cancel(self, call_id: int) -> None:
-        if call_id in self._pending and self._calls is not None:
-            sending = asyncio.ensure_future(
-                self._calls.send_multipart([wire.CANCEL, wire.dumps(call_id)])
-            )
-            self._sending.add(sending)
-            sending.add_done_callback(self._sending.discard)
+        if call_id in self._pending and self._outbox is not None:
+            self._outbox.put((wire.CANCEL, call_id))
 
     async def infer(
         self,
@@ -298,19 +301,13 @@ class RemoteEngine(EngineClient):
             rows.dtype.str,
             tracing.carrier(),
         )
-        frames = [wire.INFER, wire.dumps(header)]
-        if region is None:
-            frames.append(rows.data)
-        return await self._call(frames, region, disconnected, (view.name, view.version, graph))
+        raw = (rows.data,) if region is None else ()
+        full_key = (view.name, view.version, graph)
+        return await self._call((wire.INFER, header), raw, region, disconnected, full_key)
 
     def record_failure(self, view: VersionView, ns: int) -> None:
-        if self.connected and self._calls is not None:
-            sending = asyncio.ensure_future(
-                self._calls.send_multipart([wire.FAILED, wire.dumps((view.name, view.version, ns))])
-            )
-            self._sending.add(sending)
-            sending.add_done_callback(self._sending.discard)
+        if self.connected and self._outbox is not None:
+            self._outbox.put((wire.FAILED, (view.name, view.version, ns)))
 
     async def control(self, op: str, **arguments: Any) -> Any:
-        header = (next(self._ids), op, arguments)
-        return await self._call([wire.CONTROL, wire.dumps(header)], None)
+        return await self._call((wire.CONTROL, (next(self._ids), op, arguments)), (), None)

@@ -1,19 +1,26 @@
 """The messages between front ends and the engine, over ZeroMQ.
 
-A message is a multipart ZeroMQ message: a kind frame, a pickled header of plain values, and for tensors
-raw frames (never pickled). Front end to engine: ``INFER`` (the rows are in the front end's shared-memory
-arena, or inline in one raw frame when they did not fit), ``CANCEL`` (the client has gone), ``CONTROL``
-(index, load, unload, config, statistics), ``TABLE`` (the table, now, to this front end) and ``FAILED``
-(a request refused while decoding, for the version's statistics; no answer). Engine to front end: one
-reply per call, ``(call_id, ok, payload)`` plus a raw frame per output; and on the table socket, the
-engine's pid and its :class:`~service.engine.table.ModelTable` whenever it changes, and as a heartbeat.
+A message is a multipart ZeroMQ message that carries every item one side had ready in one turn of its
+event loop (:class:`Outbox`): a first frame, the pickled list of the items' headers (plain values), then
+the items' raw frames for tensors (never pickled). One message for many items matters: each ZeroMQ send
+wakes the library's I/O thread, and under load that wake-up, not the copy, is the link's cost.
+
+Front end to engine, an item's header is ``(kind, header)``: ``INFER`` (the rows are in the front end's
+shared-memory arena, or inline in one raw frame when they did not fit), ``CANCEL`` (the client has gone),
+``CONTROL`` (index, load, unload, config, statistics), ``TABLE`` (the table, now, to this front end) and
+``FAILED`` (a request refused while decoding, for the version's statistics; no answer). Engine to front
+end: one item per call, ``(call_id, ok, payload)`` plus a raw frame per output; and on the table socket,
+the engine's pid and its :class:`~service.engine.table.ModelTable` whenever it changes, and as a heartbeat.
 Both ends are processes of one service started by one supervisor, over sockets in its private directory.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import pickle
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +28,8 @@ import numpy as np
 
 from service import errors
 from service.errors import ServiceError
+
+logger = logging.getLogger("vitserve")
 
 INFER, CANCEL, CONTROL, TABLE, FAILED = b"I", b"X", b"C", b"T", b"F"
 TABLE_CALL = 0  # the call id of the answer to TABLE (calls count from 1)
@@ -46,6 +55,53 @@ def dumps(value: Any) -> bytes:
 
 
 loads = pickle.loads
+
+
+def pack(items: list[tuple[Any, list]]) -> list:
+    """Items ``(header, raw frames)`` as the frames of one message: the headers, then every raw frame."""
+    frames: list = [dumps([(header, len(raw)) for header, raw in items])]
+    for _, raw in items:
+        frames.extend(raw)
+    return frames
+
+
+def unpack(frames: list) -> Iterator[tuple[Any, list]]:
+    """The items of a message :func:`pack` made (its frames as received), in order."""
+    at = 1
+    for header, count in loads(frames[0].bytes):
+        yield header, frames[at : at + count]
+        at += count
+
+
+class Outbox:
+    """Items to send on a ZeroMQ socket, sent together once the event loop has run what is ready.
+
+    ``prefix`` is the frames each message starts with (a ROUTER's peer identity); an outbox per peer.
+    """
+
+    def __init__(self, send: Callable[[list], asyncio.Future], prefix: tuple = ()) -> None:
+        self._send = send
+        self._prefix = list(prefix)
+        self._items: list[tuple[Any, list]] = []
+        self._sending: set[asyncio.Future] = set()
+
+    def put(self, header: Any, *raw: Any) -> None:
+        if not self._items:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._items.append((header, list(raw)))
+
+    def flush(self) -> None:
+        items, self._items = self._items, []
+        if not items:
+            return
+        sending = self._send(self._prefix + pack(items))
+        self._sending.add(sending)
+        sending.add_done_callback(self._sent)
+
+    def _sent(self, sending: asyncio.Future) -> None:
+        self._sending.discard(sending)
+        if not sending.cancelled() and sending.exception() is not None:
+            logger.error("a message to the other process was not sent: %r", sending.exception())
 
 
 def error_payload(error: ServiceError) -> dict[str, Any]:

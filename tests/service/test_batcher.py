@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 
 from service.contract.preprocessing import Preprocessor
+from service.engine import batcher as batcher_module
 from service.engine.batcher import DynamicBatcher
 from service.errors import InferenceFailed, ServiceUnavailable
 from service.observability.metrics import Metrics
@@ -107,6 +108,83 @@ def test_an_idle_batcher_runs_at_once_and_batches_what_arrives_while_busy():
     model, took = run(scenario())
     assert model.batches == [1, 2]  # the first alone at once; the two that came meanwhile together
     assert took < 5  # not after the 30 s delay
+
+
+def test_one_client_is_never_held_for_the_queue_delay():
+    """A client that sends its next request as soon as the last is answered comes back sooner than
+    the queue delay; with every instance idle its requests still run at once, every time."""
+
+    async def scenario():
+        model = Model()
+        b = batcher(model, max_queue_delay_s=0.5)
+        b.start()
+        started = time.perf_counter()
+        for value in range(6):
+            await b.submit(rows(value))
+        took = time.perf_counter() - started
+        await b.stop(5)
+        return model, took
+
+    model, took = run(scenario())
+    assert model.batches == [1] * 6
+    assert took < 0.4, took  # a request held for the delay alone would take 0.5 s
+
+
+class ThreadRecorder(Model):
+    def __init__(self, seconds: float = 0.0) -> None:
+        super().__init__(seconds)
+        self.threads: list[int] = []
+
+    def __call__(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        self.threads.append(threading.get_ident())
+        return super().__call__(images)
+
+
+def test_a_lone_image_of_a_fast_model_runs_on_the_event_loop(monkeypatch):
+    """No thread hop for a lone image once a lone run is known to be short; partners, and a model
+    slower than INLINE_RUN_MAX_S, keep the instance's thread (the loop stays free)."""
+
+    async def scenario(model):
+        b = batcher(model)
+        b.start()
+        for value in range(3):
+            await b.submit(rows(value))  # lone images, one after another
+        await asyncio.gather(*(b.submit(rows(v)) for v in range(4)))  # four at once: a batch
+        await b.stop(5)
+        return threading.get_ident()
+
+    # thresholds far from the runs' times, so that a loaded machine cannot move a run across
+    monkeypatch.setattr(batcher_module, "INLINE_RUN_MAX_S", 1.0)
+    fast = ThreadRecorder()
+    loop_thread = run(scenario(fast))
+    assert fast.batches == [1, 1, 1, 4]
+    # the first lone run is timed on the thread; the next two run on the loop; the batch of four
+    # goes back to the thread
+    assert fast.threads[0] != loop_thread
+    assert fast.threads[1:3] == [loop_thread, loop_thread]
+    assert fast.threads[3] != loop_thread
+
+    monkeypatch.setattr(batcher_module, "INLINE_RUN_MAX_S", 0.002)
+    slow = ThreadRecorder(seconds=0.05)
+    loop_thread = run(scenario(slow))
+    assert loop_thread not in slow.threads
+
+
+def test_a_lone_image_failing_on_the_event_loop_fails_only_its_request(monkeypatch):
+    monkeypatch.setattr(batcher_module, "INLINE_RUN_MAX_S", 1.0)
+
+    async def scenario():
+        model = Model()
+        b = batcher(model)
+        b.start()
+        await b.submit(rows(1))  # timed on the thread: short, so the next lone run is inline
+        with pytest.raises(InferenceFailed):
+            await b.submit(rows(-1))
+        answer = await b.submit(rows(2))
+        await b.stop(5)
+        return answer
+
+    assert float(run(scenario())[0][0]) == 2.0
 
 
 def test_max_queue_delay_counts_from_the_oldest_item_while_an_instance_is_busy():

@@ -1,0 +1,138 @@
+"""The process link's messages: what one turn of the event loop has ready goes as one ZeroMQ message,
+items come out in order with their raw frames, and a cancel that travels with its call still cancels it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from service.engine.table import ModelTable
+from service.link import wire
+from service.link.engine_server import EngineServer
+
+
+class Frame:
+    """What ZeroMQ hands a receiver (copy=False): the bytes, and a buffer over them."""
+
+    def __init__(self, data: bytes) -> None:
+        self.bytes = data
+        self.buffer = memoryview(data)
+
+
+def received(frames: list) -> list[Frame]:
+    return [Frame(bytes(frame)) for frame in frames]
+
+
+def test_items_come_out_in_order_with_their_own_raw_frames():
+    items = [
+        ((wire.INFER, (1, "m")), [b"rows-1"]),
+        ((wire.CANCEL, 7), []),
+        ((wire.INFER, (2, "m")), [b"rows-2a", b"rows-2b"]),
+        ((wire.FAILED, ("m", 1, 5)), []),
+    ]
+    frames = wire.pack(items)
+    assert len(frames) == 1 + 3  # the headers, then the four raw frames
+    out = [(header, [f.bytes for f in raw]) for header, raw in wire.unpack(received(frames))]
+    assert out == items
+
+
+def test_what_one_loop_turn_puts_goes_as_one_message():
+    sent: list[list] = []
+
+    def send(frames: list) -> asyncio.Future:
+        sent.append(frames)
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+    async def scenario():
+        outbox = wire.Outbox(send, prefix=(b"peer",))
+        outbox.put(("a", 1), b"x")
+        outbox.put(("b", 2))
+        outbox.put(("c", 3), b"y", b"z")
+        assert sent == []  # nothing leaves before the loop has run what was ready
+        await asyncio.sleep(0)
+        outbox.put(("d", 4))
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    assert len(sent) == 2
+    first, second = sent
+    assert first[0] == b"peer" and second[0] == b"peer"
+    assert [h for h, _ in wire.unpack(received(first[1:]))] == [("a", 1), ("b", 2), ("c", 3)]
+    assert [r for _, r in wire.unpack(received(first[1:]))][2][1].bytes == b"z"
+    assert [h for h, _ in wire.unpack(received(second[1:]))] == [("d", 4)]
+
+
+def infer_header(call_id: int, rows: np.ndarray) -> tuple:
+    """An INFER header (service/link/remote.py's order) for rows sent inline."""
+    return (call_id, "m", 1, None, ("k",), "classifier", None, None, 0, rows.shape, rows.dtype.str,
+            None)  # fmt: skip
+
+
+class CancelWatchingEngine:
+    """An engine whose infer reports whether the client-gone signal had completed when it ran."""
+
+    def __init__(self) -> None:
+        self.gone_at_start: list[bool] = []
+
+    async def infer(self, name, version, requested, key, graph, rows, request_id, gone):
+        self.gone_at_start.append(gone.done())
+        return [(np.zeros(1, np.float32),) for _ in rows]
+
+    def table(self) -> ModelTable:
+        return ModelTable(phase="starting", retry_after_s=1)
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_a_cancel_in_the_same_message_as_its_call_reaches_it(tmp_path, cancelled):
+    engine = CancelWatchingEngine()
+    rows = np.zeros((1, 1, 2, 2), np.float32)
+
+    async def scenario():
+        server = EngineServer(engine, wire.Addresses.in_directory(str(tmp_path)))
+        header = infer_header(5, rows)
+        items = [((wire.INFER, header), [rows.tobytes()])]
+        if cancelled:
+            items.append(((wire.CANCEL, 5), []))
+        for (kind, item), raw in wire.unpack(received(wire.pack(items))):
+            server._take(b"front-end", kind, item, raw)
+        await asyncio.gather(*server._running)
+        server._context.destroy(linger=0)
+
+    asyncio.run(scenario())
+    assert engine.gone_at_start == [cancelled]
+
+
+def test_answers_reach_the_front_end_that_asked(tmp_path):
+    """Over real ZeroMQ sockets: two calls in one message, two answers back, each to its caller."""
+    engine = CancelWatchingEngine()
+    rows = np.zeros((1, 1, 2, 2), np.float32)
+
+    async def scenario():
+        addresses = wire.Addresses.in_directory(str(tmp_path))
+        server = EngineServer(engine, addresses)
+        server.bind()
+        context = zmq.asyncio.Context()
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(addresses.calls)
+        items = [
+            ((wire.INFER, infer_header(call_id, rows)), [rows.tobytes()]) for call_id in (11, 12)
+        ]
+        await dealer.send_multipart(wire.pack(items))
+        answers = []
+        while len(answers) < 2:
+            async with asyncio.timeout(10):
+                frames = await dealer.recv_multipart(copy=False)
+            answers.extend(wire.unpack(frames))
+        context.destroy(linger=0)
+        await server.close()
+        return answers
+
+    answers = asyncio.run(scenario())
+    assert sorted(call_id for (call_id, ok, _), _ in answers) == [11, 12]
+    assert all(ok for (_, ok, _), _ in answers)
