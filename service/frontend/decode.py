@@ -73,6 +73,9 @@ class DecodeGate:
 # Requests whose images have at most this many pixels in all are decoded on the event loop: a thread
 # hop costs more than decoding a few thumbnails (BENCHMARKS.md), and such work cannot hold the loop long.
 INLINE_PIXELS = 64 * 64 * 4
+# Tensor requests of at most this many bytes are decoded, and answered, on the event loop too: waking a
+# decode thread took ten times the time of parsing one 28 x 28 FP32 JSON tensor (profile at c=64).
+INLINE_TENSOR_BYTES = 64 * 1024
 
 
 def declared_pixels(image: RawImage) -> int | None:

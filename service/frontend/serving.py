@@ -21,7 +21,12 @@ from starlette.requests import Request
 from service.contract.preprocessing import Invert, Prepared, Preprocessor
 from service.engine.table import Graph, VersionView
 from service.errors import NotFound, ServiceError
-from service.frontend.decode import client_gone, decode_inline, prepare_batch
+from service.frontend.decode import (
+    INLINE_TENSOR_BYTES,
+    client_gone,
+    decode_inline,
+    prepare_batch,
+)
 from service.frontend.error_responses import request_id_of
 from service.frontend.inputs import RawImage
 from service.frontend.state import FrontendState
@@ -141,8 +146,12 @@ class ServedVersion:
                 code="no_attention_graph",
             )
 
-    async def infer(self, decode: Callable[[], np.ndarray], call: Call) -> np.ndarray:
-        """Logits ``[N, classes]`` of a tensor batch that ``decode`` builds (blocking, run off the
-        event loop under a decode slot) from the request."""
-        rows = await self._run("classifier", decode, call, 1)
+    async def infer(
+        self, decode: Callable[[], np.ndarray], call: Call, request_bytes: int
+    ) -> np.ndarray:
+        """Logits ``[N, classes]`` of a tensor batch that ``decode`` builds (blocking) from a request
+        of ``request_bytes``: on the event loop up to ``INLINE_TENSOR_BYTES``, else in a thread under
+        a decode slot."""
+        inline = request_bytes <= INLINE_TENSOR_BYTES
+        rows = await self._run("classifier", decode, call, 1, inline)
         return np.stack([logits for (logits,) in rows])

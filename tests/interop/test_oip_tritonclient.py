@@ -308,6 +308,9 @@ def batching_server(model_repository: Path, tmp_path_factory: pytest.TempPathFac
         max_queue_delay_ms=2000,
         max_batch_size=CALLERS,
         max_queue_size=4 * CALLERS,
+        # Triton's batching: wait out the delay for partners (by default an idle model runs what
+        # is queued at once, and callers arriving a little apart would each run alone)
+        idle_dispatch="false",
     ) as running:
         yield running
 

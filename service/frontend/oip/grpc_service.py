@@ -196,7 +196,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             decoded.append(decode_infer_request(request, served.metadata, limit))
             return decoded[0].batch
 
-        logits = await served.infer(decode, _call(request_id, context))
+        logits = await served.infer(decode, _call(request_id, context), request.ByteSize())
         return encode_infer_response(
             request, decoded[0], logits, served.metadata, name, str(served.version)
         )

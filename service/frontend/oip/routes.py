@@ -28,6 +28,7 @@ from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from service.errors import NotFound, ServiceError
+from service.frontend.decode import INLINE_TENSOR_BYTES
 from service.frontend.oip.codec import decode_request, encode_response
 from service.frontend.oip.schemas import (
     EXTENSIONS,
@@ -169,17 +170,12 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
         )
         return decoded[1].batch
 
-    logits = await served.infer(decode, Call.of(request))
+    logits = await served.infer(decode, Call.of(request), len(body))
     infer_request, tensors = decoded
-    return await run_in_threadpool(
-        encode_response,
-        infer_request,
-        tensors,
-        logits,
-        served.metadata,
-        name,
-        str(served.version),
-    )
+    answer = (infer_request, tensors, logits, served.metadata, name, str(served.version))
+    if len(body) <= INLINE_TENSOR_BYTES:  # an answer as small as its request: no thread hop
+        return encode_response(*answer)
+    return await run_in_threadpool(encode_response, *answer)
 
 
 _versioned(
