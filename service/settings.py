@@ -331,9 +331,11 @@ class Settings(BaseSettings):
         le=65535,
         description=(
             "`python -m service`: a second port, on the same host, serving only /health/* and "
-            "/v2/health/* from a thread of its own, so that probes are answered at once however "
-            "busy the service is (liveness there fails once the event loop has not run for 10 s); "
-            "0 (the default) turns it off."
+            "/v2/health/*, answered by the supervisor process (which does no request work) from "
+            "what the engine and the front ends report, so that probes are answered at once "
+            "however busy the service is; liveness there fails once a process's event loop has "
+            "not run for 10 s, readiness follows the engine's. 0 (the default) turns it off; the "
+            "container images and the deploy manifests set 8002."
         ),
     )
     docs: bool = Field(
@@ -402,6 +404,15 @@ class Settings(BaseSettings):
                     "(0 turns gRPC off) or a lower port"
                 )
             self.grpc_port = self.port + 1
+        return self
+
+    @model_validator(mode="after")
+    def _health_port_is_its_own(self) -> Settings:
+        if self.health_port and self.health_port in (self.port, self.grpc_port):
+            raise ValueError(
+                f"health_port ({self.health_port}) must differ from port ({self.port}) and "
+                f"grpc_port ({self.grpc_port})"
+            )
         return self
 
     @field_validator("models")

@@ -22,7 +22,7 @@ import numpy as np
 
 from bench.machine import tree_memory_kib
 from bench.payloads import load_images, png_bytes
-from bench.server_process import REPO, running, service_env
+from bench.server_process import REPO, port_is_free, running, service_env
 
 PORTS = range(18240, 18300)  # the upper part of the reliability range; the tests start lower
 
@@ -32,6 +32,7 @@ class Service:
     process: subprocess.Popen
     url: str
     log: Path
+    health_port: int | None = None  # VITSERVE_HEALTH_PORT, when one was asked for
 
     def status(self, key: str) -> int:
         """A memory figure of the service's processes together, in bytes (VmRSS now, VmHWM the peak)."""
@@ -44,7 +45,8 @@ class Service:
 @contextmanager
 def service(log: Path, **settings: object) -> Iterator[Service]:
     """``nice -n 10 python -m service`` (one onnxruntime thread) on a free loopback port, ready;
-    always stopped with SIGTERM (SIGKILL after 30 s) when the block ends, whatever happens in it."""
+    always stopped with SIGTERM (SIGKILL after 30 s) when the block ends, whatever happens in it.
+    ``health_port="auto"`` gives it a health port too: another free port of the range."""
     fixed = {
         "provider": "cpu",
         "intra_op_threads": 1,
@@ -52,16 +54,23 @@ def service(log: Path, **settings: object) -> Iterator[Service]:
         "log_level": "warning",
     }
 
+    chosen: dict[str, object] = {**fixed, **settings}
+
     def env(port: int) -> dict[str, str]:
+        if settings.get("health_port") == "auto":  # chosen once the HTTP port is: never the same
+            chosen["health_port"] = next(
+                p for p in reversed(PORTS) if p != port and port_is_free(p)
+            )
         return {
-            **service_env(port, **{**fixed, **settings}),
+            **service_env(port, **chosen),
             "PYTHONPATH": str(REPO),
             "OMP_NUM_THREADS": "1",
         }
 
     argv = ("nice", "-n", "10", sys.executable, "-m", "service")
     with running(argv, env, log, ports=PORTS, poll_s=0.2, name="the service") as server:
-        yield Service(server.process, server.url, log)
+        health = chosen.get("health_port")
+        yield Service(server.process, server.url, log, int(health) if health else None)
 
 
 def b64(data: bytes) -> str:

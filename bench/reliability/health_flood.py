@@ -15,11 +15,14 @@ then, in a child process (so that the flood's own event loop never delays a prob
 
 while this process opens a fresh connection every ``--probe-interval-s`` and GETs /health/live,
 /health/ready, /v2/health/live and /v2/health/ready in turn, timing each from connect to the last
-byte, alternately on the main port (past the cap) and on ``VITSERVE_HEALTH_PORT`` (the probe
-listener's own thread). Reports probe p50/p99/max and statuses per port, the busy clients'
-statuses, the knockers' refusals, and the server's RSS before and at its peak (VmHWM). Exits 1 when a
-promise broke: a probe not 200, a health-port probe p99 of ``--p99-ms`` or more, a 5xx to a busy
-client, or RSS growth of ``--rss-mib`` or more.
+byte, alternately on the main port (past the cap) and on ``VITSERVE_HEALTH_PORT`` (answered by the
+supervisor process: service/launcher/health.py). Reports probe p50/p99/max and statuses per port,
+the busy clients' statuses, the knockers' refusals, and the RSS of the server's processes together
+(the supervisor, the engine and the front ends: ``bench.machine.tree_memory_kib``) before and at
+its peak (the sum of their VmHWM, which bounds their peak together from above), and the machine's
+load average at the start and the end. Exits 1 when a promise broke: a probe not 200, a
+health-port probe p99 of ``--p99-ms`` or more, a 5xx to a busy client, or RSS growth of
+``--rss-mib`` or more.
 Loopback only; every loop stops at its deadline.
 """
 
@@ -35,8 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.reliability.common import PORTS, Payloads, b64, dump, percentile, service
-from bench.server_process import free_port
+from bench.reliability.common import Payloads, b64, dump, percentile, service
 
 PROBES = ("/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready")
 MiB = 2**20
@@ -134,10 +136,12 @@ def run(
 ) -> dict:
     payloads = Payloads.load(8)
     body = json.dumps({"images": [{"b64": b64(payloads.pngs[0])}]}).encode()
-    health_port = free_port(PORTS, start=int(time.monotonic()))
     settings = {"max_connections": connections, "max_queue_size": 4 * connections}
-    with service(log, health_port=health_port, **settings) as server:
+    load_before = os.getloadavg()
+    with service(log, health_port="auto", **settings) as server:
         port = int(server.url.rsplit(":", 1)[1])
+        health_port = server.health_port
+        assert health_port is not None
         rss_before = server.status("VmRSS")
         queue: multiprocessing.Queue = multiprocessing.Queue()
         flood = multiprocessing.Process(
@@ -179,6 +183,8 @@ def run(
         "rss_before_mib": rss_before / MiB,
         "rss_peak_mib": peak / MiB,
         "rss_growth_mib": (peak - rss_before) / MiB,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
         **flooded,
     }
 

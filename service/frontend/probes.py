@@ -3,9 +3,11 @@
 - On the main port, a connection beyond ``max_connections`` is refused without reaching the app,
   except a ``GET`` of a health route (``server.py``): a probe must not fail because idle or busy
   clients hold every connection (issue 25).
-- ``health_port`` (off unless set) serves only the health routes, from a thread of its own: the
-  event loop may be busy for hundreds of milliseconds under a flood, this listener is not. Its
-  liveness still follows the loop: it fails once the loop has not ticked for ``STALL_S``.
+- ``health_port`` (off unless set) serves only the health routes, from a thread that is not the
+  event loop's: :class:`ProbeListener`. Under ``python -m service`` with front-end processes it runs
+  in the supervisor (``service/launcher/health.py`` says what it answers there); in a single process
+  (``workers=0``), beside the event loop, whose liveness it follows (:class:`EventLoopHealth`: it
+  fails once the loop has not ticked for ``STALL_S``).
 
 ``probe_answer`` gives the status and JSON body the health routers give (``routers/health.py``,
 ``oip/routes.py``) from the service's phase.
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -30,7 +33,15 @@ class Readiness(Protocol):
     @property
     def ready(self) -> bool: ...
 
-    phase: str
+    @property
+    def phase(self) -> str: ...
+
+
+class Health(Readiness, Protocol):
+    """What ``health_port``'s listener reads: readiness, and liveness."""
+
+    @property
+    def live(self) -> bool: ...
 
 
 def probe_path(request_line: bytes) -> str | None:
@@ -76,7 +87,8 @@ class _ProbeHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if path in HEALTH_PATHS:
-            status, body = probe_answer(path, self.server.readiness, self.server.live)
+            health = self.server.health
+            status, body = probe_answer(path, health, health.live)
         else:
             status, body = 404, b'{"error":"only /health/* and /v2/health/* are served here"}'
         self.send_response(status)
@@ -93,41 +105,60 @@ class _ProbeHandler(BaseHTTPRequestHandler):
 
 class _ProbeServer(HTTPServer):
     """One connection at a time, in the listener's thread: no thread to start per probe (each
-    handoff of the GIL to another thread may wait out the interpreter's 5 ms switch interval)."""
+    handoff of the GIL to another thread may wait out the interpreter's 5 ms switch interval).
+    The port is this listener's alone (no SO_REUSEPORT): another program on it stops start-up."""
 
-    allow_reuse_port = True  # every front end of python -m service listens on health_port
+    request_queue_size = 64  # probes arriving together wait in the backlog, not refused
 
-    def __init__(self, address: tuple[str, int], readiness: Readiness) -> None:
+    def __init__(self, address: tuple[str, int], health: Health) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, _ProbeHandler)
-        self.readiness = readiness
+        self.health = health
+
+
+class EventLoopHealth:
+    """A single process's health: readiness from its state, liveness from a heartbeat of its event
+    loop (uvicorn's ``callback_notify``, every second or two)."""
+
+    def __init__(self, state: Readiness) -> None:
+        self.state = state
         self.last_beat: float | None = None  # when the event loop last ticked (None: not yet)
+
+    @property
+    def ready(self) -> bool:
+        return self.state.ready
+
+    @property
+    def phase(self) -> str:
+        return self.state.phase
 
     @property
     def live(self) -> bool:
         return self.last_beat is None or time.monotonic() - self.last_beat < STALL_S
 
+    async def heartbeat(self) -> None:
+        """Called on the event loop: a loop stuck for ``STALL_S`` makes liveness fail here, as it
+        would on the main port."""
+        self.last_beat = time.monotonic()
+
 
 class ProbeListener:
     """``health_port``'s listener: its own thread and socket, so that probes are answered within
-    milliseconds however busy the event loop is (issue 25: 713 ms at the p99 on the main port during
-    a flood at the cap, BENCHMARKS in RELIABILITY.md)."""
+    milliseconds however busy the event loop is. Binds in the constructor (an ``OSError`` when the
+    port is taken); answers once started."""
 
-    def __init__(self, host: str, port: int, readiness: Readiness) -> None:
-        self.server = _ProbeServer((host, port), readiness)
+    def __init__(self, host: str, port: int, health: Health) -> None:
+        self.server = _ProbeServer((host, port), health)
         self.port = self.server.server_address[1]
         self._thread = threading.Thread(
             target=self.server.serve_forever, name="vitserve-probes", daemon=True
         )
-
-    async def heartbeat(self) -> None:
-        """Called on the event loop every second or two (uvicorn's ``callback_notify``): a loop
-        stuck for ``STALL_S`` makes liveness fail here, as it would on the main port."""
-        self.server.last_beat = time.monotonic()
 
     def start(self) -> ProbeListener:
         self._thread.start()
         return self
 
     def close(self) -> None:
-        self.server.shutdown()
+        if self._thread.is_alive():
+            self.server.shutdown()
         self.server.server_close()

@@ -21,14 +21,17 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from service.frontend.probes import ProbeListener
+from service.frontend.probes import EventLoopHealth, ProbeListener
 from service.frontend.server import guarded_protocol
+from service.launcher.health import ENGINE_BEAT_S, FrontEndBeat, HealthBoard
 from service.link.wire import Addresses
 from service.observability.logs import uvicorn_log_config
 from service.settings import Settings
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+
+    from service.engine.core import Engine
 
 logger = logging.getLogger("vitserve")
 
@@ -60,12 +63,15 @@ def die_with_parent(parent: int, name: str) -> None:
 class _Server(uvicorn.Server):
     """Readiness turns false the moment a shutdown signal arrives, before the graceful drain."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI, beat: FrontEndBeat | None) -> None:
         super().__init__(config)
         self._app = app
+        self._beat = beat
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._app.state.frontend.begin_shutdown()
+        if self._beat is not None:  # the loop stops ticking while it drains: not a stall
+            self._beat.draining()
         super().handle_exit(sig, frame)
 
 
@@ -77,11 +83,27 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-def serve_http(app: FastAPI, settings: Settings, sockets: list[socket.socket] | None = None) -> int:
-    """Serve ``app`` with uvicorn and the guarded protocol until a signal; the exit code. With
-    ``health_port`` set, each front end also answers probes there (probes.py; the port shared)."""
-    port = settings.health_port
-    probes = ProbeListener(settings.host, port, app.state.frontend) if port else None
+def serve_http(
+    app: FastAPI,
+    settings: Settings,
+    sockets: list[socket.socket] | None = None,
+    beat: FrontEndBeat | None = None,
+) -> int:
+    """Serve ``app`` with uvicorn and the guarded protocol until a signal; the exit code. A front
+    end of several gives its event loop's ``beat`` to the supervisor, which answers ``health_port``
+    (health.py); a single process (no ``beat``) answers ``health_port`` itself, from a thread."""
+    port = settings.health_port if beat is None else 0
+    health = EventLoopHealth(app.state.frontend)
+    try:
+        probes = ProbeListener(settings.host, port, health) if port else None
+    except OSError as error:
+        logger.error(
+            "cannot start: cannot listen on %s, health port %d: %s",
+            settings.host,
+            port,
+            error.strerror or error,
+        )
+        return EXIT_START_FAILED
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -93,10 +115,10 @@ def serve_http(app: FastAPI, settings: Settings, sockets: list[socket.socket] | 
         access_log=settings.access_log,
         proxy_headers=False,
         http=guarded_protocol(settings, app.state.frontend),
-        callback_notify=probes.heartbeat if probes else None,
+        callback_notify=beat if beat is not None else health.heartbeat if probes else None,
         timeout_notify=1,
     )
-    server = _Server(config, app)
+    server = _Server(config, app, beat)
 
     def exit_after_drain(sig: int, frame: FrameType | None) -> None:
         # uvicorn re-raises SIGTERM once it has drained and restored this handler; without it the
@@ -117,6 +139,7 @@ def front_end(
     addresses: Addresses,
     parent: int,
     engine_started: Event,
+    board: HealthBoard,
 ) -> None:
     """A front-end process: HTTP on its listener, gRPC on the shared port, the engine linked.
     It serves once the engine has started (loaded its models) for the first time, as a single
@@ -137,10 +160,12 @@ def front_end(
     )
     app = create_app(settings, engine=engine, worker=slot, process_metrics=metrics)
     engine_started.wait()  # the supervisor stops this process if the engine never starts
-    sys.exit(serve_http(app, settings, [listener]))
+    sys.exit(serve_http(app, settings, [listener], FrontEndBeat(board, slot)))
 
 
-def engine(settings: Settings, addresses: Addresses, parent: int, started: Event) -> None:
+def engine(
+    settings: Settings, addresses: Addresses, parent: int, started: Event, board: HealthBoard
+) -> None:
     """The engine process: every model, one batcher per version, fed by every front end."""
     die_with_parent(parent, ENGINE_NAME)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the engine stops
@@ -153,10 +178,19 @@ def engine(settings: Settings, addresses: Addresses, parent: int, started: Event
         run = uvloop.run
     except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
         run = asyncio.run
-    sys.exit(run(_serve_engine(settings, addresses, started)))
+    sys.exit(run(_serve_engine(settings, addresses, started, board)))
 
 
-async def _serve_engine(settings: Settings, addresses: Addresses, started: Event) -> int:
+async def _report_health(board: HealthBoard, core: Engine) -> None:
+    """The engine's readiness on the supervisor's board, and the proof that its loop ticks."""
+    while True:
+        board.engine_beat(core.ready)
+        await asyncio.sleep(ENGINE_BEAT_S)
+
+
+async def _serve_engine(
+    settings: Settings, addresses: Addresses, started: Event, board: HealthBoard
+) -> int:
     from service.contract.model_repository import ModelLoadError
     from service.engine.core import Engine
     from service.link.engine_server import EngineServer
@@ -168,6 +202,7 @@ async def _serve_engine(settings: Settings, addresses: Addresses, started: Event
     core = Engine(settings, Metrics())
     server = EngineServer(core, addresses)
     server.bind()  # first: the front ends see a table (not ready) while the models load
+    reporting = asyncio.get_running_loop().create_task(_report_health(board, core))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -175,12 +210,14 @@ async def _serve_engine(settings: Settings, addresses: Addresses, started: Event
     try:
         await core.start()
     except ModelLoadError:
+        reporting.cancel()
         await server.close()
         return EXIT_START_FAILED
     freeze_heap()
     started.set()
     await stop.wait()
     await core.stop()
+    reporting.cancel()
     await server.close()
     if provider is not None:
         provider.shutdown()

@@ -6,7 +6,9 @@ sure the gRPC port is free (every front end then binds it with SO_REUSEPORT). It
 answer 503 with Retry-After. An engine that fails before it was ever ready (a model that does not load)
 stops the service with exit code 3. On SIGTERM or SIGINT: the front ends stop accepting and finish what
 they hold, the engine runs what was admitted, then everything exits (code 0). Metrics from every process
-are summed by prometheus-client's multiprocess mode, in the supervisor's private directory.
+are summed by prometheus-client's multiprocess mode, in the supervisor's private directory. With
+``health_port`` set, the supervisor answers the probes there itself, from a thread, reading what its
+children write on a shared page (service/launcher/health.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
+from service.frontend.probes import ProbeListener
 from service.launcher import processes
+from service.launcher.health import HealthBoard, SupervisedHealth
 from service.link.arena import unlink_blocks
 from service.link.wire import Addresses
 from service.settings import Settings
@@ -87,19 +91,24 @@ class Supervisor:
         self.engine_started = self.context.Event()
         self.front_ends: dict[int, BaseProcess] = {}
         self.deaths: dict[str, list[float]] = {}
+        self.board = HealthBoard(self.context, self.count)
+        self.health = SupervisedHealth(self.board)
+        self.probes: ProbeListener | None = None
 
     # --- processes --------------------------------------------------------------------------------
 
     def _start_engine(self) -> None:
         self.engine_started = self.context.Event()
+        self.board.engine_starting()
         self.engine = self.context.Process(
             target=processes.engine,
-            args=(self.settings, self.addresses, self.pid, self.engine_started),
+            args=(self.settings, self.addresses, self.pid, self.engine_started, self.board),
             name="vitserve-engine",
         )
         self.engine.start()
 
     def _start_front_end(self, slot: int) -> None:
+        self.board.front_end_starting(slot)
         process = self.context.Process(
             target=processes.front_end,
             args=(
@@ -109,6 +118,7 @@ class Supervisor:
                 self.addresses,
                 self.pid,
                 self.engine_started,
+                self.board,
             ),
             name=f"vitserve-frontend-{slot}",
         )
@@ -137,18 +147,24 @@ class Supervisor:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         self.addresses = Addresses.in_directory(self.run_dir)
         settings = self.settings
+        port = f"HTTP port {settings.port}"
         try:
             self.listeners = listen(settings.host, settings.port, self.count)
             if settings.grpc_port:
+                port = f"gRPC port {settings.grpc_port}"
                 check_free(settings.host, settings.grpc_port)
+            if settings.health_port:
+                port = f"health port {settings.health_port}"
+                self.probes = ProbeListener(settings.host, settings.health_port, self.health)
         except OSError as error:
             logger.error(
-                "cannot start: cannot listen on %s (HTTP port %d, gRPC port %d): %s",
+                "cannot start: cannot listen on %s, %s: %s",
                 settings.host,
-                settings.port,
-                settings.grpc_port,
+                port,
                 error.strerror or error,
             )
+            for listener in getattr(self, "listeners", []):
+                listener.close()
             shutil.rmtree(self.run_dir, ignore_errors=True)
             return processes.EXIT_START_FAILED
         wake_read, wake_write = os.pipe()
@@ -156,14 +172,17 @@ class Supervisor:
         previous_wakeup = signal.set_wakeup_fd(wake_write)
         handlers = {s: signal.signal(s, self._stop) for s in (signal.SIGTERM, signal.SIGINT)}
         logger.info(
-            "vitserve: %d front-end process(es) on http://%s:%d%s, one engine process",
+            "vitserve: %d front-end process(es) on http://%s:%d%s, one engine process%s",
             self.count,
             settings.host,
             settings.port,
             f" and gRPC port {settings.grpc_port}" if settings.grpc_port else "",
+            f"; probes on health port {settings.health_port}" if settings.health_port else "",
         )
         code = 0
         try:
+            if self.probes is not None:
+                self.probes.start()
             self._start_engine()
             for slot in range(self.count):
                 self._start_front_end(slot)
@@ -175,6 +194,8 @@ class Supervisor:
                 signal.signal(sig, handler)
             os.close(wake_read)
             os.close(wake_write)
+            if self.probes is not None:  # answered through the drain: not ready, still live
+                self.probes.close()
         return code
 
     def _stop(self, sig: int, frame: FrameType | None) -> None:
@@ -185,6 +206,7 @@ class Supervisor:
             self._begin_drain()
 
     def _begin_drain(self) -> None:
+        self.health.stopping = True
         for process in self.front_ends.values():
             _signal(process, signal.SIGTERM)
         if self.engine is not None:
@@ -207,6 +229,7 @@ class Supervisor:
                     break
                 self._mark_dead(process)
                 if process is self.engine:
+                    self.board.engine_starting()  # not ready from now, not after its silence
                     if not self.engine_started.is_set():
                         logger.error(
                             "cannot start: the engine process exited (code %s)", process.exitcode
@@ -227,6 +250,7 @@ class Supervisor:
                         process.pid,
                         process.exitcode,
                     )
+                    self.board.front_end_starting(slot)
                     unlink_blocks(self.pid, slot)
                     time.sleep(self._backoff(f"front end {slot}"))
                     self._start_front_end(slot)

@@ -1,9 +1,17 @@
-"""``VITSERVE_HEALTH_PORT``'s listener (issue 25): the health routes from a thread of its own, whose
-liveness still follows the event loop (it fails once the loop has not ticked for STALL_S)."""
+"""``VITSERVE_HEALTH_PORT``'s listener (issue 25) and what it answers.
+
+- In a single process (``workers=0``): the health routes from a thread of its own, whose liveness still
+  follows the event loop (it fails once the loop has not ticked for STALL_S).
+- Under the supervisor: what ``SupervisedHealth`` reads from the board its children write (the engine's
+  readiness and beat, each front end's beat), as a clock moves on. The real processes are in
+  ``test_health_port.py``.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import multiprocessing
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,7 +19,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from service.frontend.probes import STALL_S, ProbeListener
+from service.frontend.probes import STALL_S, EventLoopHealth, ProbeListener, probe_answer
+from service.launcher import health as health_module
+from service.launcher.health import ENGINE_SILENT_S, HealthBoard, SupervisedHealth
 from tests.support import RELIABILITY, free_port
 
 
@@ -25,8 +35,13 @@ class Phase:
 
 
 @pytest.fixture
-def listener() -> Iterator[ProbeListener]:
-    probes = ProbeListener("127.0.0.1", free_port(RELIABILITY.ports), Phase()).start()
+def loop_health() -> EventLoopHealth:
+    return EventLoopHealth(Phase())
+
+
+@pytest.fixture
+def listener(loop_health) -> Iterator[ProbeListener]:
+    probes = ProbeListener("127.0.0.1", free_port(RELIABILITY.ports), loop_health).start()
     try:
         yield probes
     finally:
@@ -37,23 +52,133 @@ def get(probes: ProbeListener, path: str) -> httpx.Response:
     return httpx.get(f"http://127.0.0.1:{probes.port}{path}", timeout=5)
 
 
-def test_the_health_routes_and_nothing_else(listener):
+def test_the_health_routes_and_nothing_else(listener, loop_health):
     assert get(listener, "/health/live").json() == {"status": "live", "ready": True}
     assert get(listener, "/health/ready").json() == {"status": "ready", "ready": True}
     assert get(listener, "/v2/health/live").json() == {"live": True}
     assert get(listener, "/v2/health/ready").json() == {"ready": True}
     assert get(listener, "/predict").status_code == 404
-    listener.server.readiness.phase = "shutting_down"
+    loop_health.state.phase = "shutting_down"
     answer = get(listener, "/health/ready")
     assert answer.status_code == 503 and answer.json()["status"] == "shutting_down"
     assert get(listener, "/v2/health/ready").status_code == 400
 
 
-def test_liveness_fails_when_the_event_loop_stops_ticking(listener):
-    asyncio.run(listener.heartbeat())
+def test_liveness_fails_when_the_event_loop_stops_ticking(listener, loop_health):
+    asyncio.run(loop_health.heartbeat())
     assert get(listener, "/health/live").status_code == 200
-    listener.server.last_beat = time.monotonic() - STALL_S - 1
+    loop_health.last_beat = time.monotonic() - STALL_S - 1
     for path in ("/health/live", "/v2/health/live", "/health/ready"):
         assert get(listener, path).status_code == 503, path
-    asyncio.run(listener.heartbeat())
+    asyncio.run(loop_health.heartbeat())
     assert get(listener, "/v2/health/live").json() == {"live": True}
+
+
+def test_the_port_is_its_own(listener, loop_health):
+    """No SO_REUSEPORT: a second listener (another instance's) on the same port is refused."""
+    with pytest.raises(OSError, match="in use"):
+        ProbeListener("127.0.0.1", listener.port, loop_health)
+
+
+# --- under the supervisor: the board -----------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(health_module.time, "monotonic", clock)
+    return clock
+
+
+@pytest.fixture
+def board() -> HealthBoard:
+    return HealthBoard(multiprocessing.get_context("spawn"), front_ends=2)
+
+
+def answer(health: SupervisedHealth, path: str) -> tuple[int, dict]:
+    status, body = probe_answer(path, health, health.live)
+    return status, json.loads(body)
+
+
+def test_starting_is_live_and_not_ready(board, clock):
+    health = SupervisedHealth(board)
+    assert health.live and not health.ready
+    assert answer(health, "/health/ready") == (503, {"status": "starting", "ready": False})
+    board.engine_beat(ready=False)  # loading its models
+    board.front_end_beat(0)
+    assert health.live and not health.ready
+    board.engine_beat(ready=True)
+    assert health.ready  # one front end serving is enough
+    assert answer(health, "/v2/health/ready") == (200, {"ready": True})
+
+
+def test_readiness_follows_the_engine(board, clock):
+    health = SupervisedHealth(board)
+    board.engine_beat(ready=True)
+    board.front_end_beat(0)
+    board.front_end_beat(1)
+    assert health.ready
+    board.engine_beat(ready=False)  # its default model's batcher failed, or it was told to drain
+    assert answer(health, "/health/ready") == (503, {"status": "unavailable", "ready": False})
+    board.engine_beat(ready=True)
+    clock.now += ENGINE_SILENT_S  # ready when last heard, but not heard from since
+    board.front_end_beat(0)
+    assert not health.ready and health.live
+    board.engine_beat(ready=True)
+    assert health.ready
+    board.engine_starting()  # the supervisor saw it die: not ready at once
+    assert not health.ready and health.live
+    assert answer(health, "/health/ready")[1]["status"] == "unavailable"
+
+
+def test_a_front_end_whose_loop_stopped_ticking_is_not_live(board, clock):
+    health = SupervisedHealth(board)
+    board.engine_beat(ready=True)
+    board.front_end_beat(0)
+    board.front_end_beat(1)
+    clock.now += STALL_S - 0.5
+    board.engine_beat(ready=True)
+    board.front_end_beat(1)
+    assert health.live
+    clock.now += 0.5
+    assert health.stalled() == ["front end 0"]
+    for path in ("/health/live", "/v2/health/live", "/health/ready"):
+        assert answer(health, path)[0] == 503, path
+    board.front_end_starting(0)  # the supervisor restarts it: starting, not stalled
+    assert health.live and health.ready
+
+
+def test_a_stalled_engine_is_not_live(board, clock):
+    health = SupervisedHealth(board)
+    board.engine_beat(ready=True)
+    board.front_end_beat(0)
+    clock.now += STALL_S
+    board.front_end_beat(0)
+    assert health.stalled() == ["engine"] and not health.ready
+
+
+def test_no_front_end_ticking_is_not_ready(board, clock):
+    health = SupervisedHealth(board)
+    board.engine_beat(ready=True)
+    assert not health.ready  # none has served yet
+    board.front_end_beat(1)
+    assert health.ready
+    board.front_end_draining(1)
+    assert not health.ready and health.live  # draining is not a stall
+
+
+def test_shutting_down_is_not_ready_and_still_live(board, clock):
+    health = SupervisedHealth(board)
+    board.engine_beat(ready=True)
+    board.front_end_beat(0)
+    health.stopping = True
+    assert answer(health, "/health/ready") == (503, {"status": "shutting_down", "ready": False})
+    assert answer(health, "/health/live") == (200, {"status": "live", "ready": True})

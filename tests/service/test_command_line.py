@@ -111,8 +111,23 @@ def test_tritons_flag_names():
             ["--port", "65535"],
             "cannot start: settings: grpc_port is unset, so it would be port + 1",
         ),
+        (
+            ["--port", "9000", "--health-port", "9001"],
+            "cannot start: settings: health_port (9001) must differ from port (9000) and "
+            "grpc_port (9001)",
+        ),
+        (
+            ["--port", "9000", "--health-port", "9000", "--grpc-port", "0"],
+            "cannot start: settings: health_port (9000) must differ from port (9000)",
+        ),
     ],
-    ids=["not a number", "star and a name", "no port after the last"],
+    ids=[
+        "not a number",
+        "star and a name",
+        "no port after the last",
+        "health on the gRPC port",
+        "health on the HTTP port",
+    ],
 )
 def test_an_invalid_flag_exits_2_with_one_line_naming_it(capsys, argv, line):
     with pytest.raises(SystemExit) as stopped:
@@ -143,6 +158,7 @@ def test_the_grpc_port_follows_the_http_port():
     assert Settings(port=9000).grpc_port == 9001
     assert Settings(port=9000, grpc_port=7000).grpc_port == 7000
     assert Settings(port=9000, grpc_port=0).grpc_port == 0  # off
+    assert Settings().health_port == 0  # off unless asked: no third port to collide with
 
 
 def _two_free_pairs() -> list[int]:
