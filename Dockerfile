@@ -69,6 +69,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     VITSERVE_HOST=0.0.0.0 \
     VITSERVE_PORT=8000 \
+    VITSERVE_HEALTH_PORT=8002 \
     VITSERVE_MODEL_REPOSITORY=/app/models
 RUN groupadd --gid 10001 vitserve \
     && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin vitserve
@@ -78,10 +79,12 @@ COPY service/ /app/service/
 # The shipped model; mount a model repository over /app/models to serve another.
 COPY models/ /app/models/
 USER 10001:10001
-# HTTP; 8001 is gRPC when enabled (VITSERVE_GRPC_PORT).
-EXPOSE 8000 8001
+# HTTP; 8001 is gRPC when enabled (VITSERVE_GRPC_PORT); 8002 answers only the probes
+# (VITSERVE_HEALTH_PORT, from the supervisor process, which does no request work), and the
+# healthcheck asks there (the HTTP port when it is set to 0).
+EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(f\"http://127.0.0.1:{os.environ.get('VITSERVE_PORT', '8000')}/health/ready\", timeout=4)"]
+    CMD ["python", "-c", "import os, urllib.request; port = int(os.environ.get('VITSERVE_HEALTH_PORT') or 0) or os.environ.get('VITSERVE_PORT', '8000'); urllib.request.urlopen(f\"http://127.0.0.1:{port}/health/ready\", timeout=4)"]
 CMD ["python", "-m", "service"]
 
 # --- export: train and export to ONNX -----------------------------------------------------------

@@ -32,6 +32,7 @@ FIXED = {
     "VITSERVE_MODEL_REPOSITORY": "/app/models",
     "VITSERVE_HOST": "0.0.0.0",
     "VITSERVE_PORT": "8000",
+    "VITSERVE_HEALTH_PORT": "8002",  # the healthcheck asks there
 }
 # Fixed for the GPU service alone: CUDA or no start.
 FIXED_GPU = {"VITSERVE_PROVIDER": "cuda"}
@@ -132,7 +133,9 @@ def test_services_mount_models_read_only_check_health_and_publish_both_ports(ser
     service = services[name]
     mounts = [v for v in service["volumes"] if v["target"] == "/app/models"]
     assert mounts and mounts[0]["source"] == str(ROOT / "models") and mounts[0]["read_only"]
-    assert "/health/ready" in " ".join(service["healthcheck"]["test"])
+    # readiness, on the port the supervisor answers probes on (not slowed by a flood)
+    health_port = service["environment"]["VITSERVE_HEALTH_PORT"]
+    assert f"127.0.0.1:{health_port}/health/ready" in " ".join(service["healthcheck"]["test"])
     published = {port["target"]: port for port in service["ports"]}
     assert set(published) == {8000, 8001}
     assert all(port["host_ip"] == "127.0.0.1" for port in published.values())

@@ -444,7 +444,57 @@ def test_service_images_check_readiness_and_bake_in_the_model(variant):
     env = " ".join(args for instruction, args in image if instruction == "ENV")
     assert "VITSERVE_MODEL_REPOSITORY=/app/models" in env
     exposed = {port for i, a in image if i == "EXPOSE" for port in a.split()}
-    assert {"8000", "8001"} <= exposed
+    assert {"8000", "8001", "8002"} <= exposed
+    assert "VITSERVE_HEALTH_PORT=8002" in env.split()  # the probes' own port (RELIABILITY.md)
+
+
+def healthcheck_command() -> list[str]:
+    """The service image's HEALTHCHECK command, as Docker runs it (exec form)."""
+    import json
+
+    (args,) = [a for i, a in dockerfile_stages()["service"] if i == "HEALTHCHECK"]
+    return json.loads(args[args.index("CMD") + len("CMD") :])
+
+
+@pytest.mark.parametrize(
+    ("environment", "answers"),
+    [
+        ({"VITSERVE_HEALTH_PORT": "{port}", "VITSERVE_PORT": "1"}, True),  # the image's way
+        ({"VITSERVE_HEALTH_PORT": "0", "VITSERVE_PORT": "{port}"}, True),  # health port off
+        ({"VITSERVE_HEALTH_PORT": "{closed}", "VITSERVE_PORT": "{port}"}, False),
+    ],
+    ids=["health port", "http port when it is off", "health port not answering"],
+)
+def test_the_image_healthcheck_asks_readiness_on_the_health_port(environment, answers):
+    """The HEALTHCHECK's own command, run against a listener that answers only /health/ready."""
+    import os
+    import socket
+    import sys
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Ready(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/health/ready" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    command = healthcheck_command()
+    assert command[:2] == ["python", "-c"]
+    with HTTPServer(("127.0.0.1", 0), Ready) as server, socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: refused
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        ports = {"port": server.server_address[1], "closed": closed.getsockname()[1]}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")}
+        env.update({k: v.format(**ports) for k, v in environment.items()})
+        result = subprocess.run(
+            [sys.executable, *command[1:]], env=env, capture_output=True, timeout=30
+        )
+        server.shutdown()
+    assert (result.returncode == 0) == answers, result.stderr
 
 
 @pytest.mark.parametrize("stage", ["service", "export"])

@@ -141,15 +141,18 @@ def test_every_file_holds_complete_resources():
 def test_deployment_probes(variant):
     main = container(variant)
     ports = {port["name"]: port["containerPort"] for port in main["ports"]}
-    assert ports == {"http": 8000, "grpc": 8001}
+    assert ports == {"http": 8000, "grpc": 8001, "health": 8002}
+    # the probes' own port, answered by the supervisor (not slowed by a flood: RELIABILITY.md)
+    assert int(configmap()["VITSERVE_HEALTH_PORT"]) == ports["health"]
     paths = {
         probe: (main[probe]["httpGet"]["path"], main[probe]["httpGet"]["port"])
         for probe in ("startupProbe", "livenessProbe", "readinessProbe")
     }
+    # started = ready once: liveness there is true from the supervisor's start, models loading
     assert paths == {
-        "startupProbe": ("/health/live", "http"),
-        "livenessProbe": ("/health/live", "http"),
-        "readinessProbe": ("/health/ready", "http"),
+        "startupProbe": ("/health/ready", "health"),
+        "livenessProbe": ("/health/live", "health"),
+        "readinessProbe": ("/health/ready", "health"),
     }
     startup = main["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 60, "time to load and warm up"
