@@ -27,6 +27,7 @@ from pydantic_settings import SettingsError
 from service.settings import Settings
 
 EXIT_BAD_SETTINGS = 2
+EXIT_START_FAILED = 3  # a port in use, a model that does not load, httptools missing
 ENV_PREFIX = Settings.model_config.get("env_prefix", "")
 
 # Triton's and uvicorn's names for the same settings, accepted beside each field's own flag.

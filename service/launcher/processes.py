@@ -23,6 +23,7 @@ import uvicorn
 
 from service.frontend.probes import EventLoopHealth, ProbeListener
 from service.frontend.server import guarded_protocol
+from service.launcher.cli import EXIT_START_FAILED
 from service.launcher.health import ENGINE_BEAT_S, FrontEndBeat, HealthBoard
 from service.link.wire import Addresses
 from service.observability.logs import uvicorn_log_config
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vitserve")
 
-EXIT_START_FAILED = 3
 # uvicorn cancels open requests this long after the service's own drain deadline, which answers what
 # is left 503: long enough for those answers to be written.
 ANSWER_MARGIN_S = 5.0

@@ -15,7 +15,15 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.support import RELIABILITY, Server, recv_until, running_server
+from bench import server_process
+from tests.support import (
+    RELIABILITY,
+    Server,
+    recv_until,
+    run_python,
+    running_server,
+    server_env,
+)
 
 pytestmark = pytest.mark.slow  # one server, about 10 s
 
@@ -134,3 +142,23 @@ def test_probes_are_answered_past_the_connection_cap(server):
     finally:
         for sock in held:
             sock.close()
+
+
+def test_without_httptools_the_service_refuses_to_start_rather_than_serve_h11(model_repository):
+    """The bounds above live in a subclass of uvicorn's httptools protocol; without httptools,
+    uvicorn would serve with h11, which has none of them (only its own 16 KiB buffer, answered
+    400). ``python -m service`` refuses instead, with one line saying why."""
+    script = (
+        "import sys; sys.modules['httptools'] = None; sys.argv = ['service']\n"
+        "from service.__main__ import main\n"
+        "main()\n"
+    )
+    port = server_process.free_port(RELIABILITY.ports)
+    result = run_python(script, server_env(model_repository, port, RELIABILITY))
+    assert result.returncode == 3, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(
+        "cannot start: python -m service serves HTTP with uvicorn's httptools"
+    )
+    assert "h11" in lines[0] and "Install httptools" in lines[0]
