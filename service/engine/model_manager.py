@@ -328,7 +328,7 @@ class ModelManager:
         pipeline.start()
         old = previous.pipeline if previous is not None else None
         model.versions[version] = VersionStatus(
-            version, "READY", pipeline=pipeline, signature=signature
+            version, "READY", pipeline=pipeline, signature=signature, config=model.config
         )
         model.unloaded = False
         labels = (model.name, str(version))
@@ -362,8 +362,11 @@ class ModelManager:
         reason = relative(reason, self.repository)
         self._failed(model.name, version, reason)
         if previous is not None and previous.pipeline is not None:
-            # the files changed and the new ones do not load: keep serving what was loaded
-            previous.reason = f"kept the loaded files; the new ones failed: {reason}"
+            # the files or the config changed and do not load: keep serving what was loaded
+            if previous.signature == signature:  # the same files: the new config is the cause
+                previous.reason = f"serving the previous config; the new one failed: {reason}"
+            else:
+                previous.reason = f"kept the loaded files; the new ones failed: {reason}"
             previous.signature = signature
             return
         model.versions[version] = VersionStatus(version, "UNAVAILABLE", reason, signature=signature)

@@ -36,6 +36,7 @@ class VersionStatus:
     reason: str = ""
     pipeline: ModelPipeline | None = None
     signature: Signature = ()
+    config: ModelConfig | None = None  # the config.pbtxt it was loaded with (READY ones)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class ManagedModel:
             versions={v: (s.state, s.reason) for v, s in self.versions.items()},
             ready={v: self.versions[v].pipeline.view for v in self.ready_versions()},  # type: ignore[union-attr]
             unloaded=self.unloaded,
+            problem=self.config_problem,
         )
 
     def pipeline(self, version: int | None = None) -> ModelPipeline | None:
@@ -87,16 +89,23 @@ def file_signature(path: Path) -> Signature:
     return (stat.st_size, stat.st_mtime_ns)
 
 
-def served_model_config(model: ManagedModel) -> ModelConfig:
-    """A copy of the config.pbtxt the model is served with (parsed when it changed, never per
-    request); 503 naming the problem when no valid one was ever read."""
-    if model.config is None:
-        raise ServiceUnavailable(
-            f"model '{model.name}' has no valid config: {model.config_problem or 'not loaded'}",
-            code="invalid_config",
-        )
+def served_model_config(model: ManagedModel, version: int | None = None) -> ModelConfig:
+    """A copy of the config.pbtxt that ``version`` (None: the newest ready one) is served with: the
+    one it was loaded with, whatever the file says now. Without a ready version, the file as last
+    read; 503 naming the problem when that file is refused (or no valid one was ever read). Parsed
+    when the file changed, never per request."""
+    ready = model.ready_versions()
+    number = version if version is not None else (ready[-1] if ready else None)
+    config = model.versions[number].config if number in ready else None
+    if config is None:
+        if model.config is None or model.config_problem:
+            raise ServiceUnavailable(
+                f"model '{model.name}' has no valid config: {model.config_problem or 'not loaded'}",
+                code="invalid_config",
+            )
+        config = model.config
     copy = ModelConfig()
-    copy.CopyFrom(model.config)
+    copy.CopyFrom(config)
     return copy
 
 

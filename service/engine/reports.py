@@ -35,7 +35,7 @@ def served_config(manager: ModelManager, name: str, version: int | None = None) 
     """The ModelConfig a model is served with, as JSON; 404 for an unknown model or version."""
     _named_version(manager, name, version)
     model = manager.model(name)
-    config = served_model_config(model)  # parsed when it changed, never per request (issue 25)
+    config = served_model_config(model, version)
     config.name = name
     if not config.platform and not config.backend:
         config.platform = PLATFORM

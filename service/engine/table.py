@@ -48,6 +48,20 @@ class ModelView:
     versions: dict[int, tuple[str, str]] = field(default_factory=dict)
     ready: dict[int, VersionView] = field(default_factory=dict)
     unloaded: bool = False
+    problem: str = ""  # why its config.pbtxt on disk is refused, if it is
+
+    def why_not_ready(self, version: int | None = None) -> str:
+        """Why ``version`` (None: the model) is not ready, as the repository index says it."""
+        if version is not None:
+            state, reason = self.versions[version]
+            return f"{state.lower()}: {reason}" if reason else state.lower()
+        if self.problem and not self.versions:
+            return f"unavailable: {self.problem}"
+        reasons = [
+            f"version {v} {state.lower()}" + (f": {reason}" if reason else "")
+            for v, (state, reason) in sorted(self.versions.items())
+        ]
+        return "; ".join(reasons) or "unavailable"
 
     def ready_versions(self) -> list[int]:
         return sorted(self.ready)
@@ -103,21 +117,24 @@ class ModelTable:
                 field="version",
             )
         if model.unloaded or (self.explicit and not model.versions):
-            raise not_loaded(model.name)
-        state = model.versions[version][0] if version is not None else "UNAVAILABLE"
+            raise not_loaded(model.name, model.problem)
+        numbers = list(model.versions) if version is None else [version]
+        loading = any(model.versions[number][0] == "LOADING" for number in numbers)
         raise ServiceUnavailable(
             f"model {model.name!r}{'' if version is None else f' version {version}'} is not ready "
-            f"({state.lower()}); retry shortly",
+            f"({model.why_not_ready(version)}){'; retry shortly' if loading else ''}",
             code="not_ready",
             retry_after_s=self.retry_after_s,
         )
 
 
-def not_loaded(name: str) -> NotFound:
-    """Explicit mode: a model that is not loaded stays so until asked; retrying will not help."""
+def not_loaded(name: str, problem: str = "") -> NotFound:
+    """Explicit mode: a model that is not loaded stays so until asked; retrying will not help.
+    ``problem``: why its config.pbtxt is refused, which a load would meet."""
+    refused = f"; its config is refused: {problem}" if problem else ""
     return NotFound(
         f"model '{name}' is not loaded (model control 'explicit': POST "
-        f"/v2/repository/models/{name}/load loads it)",
+        f"/v2/repository/models/{name}/load loads it){refused}",
         field="model",
         code="model_not_loaded",
     )

@@ -63,7 +63,9 @@ def die_with_parent(parent: int, name: str) -> None:
 class _Server(uvicorn.Server):
     """Readiness turns false the moment a shutdown signal arrives, before the graceful drain."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, beat: FrontEndBeat | None) -> None:
+    def __init__(
+        self, config: uvicorn.Config, app: FastAPI, beat: FrontEndBeat | None = None
+    ) -> None:
         super().__init__(config)
         self._app = app
         self._beat = beat

@@ -7,11 +7,14 @@ import shutil
 import threading
 from pathlib import Path
 
+import grpc
 import pytest
 from fastapi.testclient import TestClient
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from service.contract.model_repository import ModelLoadError
 from service.frontend.app import create_app
-from tests.support import MODEL_NAME, RELIABILITY, make_settings
+from tests.support import MODEL_NAME, RELIABILITY, free_port, make_settings
 
 
 @pytest.fixture
@@ -189,3 +192,85 @@ def test_a_model_whose_logits_are_not_float_is_unavailable(repository, dtype):
         )
         (row,) = index(client)["second"]
         assert row["state"] == "UNAVAILABLE" and "expected tensor(float)" in row["reason"]
+
+
+def grpc_config(port: int, name: str) -> tuple[grpc.StatusCode, str]:
+    """(code, details or the config's max_batch_size) of gRPC ModelConfig."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            answer = stub.ModelConfig(service_pb2.ModelConfigRequest(name=name), timeout=30)
+        except grpc.RpcError as error:
+            return error.code(), error.details()
+    return grpc.StatusCode.OK, str(answer.config.max_batch_size)
+
+
+def test_a_served_version_answers_the_config_it_was_loaded_with(repository, monkeypatch):
+    """A new config.pbtxt that parses but fails to load (here: the load raises) leaves the version
+    served with the old one: /config answers that one, and the index says the config is the cause
+    (it answered the new file and said "kept the loaded files" before)."""
+    from service.engine import model_manager
+
+    real, broken = model_manager.Runtime.load, threading.Event()
+
+    def load(*args):
+        if broken.is_set():
+            raise ModelLoadError("planted: no memory for the new batch size")
+        return real(*args)
+
+    monkeypatch.setattr(model_manager.Runtime, "load", load)
+    with polled(repository) as client:
+        served = client.get("/v2/models/second/config").json()
+        assert "parameters" not in served
+        text = (repository / "second" / "config.pbtxt").read_text()
+        set_config(repository, text + 'parameters { key: "note" value { string_value: "new" } }\n')
+        broken.set()
+        client.portal.call(client.app.state.frontend.engine.engine.manager.poll_once)
+        assert client.get("/v2/models/second/config").json() == served
+        (row,) = index(client)["second"]
+        assert row["state"] == "READY", row
+        assert row["reason"].startswith("serving the previous config; the new one failed: "), row
+        assert "planted" in row["reason"]
+
+
+def test_a_refused_config_with_no_version_served_is_not_answered_as_served(repository):
+    """Explicit mode: a model unloaded, its config.pbtxt broken, a load refused (400). Its config
+    is not answered as if served (it was the stale file, 200, before), over HTTP and gRPC, and
+    every answer about it names the file and the problem, as the index does."""
+    port = free_port(RELIABILITY.ports)
+    settings = make_settings(
+        repository, RELIABILITY, model_control="explicit", models="second", grpc_port=port
+    )
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        assert client.get("/v2/models/second/config").status_code == 200
+        assert client.post("/v2/repository/models/second/unload").status_code == 200
+        set_config(repository, "max_batch_size: [oops\n")
+        loaded = client.post("/v2/repository/models/second/load")
+        assert loaded.status_code == 400 and "second/config.pbtxt" in loaded.text
+        (row,) = index(client)["second"]
+        assert row["state"] == "UNAVAILABLE" and "second/config.pbtxt" in row["reason"], row
+        config = client.get("/v2/models/second/config")
+        assert config.status_code == 503, config.text
+        assert config.json()["error"].startswith("model 'second' has no valid config: ")
+        assert row["reason"] in config.json()["error"]
+        code, details = grpc_config(port, "second")
+        assert code == grpc.StatusCode.UNAVAILABLE and row["reason"] in details, details
+        metadata = client.get("/v2/models/second")
+        assert metadata.status_code == 404 and row["reason"] in metadata.text, metadata.text
+        assert client.get("/v2/models/second/ready").status_code == 400
+        assert str(repository) not in config.text + details + metadata.text
+
+
+def test_a_model_whose_config_is_refused_says_why_on_every_route(repository):
+    """Poll mode, a model started with a broken config: metadata and inference answer 503 naming
+    the problem ("not ready (unavailable); retry shortly" before, which no retry would change)."""
+    set_config(repository, "max_batch_size: [oops\n")
+    with polled(repository) as client:
+        (row,) = index(client)["second"]
+        pixels = {"images": [{"pixels": [[0] * 28] * 28}]}
+        for answer in (
+            client.get("/v2/models/second"),
+            client.post("/models/second/predict", json=pixels),
+        ):
+            assert answer.status_code == 503, answer.text
+            assert row["reason"] in answer.text and "retry shortly" not in answer.text
