@@ -162,7 +162,9 @@ def front_end(
     )
     app = create_app(settings, engine=engine, worker=slot, process_metrics=metrics)
     engine_started.wait()  # the supervisor stops this process if the engine never starts
-    sys.exit(serve_http(app, settings, [listener], FrontEndBeat(board, slot)))
+    state = app.state.frontend
+    beat = FrontEndBeat(board, slot, lambda: (engine.engine_pid or 0) if state.ready else 0)
+    sys.exit(serve_http(app, settings, [listener], beat))
 
 
 def engine(
@@ -185,8 +187,9 @@ def engine(
 
 async def _report_health(board: HealthBoard, core: Engine) -> None:
     """The engine's readiness on the supervisor's board, and the proof that its loop ticks."""
+    pid = os.getpid()
     while True:
-        board.engine_beat(core.ready)
+        board.engine_beat(core.ready, pid)
         await asyncio.sleep(ENGINE_BEAT_S)
 
 

@@ -81,6 +81,11 @@ class RemoteEngine(EngineClient):
     def connected(self) -> bool:
         return self._engine_pid is not None
 
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine process whose tables this front end follows (None: none now)."""
+        return self._engine_pid
+
     # --- life -------------------------------------------------------------------------------------
 
     async def start(self) -> None:

@@ -108,49 +108,75 @@ def answer(health: SupervisedHealth, path: str) -> tuple[int, dict]:
     return status, json.loads(body)
 
 
+ENGINE = 4242  # the engine's pid, as it writes it and front ends ready with it report it
+
+
 def test_starting_is_live_and_not_ready(board, clock):
     health = SupervisedHealth(board)
     assert health.live and not health.ready
     assert answer(health, "/health/ready") == (503, {"status": "starting", "ready": False})
-    board.engine_beat(ready=False)  # loading its models
-    board.front_end_beat(0)
+    board.engine_beat(ready=False, pid=ENGINE)  # loading its models
+    board.front_end_beat(0, ready_with=0)
     assert health.live and not health.ready
-    board.engine_beat(ready=True)
-    assert health.ready  # one front end serving is enough
+    board.engine_beat(ready=True, pid=ENGINE)
+    assert not health.ready  # the front end has not seen it ready yet
+    board.front_end_beat(0, ready_with=ENGINE)
+    assert health.ready  # the other front end is still starting: one serving is enough
     assert answer(health, "/v2/health/ready") == (200, {"ready": True})
 
 
 def test_readiness_follows_the_engine(board, clock):
     health = SupervisedHealth(board)
-    board.engine_beat(ready=True)
-    board.front_end_beat(0)
-    board.front_end_beat(1)
+    board.engine_beat(ready=True, pid=ENGINE)
+    board.front_end_beat(0, ready_with=ENGINE)
+    board.front_end_beat(1, ready_with=ENGINE)
     assert health.ready
-    board.engine_beat(ready=False)  # its default model's batcher failed, or it was told to drain
+    board.engine_beat(ready=False, pid=ENGINE)  # its default model's batcher failed, or it drains
     assert answer(health, "/health/ready") == (503, {"status": "unavailable", "ready": False})
-    board.engine_beat(ready=True)
+    board.engine_beat(ready=True, pid=ENGINE)
     clock.now += ENGINE_SILENT_S  # ready when last heard, but not heard from since
-    board.front_end_beat(0)
+    board.front_end_beat(0, ready_with=ENGINE)
+    board.front_end_beat(1, ready_with=ENGINE)
     assert not health.ready and health.live
-    board.engine_beat(ready=True)
+    board.engine_beat(ready=True, pid=ENGINE)
     assert health.ready
     board.engine_starting()  # the supervisor saw it die: not ready at once
     assert not health.ready and health.live
     assert answer(health, "/health/ready")[1]["status"] == "unavailable"
 
 
+def test_after_an_engine_restart_every_serving_front_end_must_be_ready_with_the_new_one(
+    board, clock
+):
+    """The engine is ready before the front ends have its first table: until each front end
+    that serves is ready with it, a request could still be answered 503, so readiness waits."""
+    health = SupervisedHealth(board)
+    board.engine_beat(ready=True, pid=ENGINE)
+    board.front_end_beat(0, ready_with=ENGINE)
+    board.front_end_beat(1, ready_with=ENGINE)
+    board.engine_starting()
+    board.engine_beat(ready=True, pid=ENGINE + 1)  # restarted, its models loaded
+    assert not health.ready  # both still report the engine that died
+    board.front_end_beat(0, ready_with=ENGINE + 1)
+    assert not health.ready  # front end 1 would still answer 503
+    board.front_end_beat(1, ready_with=0)
+    assert not health.ready
+    board.front_end_beat(1, ready_with=ENGINE + 1)
+    assert health.ready
+
+
 def test_a_front_end_whose_loop_stopped_ticking_is_not_live(board, clock):
     health = SupervisedHealth(board)
-    board.engine_beat(ready=True)
-    board.front_end_beat(0)
-    board.front_end_beat(1)
+    board.engine_beat(ready=True, pid=ENGINE)
+    board.front_end_beat(0, ready_with=ENGINE)
+    board.front_end_beat(1, ready_with=ENGINE)
     clock.now += STALL_S - 0.5
-    board.engine_beat(ready=True)
-    board.front_end_beat(1)
+    board.engine_beat(ready=True, pid=ENGINE)
+    board.front_end_beat(1, ready_with=ENGINE)
     assert health.live
     clock.now += 0.5
     assert health.stalled() == ["front end 0"]
-    for path in ("/health/live", "/v2/health/live", "/health/ready"):
+    for path in ("/health/live", "/v2/health/live"):
         assert answer(health, path)[0] == 503, path
     board.front_end_starting(0)  # the supervisor restarts it: starting, not stalled
     assert health.live and health.ready
@@ -158,18 +184,19 @@ def test_a_front_end_whose_loop_stopped_ticking_is_not_live(board, clock):
 
 def test_a_stalled_engine_is_not_live(board, clock):
     health = SupervisedHealth(board)
-    board.engine_beat(ready=True)
-    board.front_end_beat(0)
+    board.engine_beat(ready=True, pid=ENGINE)
+    board.front_end_beat(0, ready_with=ENGINE)
     clock.now += STALL_S
-    board.front_end_beat(0)
+    board.front_end_beat(0, ready_with=ENGINE)
     assert health.stalled() == ["engine"] and not health.ready
+    assert answer(health, "/health/ready")[0] == 503
 
 
-def test_no_front_end_ticking_is_not_ready(board, clock):
+def test_no_front_end_serving_is_not_ready(board, clock):
     health = SupervisedHealth(board)
-    board.engine_beat(ready=True)
+    board.engine_beat(ready=True, pid=ENGINE)
     assert not health.ready  # none has served yet
-    board.front_end_beat(1)
+    board.front_end_beat(1, ready_with=ENGINE)
     assert health.ready
     board.front_end_draining(1)
     assert not health.ready and health.live  # draining is not a stall
@@ -177,8 +204,9 @@ def test_no_front_end_ticking_is_not_ready(board, clock):
 
 def test_shutting_down_is_not_ready_and_still_live(board, clock):
     health = SupervisedHealth(board)
-    board.engine_beat(ready=True)
-    board.front_end_beat(0)
+    board.engine_beat(ready=True, pid=ENGINE)
+    board.front_end_beat(0, ready_with=ENGINE)
+    assert health.ready
     health.stopping = True
     assert answer(health, "/health/ready") == (503, {"status": "shutting_down", "ready": False})
     assert answer(health, "/health/live") == (200, {"status": "live", "ready": True})
