@@ -163,6 +163,10 @@ def create_app(
         redoc_url=None,
         openapi_tags=TAGS,
         generate_unique_id_function=operation_id,
+        # FastAPI's own telemetry off: the HTTP spans come from opentelemetry-instrumentation-fastapi
+        # (tracing.py), which a global tracer provider would make it duplicate, and it looks for
+        # one on every request
+        telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
     )
     app.state.settings = settings
     app.state.metrics = app_metrics
