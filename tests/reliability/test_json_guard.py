@@ -299,7 +299,9 @@ def test_a_body_of_exactly_max_json_values_passes_and_one_more_is_413():
     body = pixels_body("images", 96)
     values = values_in(json.loads(body))
     assert values == 100
-    check_image_json(body, ImageJsonLimits(max_images=8, max_pixels=10_000, max_values=100), field="images")
+    check_image_json(
+        body, ImageJsonLimits(max_images=8, max_pixels=10_000, max_values=100), field="images"
+    )
     with pytest.raises(PayloadTooLarge) as error:
         check_image_json(body, ImageJsonLimits(8, 10_000, max_values=99), field="images")
     # the refusal says what to do instead
@@ -352,6 +354,7 @@ def test_an_inference_request_of_exactly_its_allowance_passes_and_one_more_is_re
     shape, max_images, image_elements, allowed
 ):
     if shape is None:  # two tensors: shapes [2, 3] and [3]
+
         def two(filler: int) -> bytes:
             tensors = [
                 {"name": "a", "shape": [2, 3], "datatype": "UINT8", "data": [0]},
@@ -395,7 +398,8 @@ def test_an_inference_request_of_exactly_max_json_values_passes_and_one_more_is_
 
 
 @pytest.mark.parametrize(
-    "shape", [[], ["1"], [1.5, 28], ["a", 1], [None], [True, 1]],
+    "shape",
+    [[], ["1"], [1.5, 28], ["a", 1], [None], [True, 1]],
     ids=["empty", "string", "float", "letter", "null", "bool"],
 )
 def test_a_shape_that_is_not_a_list_of_integers_declares_nothing(shape):
@@ -428,8 +432,16 @@ def test_a_header_length_at_the_edges_is_read(value, expected):
 @pytest.mark.parametrize(
     "value",
     ["0" * 19 + "7", "12\n", "\r12", "\x0b12", "12\x0c", "12X", "X12", "\u00a012"],
-    ids=["20 digits", "newline", "carriage return", "vertical tab", "form feed", "X after",
-         "X before", "no-break space"],
+    ids=[
+        "20 digits",
+        "newline",
+        "carriage return",
+        "vertical tab",
+        "form feed",
+        "X after",
+        "X before",
+        "no-break space",
+    ],
 )
 def test_a_header_length_with_other_characters_or_20_digits_is_a_400(value):
     with pytest.raises(ServiceError) as error:
