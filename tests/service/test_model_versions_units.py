@@ -71,6 +71,9 @@ def test_only_ready_versions_with_a_pipeline_answer_the_newest_first():
     assert view.name == "m" and view.ready == {1: "view of 1", 3: "view of 3", 10: "view of 10"}
     assert view.versions[4] == ("UNAVAILABLE", "") and view.versions[7] == ("LOADING", "")
     assert view.unloaded is False
+    assert view.serving is None
+    model.serving = serving_config(default_config("m"))
+    assert model.view().serving is model.serving
     model.unloaded = True
     assert model.view().unloaded is True
     assert managed(v2=("LOADING", pipeline("2"))).pipeline() is None
@@ -130,6 +133,9 @@ def test_answers_name_files_relative_to_the_repository(tmp_path):
     assert relative(f"{real}/m/x", Path(f"{real}/")) == "m/x"
     assert relative(f"{real}x/m", real) == f"{real}x/m"  # only the directory, not a name's prefix
     assert relative("no path here", tmp_path) == "no path here"
+    for name in ("modelsX", "models "):  # a name's own last characters are kept
+        (tmp_path / name).mkdir()
+        assert relative(f"{tmp_path / name}/m/1", tmp_path / name) == "m/1"
 
 
 def test_a_queue_without_a_size_or_timeout_gets_the_services_bounds(tmp_path):
