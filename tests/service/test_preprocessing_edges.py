@@ -270,7 +270,7 @@ def test_normalise_is_scale_then_mean_and_std_per_channel_in_float32():
     np.testing.assert_allclose(out[:, 0, 1], [1.0, 3.0, 0.5], rtol=1e-6)
     assert normalise(np.zeros((2, 3, 1, 2), np.uint8), pre).dtype == np.float32  # type: ignore[arg-type]
     for shape in ((1, 2), (2, 4, 4), (1, 1, 4, 4)):
-        with pytest.raises(ValueError) as error:
+        with pytest.raises(ValueError, match=r"are not \[\.\.\., C, H, W\]") as error:
             normalise(np.zeros(shape), pre)  # type: ignore[arg-type]
         assert str(error.value) == (
             f"pixels of shape {list(shape)} are not [..., C, H, W] with C = 3"
