@@ -67,7 +67,9 @@ def mutation_tests(patterns: str) -> tuple[str, ...] | None:
         matched = [
             tests
             for module, tests in modules.items()
-            if fnmatch.fnmatch(module, name) or fnmatch.fnmatch(f"{module}.x", name)
+            if fnmatch.fnmatch(module, name)
+            or fnmatch.fnmatch(f"{module}.x", name)  # "service.link.arena.x*"
+            or name.startswith(f"{module}.")  # a mutant's own name
         ]
         if not matched:
             return None
