@@ -130,10 +130,12 @@ bench: $(TEST_STAMP) ## Run the benchmarks on a quiet machine (BENCH_ARGS=--quic
 MUTATE ?=
 MUTATION_LIMIT ?= 2h
 MUTATION_CHILDREN ?= 2
+MUTATION_NICE ?= 10
 mutation: $(TEST_STAMP) dataset ## Mutation testing of the core modules (docs/testing.md); not in `make test`.
 	rm -rf mutants
-	set -f; TESTS_MODEL_CACHE=$(CURDIR)/mutants/.model-cache timeout $(MUTATION_LIMIT) \
-		nice -n 10 $(BIN)/mutmut run --max-children $(MUTATION_CHILDREN) $(MUTATE)
+	set -f; MUTATION_MODULES='$(MUTATE)' TESTS_MODEL_CACHE=$(CURDIR)/mutants/.model-cache \
+		timeout $(MUTATION_LIMIT) nice -n $(MUTATION_NICE) \
+		$(BIN)/mutmut run --max-children $(MUTATION_CHILDREN) $(MUTATE)
 	$(BIN)/mutmut results
 
 docker-build: ## Build the three images (needs a Docker engine with BuildKit).

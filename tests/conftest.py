@@ -28,10 +28,54 @@ torch.set_num_threads(1)  # a training run may hold the other cores
 SLOW_TIMEOUT_S = 600
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+    keep = mutation_tests(os.environ.get(MUTATION_MODULES_VARIABLE, ""))
+    if keep is None:
+        return
+    selected = [item for item in items if item.nodeid.startswith(keep)]
+    deselected = [item for item in items if not item.nodeid.startswith(keep)]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
+
+
+# `make mutation MUTATE=...` names the modules it mutates here (mutmut's patterns: `service.batch*`);
+# the tests run against them are then those that pyproject's [tool.vitserve.mutation-tests] lists for
+# those modules, not the whole of [tool.mutmut]'s selection: mutmut runs, for each mutant, every
+# selected test that reached the mutated function, and a module's own unit tests kill its mutants in
+# seconds where the server tests that also pass through it take minutes.
+MUTATION_MODULES_VARIABLE = "MUTATION_MODULES"
+
+
+def mutation_tests(patterns: str) -> tuple[str, ...] | None:
+    """The test paths (node id prefixes) for the modules matching ``patterns``, or None (no
+    narrowing) when no pattern is given or one matches no module of the table."""
+    import fnmatch
+    import tomllib
+
+    names = patterns.split()
+    if not names:
+        return None
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    table = tomllib.loads(pyproject.read_text("utf-8"))["tool"]["vitserve"]["mutation-tests"]
+    modules = {path.removesuffix(".py").replace("/", "."): tests for path, tests in table.items()}
+    keep: set[str] = set()
+    for name in names:
+        matched = [
+            tests
+            for module, tests in modules.items()
+            if fnmatch.fnmatch(module, name)
+            or fnmatch.fnmatch(f"{module}.x", name)  # "service.link.arena.x*"
+            or name.startswith(f"{module}.")  # a mutant's own name
+        ]
+        if not matched:
+            return None
+        for tests in matched:
+            keep.update(tests)
+    return tuple(sorted(keep))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -282,3 +282,183 @@ def test_read_json_guards_and_parses_off_the_event_loop(settings, monkeypatch):
         assert bomb.status_code == 413, bomb.text  # a bare app: no request ids
         assert "max_json_values=2048" in bomb.json()["error"]["message"]
     assert len(threads) == 2  # the bomb was refused before it was parsed
+
+
+# --- the bounds at their edges (written against `make mutation`'s survivors) ----------------------
+# Each bound is checked one value either side of where the module's docstring puts it, with the
+# body's values counted by `values_in` over the parsed document, not by `count_values`.
+
+
+def pixels_body(key: str, count: int) -> bytes:
+    """A /predict (``key="images"``) body of one image of ``count`` pixel values."""
+    image = {"pixels": [0] * count}
+    return json.dumps({key: [image]} if key == "images" else {key: image}).encode()
+
+
+def test_a_body_of_exactly_max_json_values_passes_and_one_more_is_413():
+    body = pixels_body("images", 96)
+    values = values_in(json.loads(body))
+    assert values == 100
+    check_image_json(
+        body, ImageJsonLimits(max_images=8, max_pixels=10_000, max_values=100), field="images"
+    )
+    with pytest.raises(PayloadTooLarge) as error:
+        check_image_json(body, ImageJsonLimits(8, 10_000, max_values=99), field="images")
+    # the refusal says what to do instead
+    assert "send large images as files (base64 or multipart) rather than pixel lists" in (
+        error.value.message
+    )
+    assert "the JSON holds 100 values" in error.value.message
+
+
+@pytest.mark.parametrize(("images", "pixels"), [(1, 10), (2, 10), (3, 7)])
+def test_a_body_of_exactly_what_the_images_can_hold_passes_and_one_more_is_refused(images, pixels):
+    # the docstring's bound: 8 option values, and per image 6 values per pixel plus 5
+    allowed = 8 + images * (6 * pixels + 5)
+    limits = ImageJsonLimits(max_images=images, max_pixels=pixels, max_values=10**9)
+    body = pixels_body("images", allowed - 4)  # root, list, image object, pixel list
+    assert values_in(json.loads(body)) == allowed
+    check_image_json(body, limits, field="images")
+    over = pixels_body("images", allowed - 3)
+    with pytest.raises(InvalidInput, match=rf"\({allowed}\)$"):
+        check_image_json(over, limits, field="images")
+
+
+def overhead_body(shape: list[Any], filler: int, data: Any = None) -> bytes:
+    """An inference request whose parameters hold ``filler`` more numbers, to reach a bound."""
+    tensor = {"name": "images", "shape": shape, "datatype": "UINT8", "data": data or [0]}
+    return json.dumps({"inputs": [tensor], "parameters": {"x": [0] * filler}}).encode()
+
+
+def fill_to(values: int, shape: list[Any], data: Any = None) -> bytes:
+    """An inference request holding exactly ``values`` JSON values (counted on the parsed document)."""
+    base = values_in(json.loads(overhead_body(shape, 0, data)))
+    body = overhead_body(shape, values - base, data)
+    assert values_in(json.loads(body)) == values
+    return body
+
+
+@pytest.mark.parametrize(
+    ("shape", "max_images", "image_elements", "allowed"),
+    [
+        # 256 + (len * prod + 1) + (len + 1): 256 + 17 + 5
+        ([1, 1, 2, 2], 8, 784, 278),
+        # two shapes: 256 + (2 * 6 + 1) + (2 + 1) + (1 * 3 + 1) + (1 + 1)
+        (None, 8, 784, 256 + 13 + 3 + 4 + 2),
+        # a declared shape beyond max_images: the data term capped at 4 x 1 x 4 + 1
+        ([10**6, 1, 2, 2], 1, 4, 256 + 17 + 5),
+    ],
+    ids=["one shape", "two shapes", "capped by max_images"],
+)
+def test_an_inference_request_of_exactly_its_allowance_passes_and_one_more_is_refused(
+    shape, max_images, image_elements, allowed
+):
+    if shape is None:  # two tensors: shapes [2, 3] and [3]
+
+        def two(filler: int) -> bytes:
+            tensors = [
+                {"name": "a", "shape": [2, 3], "datatype": "UINT8", "data": [0]},
+                {"name": "b", "shape": [3], "datatype": "UINT8", "data": [0]},
+            ]
+            return json.dumps({"inputs": tensors, "parameters": {"x": [0] * filler}}).encode()
+
+        base = values_in(json.loads(two(0)))
+        body, over = two(allowed - base), two(allowed - base + 1)
+    else:
+        body, over = fill_to(allowed, shape), fill_to(allowed + 1, shape)
+    assert values_in(json.loads(body)) == allowed
+    check_infer_json(body, max_images=max_images, image_elements=image_elements)
+    with pytest.raises(ServiceError) as error:
+        check_infer_json(over, max_images=max_images, image_elements=image_elements)
+    assert error.value.status_code == 400 and error.value.code == "bad_request"
+    assert f"allow ({allowed})" in error.value.message
+
+
+def test_the_refusal_names_at_most_four_declared_shapes_or_none():
+    tensors = [
+        {"name": f"t{i}", "shape": [i + 1, 7], "datatype": "UINT8", "data": [0]} for i in range(5)
+    ]
+    body = json.dumps({"inputs": tensors, "parameters": {"x": [0] * 1000}}).encode()
+    with pytest.raises(ServiceError) as error:
+        check_infer_json(body, max_images=8, image_elements=IMAGE)
+    message = error.value.message
+    assert "shapes ([1, 7], [2, 7], [3, 7], [4, 7]) and" in message and "[5, 7]" not in message
+    shapeless = json.dumps({"inputs": [{"name": "a", "data": [0] * 1000}]}).encode()
+    with pytest.raises(ServiceError, match=r"declared tensor shapes \(none\) and"):
+        check_infer_json(shapeless, max_images=8, image_elements=IMAGE)
+
+
+def test_an_inference_request_of_exactly_max_json_values_passes_and_one_more_is_413():
+    body = fill_to(300, [1, 1, 28, 28])
+    check_infer_json(body, max_images=8, image_elements=IMAGE, max_values=300)
+    with pytest.raises(ServiceError) as error:
+        check_infer_json(body, max_images=8, image_elements=IMAGE, max_values=299)
+    assert error.value.status_code == 413 and error.value.code == "too_many_json_values"
+    assert "holds 300 JSON values" in error.value.message
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [[], ["1"], [1.5, 28], ["a", 1], [None], [True, 1]],
+    ids=["empty", "string", "float", "letter", "null", "bool"],
+)
+def test_a_shape_that_is_not_a_list_of_integers_declares_nothing(shape):
+    """The guard leaves such a shape to the decoder (a 400 there): here it bounds the request by the
+    fixed allowance alone, and never fails on it."""
+    fixed = 256 - (shape == [])  # the count takes an empty array for one value more (the docstring)
+    check_infer_json(fill_to(fixed, shape), max_images=8, image_elements=IMAGE)
+    with pytest.raises(ServiceError, match=r"allow \(256\)"):
+        check_infer_json(fill_to(fixed + 1, shape), max_images=8, image_elements=IMAGE)
+
+
+def test_a_dimension_of_at_most_12_digits_is_read_and_a_longer_one_ignored():
+    data = [0] * 2000  # more than the fixed allowance, fewer than 8 images of 784 values
+    twelve = fill_to(2100, [10**11, 1, 28, 28], data)
+    check_infer_json(twelve, max_images=8, image_elements=IMAGE)
+    thirteen = fill_to(2100, [10**12, 1, 28, 28], data)
+    with pytest.raises(ServiceError, match=r"shapes \(none\)"):
+        check_infer_json(thirteen, max_images=8, image_elements=IMAGE)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("0" * 18 + "7", 7), (" \t 12 \t", 12)],
+    ids=["19 digits", "spaces and tabs around"],
+)
+def test_a_header_length_at_the_edges_is_read(value, expected):
+    assert parse_header_length(value, 1000) == expected
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["0" * 19 + "7", "12\n", "\r12", "\x0b12", "12\x0c", "12X", "X12", "\u00a012"],
+    ids=[
+        "20 digits",
+        "newline",
+        "carriage return",
+        "vertical tab",
+        "form feed",
+        "X after",
+        "X before",
+        "no-break space",
+    ],
+)
+def test_a_header_length_with_other_characters_or_20_digits_is_a_400(value):
+    with pytest.raises(ServiceError) as error:
+        parse_header_length(value, 1000)
+    assert error.value.status_code == 400 and error.value.code == "bad_request"
+
+
+def test_a_refused_header_length_is_quoted_whole_up_to_40_characters_then_cut():
+    forty = "x" * 40
+    with pytest.raises(ServiceError) as error:
+        parse_header_length(forty, 1000)
+    assert error.value.message == (
+        f"Inference-Header-Content-Length: {forty!r} is not a byte count within the 1000-byte body"
+    )
+    with pytest.raises(ServiceError) as error:
+        parse_header_length("y" * 39 + "zw", 1000)
+    shown = repr("y" * 39 + "z... (41 characters)")
+    assert error.value.message == (
+        f"Inference-Header-Content-Length: {shown} is not a byte count within the 1000-byte body"
+    )

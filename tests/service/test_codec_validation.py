@@ -433,3 +433,32 @@ def test_a_json_answer_says_it_is_json(meta):
     logits = np.zeros((1, 10), np.float32)
     response = codec.encode_response(infer, decoded, logits, meta, "m", "1")
     assert response.headers["content-type"] == "application/json"
+
+
+# --- what the mutation run of grpc_codec.py found unpinned (docs/testing.md) ----------------------
+
+
+def test_grpc_element_errors_name_the_input_and_its_field(meta):
+    typed = grpc_request()
+    typed.inputs[0].contents.uint_contents.extend([0, 256] + [0] * (PIXELS - 2))
+    grpc_refused(meta, typed, "input 'images': contents.uint_contents: element 1 is 256;")
+    raw = grpc_request("FP32", (1, 1, 28, 28))
+    values = np.zeros(PIXELS, "<f4")
+    values[3] = np.nan
+    raw.raw_input_contents.append(values.tobytes())
+    with pytest.raises(codec.OipError) as error:
+        grpc_codec.decode_infer_request(raw, meta, max_images=8)
+    assert error.value.message.startswith("input 'images': element 3 is nan;"), error.value.message
+
+
+def test_a_grpc_answer_names_the_model_and_version_and_answers_the_id(meta):
+    message = grpc_request()
+    message.id = "req-7"
+    message.raw_input_contents.append(bytes(PIXELS))
+    decoded = grpc_codec.decode_infer_request(message, meta, max_images=8)
+    logits = np.arange(len(meta.labels), dtype=np.float32)[None, :]
+    answer = grpc_codec.encode_infer_response(message, decoded, logits, meta, "tiny-vit", "3")
+    assert (answer.model_name, answer.model_version, answer.id) == ("tiny-vit", "3", "req-7")
+    assert [output.name for output in answer.outputs] == ["logits", "probabilities"]
+    assert list(answer.outputs[0].shape) == [1, len(meta.labels)]
+    assert answer.raw_output_contents[0] == logits.astype("<f4").tobytes()

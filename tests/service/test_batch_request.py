@@ -1,0 +1,73 @@
+"""service/engine/batch_request.py: one caller's request in the batcher's queue, answered once.
+
+Written against `make mutation`'s survivors in ``BatchRequest.wait``: a client that goes away answers
+the request with ClientGone at once (not at its deadline), and a caller that is cancelled leaves the
+request answered, so that its queued images are abandoned rather than run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from service.engine.batch_request import BatchRequest, ClientGone, QueueItem, TimedOut
+
+
+def item(request: BatchRequest, index: int = 0) -> QueueItem:
+    return QueueItem(row=np.zeros(3, np.float32), request=request, index=index, enqueued=0.0)
+
+
+def test_a_client_that_goes_away_is_answered_client_gone_before_the_deadline():
+    async def scenario() -> tuple[BaseException, bool, float]:
+        loop = asyncio.get_running_loop()
+        request = BatchRequest(loop.create_future(), 2)
+        queued = item(request)
+        left = loop.create_future()
+        loop.call_later(0.05, left.set_result, None)
+        start = loop.time()
+        with pytest.raises(ClientGone) as error:
+            # the deadline is far: only the client's going away can end this in time
+            await asyncio.wait_for(request.wait(loop.time() + 30, left), 10)
+        return error.value, queued.abandoned, loop.time() - start
+
+    error, abandoned, waited = asyncio.run(scenario())
+    assert isinstance(error, ClientGone) and abandoned and waited < 5
+
+
+def test_the_deadline_answers_timed_out_and_an_answer_in_time_cancels_nothing():
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        late = BatchRequest(loop.create_future(), 1)
+        with pytest.raises(TimedOut):
+            await late.wait(loop.time() + 0.05, None)
+        assert item(late).abandoned
+        on_time = BatchRequest(loop.create_future(), 2)
+        still_connected = loop.create_future()
+        loop.call_soon(on_time.deliver, 1, (np.ones(1),))
+        loop.call_soon(on_time.deliver, 0, (np.zeros(1),))
+        rows = await on_time.wait(loop.time() + 30, still_connected)
+        assert [row[0][0] for row in rows] == [0.0, 1.0]
+        # the watch on the client is cancelled: its ending later answers nothing again
+        assert still_connected.cancelled()
+        assert on_time.future.result() is rows
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_caller_leaves_its_images_abandoned():
+    async def scenario() -> tuple[bool, bool]:
+        loop = asyncio.get_running_loop()
+        request = BatchRequest(loop.create_future(), 1)
+        queued = item(request)
+        waiter = asyncio.ensure_future(request.wait(loop.time() + 30, loop.create_future()))
+        await asyncio.sleep(0.01)
+        assert not queued.abandoned
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        request.deliver(0, (np.zeros(1),))  # its batch ran after all: nobody is answered twice
+        return queued.abandoned, request.future.cancelled()
+
+    assert asyncio.run(scenario()) == (True, True)

@@ -1,0 +1,212 @@
+"""service/engine/pipeline.py: one served version, its batchers, statistics and retirement.
+
+Written against `make mutation`'s survivors in the module (docs/testing.md). The pipeline runs the tiny
+model exported for the suite; its answers are compared with onnxruntime run here on the same file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from service.contract.model_repository import version_files
+from service.engine.batch_request import ClientGone
+from service.engine.model_versions import model_config, serving_settings
+from service.engine.pipeline import ModelPipeline
+from service.engine.runtime import Runtime
+from service.errors import NotFound, ServiceError
+from service.observability.metrics import Metrics
+from tests.support import MODEL_NAME, make_settings
+
+
+@pytest.fixture(scope="module")
+def loaded(model_repository):
+    settings = make_settings(model_repository)
+    serving = serving_settings(model_config(model_repository, MODEL_NAME), MODEL_NAME, settings)
+    runtime = Runtime.load(version_files(model_repository, MODEL_NAME, 1), settings, serving)
+    return runtime, settings, serving
+
+
+def series(metrics: Metrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def records():
+    handler = Records()
+    logger = logging.getLogger("vitserve")
+    logger.addHandler(handler)
+    yield handler.messages
+    logger.removeHandler(handler)
+
+
+def test_a_pipeline_runs_its_version_and_counts_its_requests(loaded, model_repository):
+    runtime, settings, serving = loaded
+    metrics = Metrics()
+    rows = np.random.default_rng(0).standard_normal((2, 1, 28, 28)).astype(np.float32)
+    session = ort.InferenceSession(str(model_repository / MODEL_NAME / "1" / "model.onnx"))
+    expected = session.run(None, {session.get_inputs()[0].name: rows})[0]
+
+    async def scenario() -> tuple[ModelPipeline, list]:
+        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, metrics)
+        pipeline.start()
+        answers = await pipeline.run("classifier", rows, "req-1", None)
+        await pipeline.retire(5)
+        return pipeline, answers
+
+    pipeline, answers = asyncio.run(scenario())
+    np.testing.assert_allclose(np.stack([a[0] for a in answers]), expected, atol=1e-5)
+    assert (pipeline.name, pipeline.version) == (MODEL_NAME, 1)
+    assert pipeline.serving is serving and pipeline.settings is settings
+    assert pipeline.view.provider == runtime.provider == "CPUExecutionProvider"
+    assert pipeline.view.attention and pipeline.attention is not None
+    labels = {"model": MODEL_NAME, "version": "1"}
+    assert series(metrics, "nv_inference_request_success", **labels) == 1
+    assert series(metrics, "nv_inference_request_failure", **labels) == 0
+    assert series(metrics, "nv_inference_count", **labels) == 2
+    duration_us = series(metrics, "nv_inference_request_duration_us", **labels)
+    assert 0 < duration_us < 60e6
+    stats = pipeline.statistics.as_dict(MODEL_NAME, "1")["inference_stats"]
+    assert stats["success"]["count"] == 1 and stats["fail"]["count"] == 0
+    assert series(metrics, "vitserve_batch_size_count", model=MODEL_NAME, graph="classifier") == 1
+
+
+def test_a_failed_request_is_counted_failed_and_logged_with_its_id(loaded, records):
+    runtime, settings, serving = loaded
+    metrics = Metrics()
+
+    async def scenario() -> ModelPipeline:
+        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, metrics)
+        pipeline.start()
+        with pytest.raises(ServiceError):
+            await pipeline.run("classifier", np.zeros((1, 1, 5, 5), np.float32), "req-9", None)
+        await pipeline.retire(5)
+        return pipeline
+
+    pipeline = asyncio.run(scenario())
+    labels = {"model": MODEL_NAME, "version": "1"}
+    assert series(metrics, "nv_inference_request_failure", **labels) == 1
+    assert series(metrics, "nv_inference_request_success", **labels) == 0
+    stats = pipeline.statistics.as_dict(MODEL_NAME, "1")["inference_stats"]
+    assert stats["fail"]["count"] == 1 and stats["success"]["count"] == 0
+    assert any("batch of 1 images failed (requests req-9)" in m for m in records), records
+
+
+def test_attention_runs_on_its_own_batcher(loaded):
+    runtime, settings, serving = loaded
+    metrics = Metrics()
+
+    async def scenario() -> list:
+        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, metrics)
+        pipeline.start()
+        answers = await pipeline.run("attention", np.zeros((1, 1, 28, 28), np.float32), None, None)
+        await pipeline.retire(5)
+        return answers
+
+    (answer,) = asyncio.run(scenario())
+    assert len(answer) == 2  # logits and the attention maps
+    assert series(metrics, "vitserve_batch_size_count", model=MODEL_NAME, graph="attention") == 1
+
+
+def test_a_client_gone_while_queued_ends_the_run_at_once(loaded):
+    runtime, settings, serving = loaded
+    slow = dataclasses.replace(serving, max_queue_delay_s=10.0)
+    waiting = settings.model_copy(update={"idle_dispatch": False})  # an idle batcher waits too
+
+    async def scenario() -> None:
+        pipeline = ModelPipeline(MODEL_NAME, runtime, slow, waiting, Metrics())
+        pipeline.start()
+        gone = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.05, gone.set_result, None)
+        run = pipeline.run("classifier", np.zeros((1, 1, 28, 28), np.float32), "r", gone)
+        with pytest.raises((ClientGone, ServiceError)):
+            await asyncio.wait_for(run, 5)  # the queue delay would hold it for 10 s
+        await pipeline.retire(5)
+
+    asyncio.run(scenario())
+
+
+def test_a_version_without_an_attention_graph_refuses_attention(loaded):
+    runtime, settings, serving = loaded
+    pipeline = ModelPipeline(
+        MODEL_NAME, dataclasses.replace(runtime, attention=None), serving, settings, Metrics()
+    )
+    assert pipeline.attention is None and not pipeline.view.attention
+    assert pipeline.batchers == [pipeline.classifier]
+    with pytest.raises(NotFound) as error:
+        pipeline.batcher("attention")
+    assert (error.value.field, error.value.code) == ("model", "no_attention_graph")
+    assert error.value.message == (
+        "model 'tiny-vit' version 1 has no attention graph (attention.onnx with the ViT metadata "
+        "fields), so /attention is not available for it; use /predict"
+    )
+
+
+def test_retiring_waits_for_leases_within_its_timeout_and_sums_the_failed_images(loaded, records):
+    runtime, settings, serving = loaded
+
+    async def scenario() -> tuple[int, list, float]:
+        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, Metrics())
+        pipeline.start()
+        stops: list[float] = []
+
+        def stub(failed: int):
+            async def stop(timeout_s: float) -> int:
+                stops.append(timeout_s)
+                return failed
+
+            return stop
+
+        pipeline.classifier.stop = stub(2)  # type: ignore[method-assign]
+        pipeline.attention.stop = stub(3)  # type: ignore[method-assign,union-attr]
+        loop = asyncio.get_running_loop()
+        with pipeline.lease():
+            started = loop.time()
+            failed = await asyncio.wait_for(pipeline.retire(0.2), 10)
+            waited = loop.time() - started
+        return failed, stops, waited
+
+    failed, stops, waited = asyncio.run(scenario())
+    assert failed == 5 and stops == [0.2, 0.2] and 0.15 < waited < 5
+    assert "tiny-vit version 1: 1 requests still running after 0.2 s; stopping it anyway" in records
+
+
+def test_retiring_a_drained_version_fails_nothing(loaded):
+    runtime, settings, serving = loaded
+
+    async def scenario() -> int:
+        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, Metrics())
+        pipeline.start()
+        return await pipeline.retire(5)
+
+    assert asyncio.run(scenario()) == 0
+
+
+def test_the_classifier_dispatches_at_a_preferred_batch_size_without_waiting(loaded):
+    runtime, settings, serving = loaded
+    preferring = dataclasses.replace(serving, max_queue_delay_s=10.0, preferred_batch_sizes=(2,))
+    waiting = settings.model_copy(update={"idle_dispatch": False})
+
+    async def scenario() -> int:
+        pipeline = ModelPipeline(MODEL_NAME, runtime, preferring, waiting, Metrics())
+        pipeline.start()
+        run = pipeline.run("classifier", np.zeros((2, 1, 28, 28), np.float32), None, None)
+        answers = await asyncio.wait_for(run, 5)  # not the 10 s queue delay
+        await pipeline.retire(5)
+        return len(answers)
+
+    assert asyncio.run(scenario()) == 2
