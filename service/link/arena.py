@@ -111,7 +111,10 @@ class ArenaReader:
         block = self._blocks.get(name)
         if block is None:
             block = self._blocks[name] = _map(name)
-        return np.ndarray(shape, np.dtype(dtype), buffer=block, offset=offset)
+        # frombuffer holds the mapping's buffer while the rows live, so forget() cannot unmap rows
+        # still queued (np.ndarray(buffer=...) held nothing: reading them after crashed the engine)
+        count = int(np.prod(shape, dtype=np.int64))
+        return np.frombuffer(block, np.dtype(dtype), count, offset).reshape(shape)
 
     def forget(self, name: str) -> None:
         block = self._blocks.pop(name, None)
