@@ -32,6 +32,8 @@ from pathlib import Path
 
 from PIL import Image
 
+from export.model_flags import token_with
+
 MAX_SIDE = 64
 SMALL_DATASET = 10_000
 LARGE_DATASET = 50_000
@@ -39,6 +41,8 @@ EPOCHS_WORTH = 300
 MIN_STEPS = 3_000
 MAX_STEPS = 20_000
 WARMUP_FRACTION = 0.05
+# A CNN teacher (--teacher auto) is trained and distilled into the ViT under this many images.
+TEACHER_BELOW = SMALL_DATASET
 GREY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "F"})
 
 
@@ -130,9 +134,20 @@ def choose(found: FolderSurvey, train_images: int, given: dict) -> dict:
     chosen["keep"] = "last"
     chosen["hflip"] = False
     chosen["erase"] = False
+    chosen["teacher"] = "auto" if train_images < TEACHER_BELOW else "none"
+    chosen["teacher_below"] = TEACHER_BELOW
+    teacher = given.get("teacher") or chosen["teacher"]
+    chosen["distillation_token"] = token_with(teacher)
     return {key: value for key, value in chosen.items() if given.get(key) is None}
 
 
 def describe(chosen: dict) -> str:
-    """One line: ``key value`` pairs in the order they were chosen."""
-    return ", ".join(f"{key} {value}" for key, value in chosen.items())
+    """One line: ``key value`` pairs in the order they were chosen; the teacher's with the number
+    of images it is chosen below."""
+    parts = []
+    for key, value in chosen.items():
+        if key == "teacher" and "teacher_below" in chosen:
+            value = f"{value} (auto under {chosen['teacher_below']:,} training images)"
+        if key != "teacher_below":
+            parts.append(f"{key} {value}")
+    return ", ".join(parts)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from export.config import ViTConfig, get_preset
 from export.data import DATASETS, FOLDER
+from export.teacher import DISTILLATION_TOKEN_WITH_A_TEACHER
 
 # ViTConfig field -> flag. in_channels, image size and num_classes come from the dataset (or the
 # image flags for a folder dataset), so they are listed apart.
@@ -25,6 +26,7 @@ ARCHITECTURE_FLAGS = {
     "position_embedding": "--position-embedding",
     "patch_embedding": "--patch-embedding",
     "representation_size": "--representation-size",
+    "distillation_token": "--distillation-token",
     "dropout": "--dropout",
     "attention_dropout": "--attention-dropout",
     "qkv_bias": "--qkv-bias",
@@ -78,6 +80,14 @@ def add_architecture_arguments(parser: argparse.ArgumentParser) -> None:
         help="pre-logits Linear + Tanh of this size, or 'none'",
         **unset,
     )
+    group.add_argument(
+        "--distillation-token",
+        action=argparse.BooleanOptionalAction,
+        help="DeiT's distillation token: a second token with a head of its own that learns the "
+        "teacher's predictions; the logits are the mean of both heads' (default: with a teacher, "
+        "see --teacher)",
+        **unset,
+    )
     group.add_argument("--dropout", type=float, **unset)
     group.add_argument("--attention-dropout", type=float, **unset)
     group.add_argument("--qkv-bias", action=argparse.BooleanOptionalAction, **unset)
@@ -104,6 +114,9 @@ def given_model_fields(args: dict) -> dict:
     """The model fields the user gave: the preset's (when named), then --config, then the flags,
     each overriding the one before; pops the architecture arguments out of ``args``."""
     values = get_preset(args["preset"]).to_dict() if args["preset"] is not None else {}
+    # A preset names a model, not whether it learns from a teacher: the distillation token follows
+    # the teacher unless given (export/teacher.py).
+    values.pop("distillation_token", None)
     path = args.pop("config")
     if path is not None:
         values.update(read_config_file(path))
@@ -140,10 +153,19 @@ def given_model_fields(args: dict) -> dict:
 
 
 def resolve_config(args: dict) -> ViTConfig:
-    """A built-in dataset's model: its preset with the fields given, fitted to the dataset.
+    """A built-in dataset's model: its preset with the fields given, fitted to the dataset, and a
+    distillation token when it learns from a teacher and the token was not given.
     Raises ValueError with one line naming what is wrong."""
-    values = {**get_preset(args["preset"]).to_dict(), **given_model_fields(args)}
+    given = given_model_fields(args)
+    if "distillation_token" not in given:
+        given["distillation_token"] = token_with(args["teacher"])
+    values = {**get_preset(args["preset"]).to_dict(), **given}
     return dataset_fitted(ViTConfig.from_dict(values), args["dataset"])
+
+
+def token_with(teacher: str | None) -> bool:
+    """Whether a model gets a distillation token when none was asked for: with a teacher."""
+    return teacher not in (None, "none") and DISTILLATION_TOKEN_WITH_A_TEACHER
 
 
 def check_folder_fields(fields: dict) -> None:

@@ -56,7 +56,7 @@ class TrainSettings:
     # None: recorded before these were flags, the built-in recipe (export/augment.py).
     hflip: bool | None = None
     erase: bool | None = None
-    # "auto" (train a CNN teacher first), a teacher file, or None: no distillation.
+    # "auto" (train a CNN teacher first), a teacher file, or "none" or None: no distillation.
     teacher: str | None = None
     distillation: str = "hard"
     tensorboard: bool = False
@@ -272,8 +272,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainSettings, Path, Path
         parser.error("give the length in --epochs or in --steps, not both")
     if args["validation_size"] is None:
         args["validation_size"] = 0.1 if folder else defaults.validation_size
-    if args["teacher"] == "none":
-        args["teacher"] = None
     model_config, model_flags = None, None
     try:
         if folder:
