@@ -198,25 +198,40 @@ def test_with_a_token_the_teacher_is_learnt_by_the_distillation_head_alone(kind)
     )
 
 
-# -- the export ---------------------------------------------------------------------------------
-@pytest.mark.skipif(not FASHION_DIR.is_dir(), reason="needs dataset-fashion-mnist")
-@pytest.mark.parametrize("pooling", ["token", "mean"])
-def test_the_export_has_one_logits_output_the_mean_of_both_heads(pooling, tmp_path):
-    c = config(pooling, image_height=28, image_width=28, patch_size=7)
+# -- the export, and the service --------------------------------------------------------------
+needs_fashion = pytest.mark.skipif(not FASHION_DIR.is_dir(), reason="needs dataset-fashion-mnist")
+
+
+@pytest.fixture(scope="module", params=["token", "mean"])
+def distilled(request, tmp_path_factory):
+    """(model, export result, repository): a model with a distillation token exported as
+    ``distilled`` version 1, its heads apart enough that their mean is not either's."""
+    c = config(request.param, image_height=28, image_width=28, patch_size=7)
     model = randomised(VisionTransformer(c))
-    # Fashion-MNIST's real images, the heads apart enough that their mean is not either's.
-    run = tmp_path / "run"
-    save_checkpoint(model, run / "model.safetensors", "fashion-mnist", FASHION_MNIST_LABELS)
-    result = onnx_export.export_model(run, "distilled", 1, tmp_path / "repo", measure=False)
-    version = tmp_path / "repo" / "distilled" / "1"
+    work = tmp_path_factory.mktemp("distilled")
+    save_checkpoint(
+        model, work / "run" / "model.safetensors", "fashion-mnist", FASHION_MNIST_LABELS
+    )
+    result = onnx_export.export_model(work / "run", "distilled", 1, work / "repo", measure=False)
+    return model, result, work / "repo"
+
+
+def fashion(count: int) -> torch.Tensor:
     spec = get_dataset_spec("fashion-mnist")
-    images = normalize(load_test_split(spec, None).images[:9], spec)
+    return normalize(load_test_split(spec, None).images[:count], spec)
+
+
+@needs_fashion
+def test_the_export_has_one_logits_output_the_mean_of_both_heads(distilled):
+    model, result, repository = distilled
+    c, version = model.config, repository / "distilled" / "1"
+    images = fashion(9)
     with torch.inference_mode():
-        logits, distilled = model.forward_heads(images)
+        logits, distilled_logits = model.forward_heads(images)
     classifier = ort.InferenceSession(str(version / "model.onnx"))
     assert [o.name for o in classifier.get_outputs()] == ["logits"]
     (exported,) = classifier.run(None, {"images": images.numpy()})
-    np.testing.assert_allclose(exported, ((logits + distilled) / 2).numpy(), atol=1e-4)
+    np.testing.assert_allclose(exported, ((logits + distilled_logits) / 2).numpy(), atol=1e-4)
     assert np.abs(exported - logits.numpy()).max() > 0.1
     attention = ort.InferenceSession(str(version / "attention.onnx"))
     _, maps = attention.run(None, {"images": images.numpy()})
@@ -226,8 +241,33 @@ def test_the_export_has_one_logits_output_the_mean_of_both_heads(pooling, tmp_pa
     for name in ("model.onnx", "attention.onnx"):
         props = {p.key: p.value for p in onnx.load(str(version / name)).metadata_props}
         document = ModelMetadata.model_validate_json(props["vitserve"])
-        assert document.tokens == c.map_tokens and document.pooling == pooling
+        assert document.tokens == c.map_tokens and document.pooling == c.pooling
     assert result["verification"]["batch_64"]["argmax_mismatches"] == 0
+
+
+@needs_fashion
+def test_the_service_predicts_and_draws_the_attention_of_a_distilled_model(distilled):
+    from fastapi.testclient import TestClient
+
+    from service.frontend.app import create_app
+    from tests.support import b64, encode, make_settings
+
+    model, _, repository = distilled
+    images = load_test_split(get_dataset_spec("fashion-mnist"), None).images[:2, 0].numpy()
+    with torch.inference_mode():
+        expected = F.softmax(model(fashion(2)), dim=1).numpy()
+    settings = make_settings(repository, model_name="distilled")
+    with TestClient(create_app(settings)) as client:
+        for image, probabilities in zip(images, expected, strict=True):
+            body = {"images": [{"b64": b64(encode(image))}]}
+            response = client.post("/predict", json=body)
+            assert response.status_code == 200, response.text
+            (prediction,) = response.json()["predictions"]
+            assert prediction["index"] == int(probabilities.argmax())
+            assert prediction["score"] == pytest.approx(float(probabilities.max()), abs=1e-4)
+            drawn = client.post("/attention", json={"image": {"b64": b64(encode(image))}})
+            assert drawn.status_code == 200, drawn.text
+            assert drawn.json()["grid"] == [4, 4] and np.array(drawn.json()["map"]).shape == (4, 4)
 
 
 def test_no_teacher_trains_both_heads_on_the_labels(tmp_path):
