@@ -32,8 +32,6 @@ from pathlib import Path
 
 from PIL import Image
 
-from export.model_flags import token_with
-
 MAX_SIDE = 64
 SMALL_DATASET = 10_000
 LARGE_DATASET = 50_000
@@ -136,8 +134,6 @@ def choose(found: FolderSurvey, train_images: int, given: dict) -> dict:
     chosen["erase"] = False
     chosen["teacher"] = "auto" if train_images < TEACHER_BELOW else "none"
     chosen["teacher_below"] = TEACHER_BELOW
-    teacher = given.get("teacher") or chosen["teacher"]
-    chosen["distillation_token"] = token_with(teacher)
     return {key: value for key, value in chosen.items() if given.get(key) is None}
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from export.config import ViTConfig, get_preset
 from export.data import DATASETS, FOLDER
-from export.teacher import DISTILLATION_TOKEN_WITH_A_TEACHER
 
 # ViTConfig field -> flag. in_channels, image size and num_classes come from the dataset (or the
 # image flags for a folder dataset), so they are listed apart.
@@ -84,8 +83,8 @@ def add_architecture_arguments(parser: argparse.ArgumentParser) -> None:
         "--distillation-token",
         action=argparse.BooleanOptionalAction,
         help="DeiT's distillation token: a second token with a head of its own that learns the "
-        "teacher's predictions; the logits are the mean of both heads' (default: with a teacher, "
-        "see --teacher)",
+        "teacher's predictions (--teacher); the logits are the mean of both heads'. Default: none "
+        "(on 2,000 Fashion-MNIST images it lost to distillation without it: docs/training.md)",
         **unset,
     )
     group.add_argument("--dropout", type=float, **unset)
@@ -114,9 +113,6 @@ def given_model_fields(args: dict) -> dict:
     """The model fields the user gave: the preset's (when named), then --config, then the flags,
     each overriding the one before; pops the architecture arguments out of ``args``."""
     values = get_preset(args["preset"]).to_dict() if args["preset"] is not None else {}
-    # A preset names a model, not whether it learns from a teacher: the distillation token follows
-    # the teacher unless given (export/teacher.py).
-    values.pop("distillation_token", None)
     path = args.pop("config")
     if path is not None:
         values.update(read_config_file(path))
@@ -153,19 +149,10 @@ def given_model_fields(args: dict) -> dict:
 
 
 def resolve_config(args: dict) -> ViTConfig:
-    """A built-in dataset's model: its preset with the fields given, fitted to the dataset, and a
-    distillation token when it learns from a teacher and the token was not given.
+    """A built-in dataset's model: its preset with the fields given, fitted to the dataset.
     Raises ValueError with one line naming what is wrong."""
-    given = given_model_fields(args)
-    if "distillation_token" not in given:
-        given["distillation_token"] = token_with(args["teacher"])
-    values = {**get_preset(args["preset"]).to_dict(), **given}
+    values = {**get_preset(args["preset"]).to_dict(), **given_model_fields(args)}
     return dataset_fitted(ViTConfig.from_dict(values), args["dataset"])
-
-
-def token_with(teacher: str | None) -> bool:
-    """Whether a model gets a distillation token when none was asked for: with a teacher."""
-    return teacher not in (None, "none") and DISTILLATION_TOKEN_WITH_A_TEACHER
 
 
 def check_folder_fields(fields: dict) -> None:

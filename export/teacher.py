@@ -28,9 +28,6 @@ from export.data import DatasetSpec, Split, normalize
 from export.schedule import cosine_learning_rate
 
 DISTILLATIONS = ("hard", "soft")
-# A model distilled from a teacher gets a distillation token unless told otherwise
-# (--no-distillation-token): measured in docs/training.md.
-DISTILLATION_TOKEN_WITH_A_TEACHER = True
 TEMPERATURE = 3.0
 FORMAT = "vitserve-teacher-1"
 TEACHER_FILE = "teacher.safetensors"  # in the run directory, for --teacher auto

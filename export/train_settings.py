@@ -58,7 +58,7 @@ class TrainSettings:
     erase: bool | None = None
     # "auto" (train a CNN teacher first), a teacher file, or "none" or None: no distillation.
     teacher: str | None = None
-    distillation: str = "hard"
+    distillation: str = "soft"
     tensorboard: bool = False
     init_from: str | None = None
     # Recorded, not flags: which weights ``init_from`` held when this run started, the model's

@@ -277,7 +277,8 @@ def test_no_teacher_trains_both_heads_on_the_labels(tmp_path):
 
     spec = get_dataset_spec("fashion-mnist")
     c = config("mean", image_height=28, image_width=28, patch_size=7)
-    trainer = Trainer(TrainSettings(model_config=c.to_dict()), tmp_path, spec)
+    settings = TrainSettings(model_config=c.to_dict(), distillation="hard")
+    trainer = Trainer(settings, tmp_path, spec)
     generator = torch.Generator().manual_seed(0)
     logits, distilled = (
         torch.randn(6, 10, generator=generator),

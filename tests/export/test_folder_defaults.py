@@ -55,17 +55,17 @@ def test_the_defaults_are_chosen_from_the_images_printed_once_and_recorded(defau
     settings = json.loads((out / "settings.json").read_text())
     chosen = settings["chosen_from_data"]
     # 28 x 28 grey PNGs: that size and one channel, patch 4; 360 training images: a small model
-    # and a small batch; no flips or erasing for a folder; a CNN teacher distilled through a
-    # distillation token, as under TEACHER_BELOW images.
+    # and a small batch; no flips or erasing for a folder; a CNN teacher, as for any folder of
+    # under TEACHER_BELOW images.
     assert (chosen["image_height"], chosen["image_width"], chosen["in_channels"]) == (28, 28, 1)
     assert (chosen["patch_size"], chosen["dim"], chosen["depth"]) == (4, 64, 4)
     assert chosen["batch_size"] == 16 and settings["teacher"] == chosen["teacher"] == "auto"
-    assert chosen["teacher_below"] == TEACHER_BELOW and chosen["distillation_token"] is True
+    assert chosen["teacher_below"] == TEACHER_BELOW and settings["distillation"] == "soft"
     assert (chosen["hflip"], chosen["erase"], chosen["keep"]) == (False, False, "last")
     assert "steps" not in chosen and settings["steps"] == STEPS  # the flag overrides
     config = settings["model_config"]
     assert (config["in_channels"], config["image_height"], config["patch_size"]) == (1, 28, 4)
-    assert config["distillation_token"] is True
+    assert config["distillation_token"] is False
     lines = [
         line for line in completed.stdout.splitlines() if "defaults chosen from the data" in line
     ]
@@ -107,7 +107,7 @@ def test_the_model_is_exported_evaluated_from_the_recorded_folder_and_served(
             response = httpx.post(server.url + "/models/photos/predict", files=files, timeout=60)
             assert response.status_code == 200, response.text
             answers += [prediction["label"] for prediction in response.json()["predictions"]]
-        # The model has a distillation token; its attention maps are still the grid's.
+        # The distilled model's attention maps, over its 7 x 7 patches.
         attention = httpx.post(
             server.url + "/models/photos/attention",
             files={"file": (test_files[0].name, test_files[0].read_bytes())},

@@ -76,39 +76,31 @@ def test_model_batch_and_length_follow_the_number_of_images():
     assert small["keep"] == "last"
 
 
-def test_a_small_folder_gets_a_teacher_and_a_distillation_token():
+def test_a_small_folder_gets_a_teacher():
     found = FolderSurvey(0, 28, 28, True)
     below = defaults.TEACHER_BELOW
-    small, large = choose(found, below - 1, {}), choose(found, below, {})
-    assert (small["teacher"], small["distillation_token"]) == ("auto", True)
-    assert (large["teacher"], large["distillation_token"]) == ("none", False)
+    assert choose(found, below - 1, {})["teacher"] == "auto"
+    assert choose(found, below, {})["teacher"] == "none"
     # The threshold is recorded with the choice, and printed with it.
-    assert small["teacher_below"] == large["teacher_below"] == below
-    line = defaults.describe(small)
+    chosen = choose(found, 1800, {})
+    assert chosen["teacher_below"] == below
+    line = defaults.describe(chosen)
     assert f"teacher auto (auto under {below:,} training images)" in line
     assert "teacher_below" not in line
-    # What the user gave about the teacher or the token is kept, and the token follows a teacher.
-    assert choose(found, 1800, {"teacher": "none"})["distillation_token"] is False
-    assert choose(found, 50_000, {"teacher": "runs/x/teacher.safetensors"})["distillation_token"]
-    given = choose(found, 1800, {"distillation_token": False})
-    assert given["teacher"] == "auto" and "distillation_token" not in given
+    # A teacher the user gave (or refused) is kept.
+    assert "teacher" not in choose(found, 1800, {"teacher": "none"})
 
 
-def test_a_teacher_brings_a_distillation_token_unless_told_otherwise():
-    def token(*args: str) -> bool:
+def test_soft_distillation_and_no_distillation_token_unless_asked():
+    def parsed(*args: str):
         settings, _, _, _ = train.parse_args([*args, "--out", "runs/x"])
-        return settings.model_config["distillation_token"]
+        return settings.distillation, settings.model_config["distillation_token"]
 
-    assert not token("--preset", "fashion-small")
-    assert token("--preset", "fashion-small", "--teacher", "auto")
-    assert not token("--teacher", "auto", "--no-distillation-token")
-    assert not token("--teacher", "none")
-    assert token("--distillation-token")  # asked for: without a teacher its head learns the labels
-    # For a folder, a preset does not say: the teacher chosen with the images does.
-    settings, _, _, _ = train.parse_args(
-        ["--dataset", "folder", "--data-dir", "d", "--preset", "fashion-small", "--out", "r"]
+    assert parsed("--teacher", "auto") == ("soft", False)
+    assert parsed("--teacher", "auto", "--distillation", "hard", "--distillation-token") == (
+        "hard",
+        True,
     )
-    assert "distillation_token" not in settings.model_flags
 
 
 def test_what_the_user_gave_is_kept_and_shapes_the_rest():
@@ -312,26 +304,24 @@ def test_a_teacher_is_trained_first_then_reused_and_its_file_checked(
     assert train.main(args) == 0
     assert "training a CNN teacher for 3 steps" in capsys.readouterr().out
     teacher = first / "teacher.safetensors"
-    # Every step distils, through the distillation token the model gets with a teacher.
-    assert teacher.is_file() and terms == [("hard", (16, 3), True)] * 6
-    config = json.loads((first / "settings.json").read_text())["model_config"]
-    assert config["distillation_token"] and load_checkpoint(first)[0].config.distillation_token
+    assert teacher.is_file() and terms == [("soft", (16, 3), False)] * 6  # every step distils
     (line,) = lineage_lines(training_stages(first))
     assert line.startswith(
-        "- Distilled (hard distillation, DeiT-style through a distillation token"
+        "- Distilled (soft distillation, DeiT-style) from a small CNN teacher (width 16, 3 steps), "
+        f"trained first on the same split: `{teacher}`"
     )
-    assert (
-        f"from a small CNN teacher (width 16, 3 steps), trained first on the same split: `{teacher}`"
-        in line
-    )
-    # Reused by path, with soft distillation and no token: no new teacher is trained.
+    # Reused by path, hard, through a distillation token: no new teacher is trained.
     second = tmp_path / "second"
     args = [*data, "--steps", "2", "--no-report", "--teacher", str(teacher), "--out", str(second)]
-    assert train.main([*args, "--distillation", "soft", "--no-distillation-token"]) == 0
+    assert train.main([*args, "--distillation", "hard", "--distillation-token"]) == 0
     assert "training a CNN teacher" not in capsys.readouterr().out
-    assert not (second / "teacher.safetensors").exists() and terms[-1] == ("soft", (16, 3), False)
+    assert not (second / "teacher.safetensors").exists() and terms[-1] == ("hard", (16, 3), True)
+    assert load_checkpoint(second)[0].config.distillation_token
     (line,) = lineage_lines(training_stages(second))
-    assert line.startswith("- Distilled (soft distillation, DeiT-style) from a small CNN teacher")
+    assert line.startswith(
+        "- Distilled (hard distillation, DeiT-style through a distillation token (the served "
+        "logits are the mean of the class head's and the distillation head's)) from a small CNN"
+    )
     assert f"given: `{teacher}`" in line
     # A teacher of other classes, or a file that is not a teacher, is refused.
     fashion = ("--dataset", "fashion-mnist", "--train-limit", "100", "--validation-size", "50")
