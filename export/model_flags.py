@@ -83,8 +83,9 @@ def add_architecture_arguments(parser: argparse.ArgumentParser) -> None:
         "--distillation-token",
         action=argparse.BooleanOptionalAction,
         help="DeiT's distillation token: a second token with a head of its own that learns the "
-        "teacher's predictions (--teacher); the logits are the mean of both heads'. Default: none "
-        "(on 2,000 Fashion-MNIST images it lost to distillation without it: docs/training.md)",
+        "teacher's predictions (--teacher); the logits are the mean of both heads'. Default: off "
+        "(on 2,000 Fashion-MNIST images it lost to distillation without it, hard and soft: "
+        "docs/training.md)",
         **unset,
     )
     group.add_argument("--dropout", type=float, **unset)
