@@ -29,6 +29,10 @@ class ViTConfig:
     # (seed 001's patchify). The same function of the same weights, laid out differently.
     patch_embedding: PatchEmbeddingKind = "conv"
     representation_size: int | None = None
+    # DeiT's distillation token (Touvron et al., 2021): a second learned token beside the class token
+    # (or the patches, with mean pooling), read by a head of its own that learns the teacher's
+    # predictions. The logits are the mean of the two heads'.
+    distillation_token: bool = False
     dropout: float = 0.0
     attention_dropout: float = 0.0
     qkv_bias: bool = True
@@ -67,6 +71,10 @@ class ViTConfig:
             raise ValueError(f"dim {self.dim} is not divisible by heads {self.heads}")
         if self.position_embedding == "sinusoidal" and self.dim % 2:
             raise ValueError(f"sinusoidal position embedding needs an even dim, got {self.dim}")
+        if not isinstance(self.distillation_token, bool):
+            raise ValueError(
+                f"distillation_token must be true or false, got {self.distillation_token!r}"
+            )
         if self.pooling not in ("token", "mean"):
             raise ValueError(f"pooling must be 'token' or 'mean', got {self.pooling!r}")
         if self.position_embedding not in ("learned", "sinusoidal"):
@@ -92,7 +100,20 @@ class ViTConfig:
         return rows * cols
 
     @property
+    def num_prefix_tokens(self) -> int:
+        """The learned tokens before the patches: [class token] [distillation token]."""
+        return (1 if self.pooling == "token" else 0) + (1 if self.distillation_token else 0)
+
+    @property
     def num_tokens(self) -> int:
+        """The tokens the encoder runs on."""
+        return self.num_prefix_tokens + self.num_patches
+
+    @property
+    def map_tokens(self) -> int:
+        """The tokens of the attention maps the model reports (and exports): the class token, if
+        any, and the patches; a distillation token is left out (``VisionTransformer.forward_with_
+        attention``), so that the maps are the ones the service knows how to draw."""
         return self.num_patches + (1 if self.pooling == "token" else 0)
 
     @property

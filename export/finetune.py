@@ -7,7 +7,8 @@ image size, channels and classes, and starts from the parent's weights adapted t
 - the patch embedding takes the new channels: a grey parent's filter is spread over red, green and
   blue (each a third, so a grey image gives the same embedding); a colour parent's filters are
   summed into one grey channel;
-- a learned position table is resized to the new patch grid (bilinear), its class token kept.
+- a learned position table is resized to the new patch grid (bilinear), its class and
+  distillation tokens' positions kept.
 
 Everything else is copied as it is.
 """
@@ -31,6 +32,7 @@ ARCHITECTURE_FIELDS = (
     "position_embedding",
     "patch_embedding",
     "representation_size",
+    "distillation_token",
     "dropout",
     "attention_dropout",
     "qkv_bias",
@@ -65,8 +67,9 @@ def adapt_patch_weight(weight: torch.Tensor, channels: int, config: ViTConfig) -
 
 
 def resize_positions(table: torch.Tensor, old: ViTConfig, new: ViTConfig) -> torch.Tensor:
-    """A learned (1, tokens, dim) table for ``new``'s grid; a leading class token is kept as is."""
-    extra = 1 if old.pooling == "token" else 0
+    """A learned (1, tokens, dim) table for ``new``'s grid; the leading class and distillation
+    tokens' positions are kept as they are."""
+    extra = old.num_prefix_tokens
     head, grid = table[:, :extra], table[:, extra:]
     rows, cols = old.grid
     grid = grid.reshape(1, rows, cols, -1).permute(0, 3, 1, 2)
@@ -90,7 +93,7 @@ def adapt(parent: VisionTransformer, model: VisionTransformer, same_classes: boo
     if not same_classes:
         fresh = model.state_dict()
         for key in fresh:
-            if key.startswith(("head.", "pre_logits.")):
+            if key.startswith(("head.", "distillation_head.", "pre_logits.")):
                 state[key] = fresh[key]
         done.append(f"head initialised afresh for {new.num_classes} classes")
     model.load_state_dict(state)

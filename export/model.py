@@ -1,7 +1,13 @@
-"""A Vision Transformer: conv or linear patch embedding, pre-norm encoder, token or mean pooling.
+"""A Vision Transformer: conv or linear patch embedding, pre-norm encoder, token or mean pooling,
+and optionally DeiT's distillation token.
 
 Attention runs fused (``scaled_dot_product_attention``) unless the caller asks for the attention
 probabilities, in which case the same weights run through the explicit ``softmax(q k^T / sqrt(d))``.
+
+The tokens are ``[class token] [distillation token] patches``. The class head reads the class token
+(token pooling) or the mean of the patches (mean pooling); the distillation head, when there is a
+distillation token, reads that token and is trained against a teacher (export/teacher.py). The
+logits are the mean of the two heads', so the model, and its exported graph, has one output.
 """
 
 from __future__ import annotations
@@ -139,6 +145,9 @@ class VisionTransformer(nn.Module):
         self.class_token = (
             nn.Parameter(torch.zeros(1, 1, config.dim)) if config.pooling == "token" else None
         )
+        self.distillation_token = (
+            nn.Parameter(torch.zeros(1, 1, config.dim)) if config.distillation_token else None
+        )
         if config.position_embedding == "learned":
             self.position_embedding = nn.Parameter(torch.empty(1, config.num_tokens, config.dim))
         else:
@@ -160,6 +169,9 @@ class VisionTransformer(nn.Module):
             self.pre_logits = nn.Identity()
             head_in = config.dim
         self.head = nn.Linear(head_in, config.num_classes)
+        self.distillation_head = (
+            nn.Linear(head_in, config.num_classes) if config.distillation_token else None
+        )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -182,8 +194,10 @@ class VisionTransformer(nn.Module):
             linear = self.pre_logits[0]
             nn.init.trunc_normal_(linear.weight, std=math.sqrt(1.0 / linear.in_features))
             nn.init.zeros_(linear.bias)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
+        for head in (self.head, self.distillation_head):
+            if head is not None:
+                nn.init.zeros_(head.weight)
+                nn.init.zeros_(head.bias)
 
     def set_fused_attention(self, fused: bool) -> None:
         for block in self.blocks:
@@ -191,8 +205,9 @@ class VisionTransformer(nn.Module):
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         x = self.patch_embedding(images)
-        if self.class_token is not None:
-            x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1)
+        prefix = [t for t in (self.class_token, self.distillation_token) if t is not None]
+        if prefix:
+            x = torch.cat([*(t.expand(x.shape[0], -1, -1) for t in prefix), x], dim=1)
         return self.embedding_dropout(x + self.position_embedding)
 
     def forward_features(
@@ -207,18 +222,46 @@ class VisionTransformer(nn.Module):
         return self.norm(x), maps
 
     def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        pooled = features[:, 0] if self.config.pooling == "token" else features.mean(dim=1)
+        """The class head's logits (or, with ``pre_logits``, what it reads)."""
+        c = self.config
+        if c.pooling == "token":
+            pooled = features[:, 0]
+        else:  # the patches' mean; a distillation token is the distillation head's
+            patches = features[:, c.num_prefix_tokens :] if c.num_prefix_tokens else features
+            pooled = patches.mean(dim=1)
         pooled = self.pre_logits(pooled)
         return pooled if pre_logits else self.head(pooled)
 
+    def forward_heads(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(class head's logits, distillation head's logits or None): what training needs."""
+        features, _ = self.forward_features(images)
+        return self.forward_head(features), self.forward_distillation_head(features)
+
+    def forward_distillation_head(self, features: torch.Tensor) -> torch.Tensor | None:
+        if self.distillation_head is None:
+            return None
+        index = self.config.num_prefix_tokens - 1  # the distillation token is the last of them
+        return self.distillation_head(self.pre_logits(features[:, index]))
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The class head's logits, averaged with the distillation head's when there is one."""
+        logits, distilled = self.forward_head(features), self.forward_distillation_head(features)
+        return logits if distilled is None else (logits + distilled) / 2
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         features, _ = self.forward_features(images)
-        return self.forward_head(features)
+        return self.logits(features)
 
     def forward_with_attention(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits and attention probabilities, shape (batch, layers, heads, tokens, tokens)."""
+        """Logits and attention probabilities, shape (batch, layers, heads, tokens, tokens), over
+        the class token (if any) and the patches: ``config.map_tokens`` of them. A distillation
+        token's row and column are left out and each row renormalised to sum to 1: the attention
+        among the tokens the service draws maps of (service/contract/attention_maps.py)."""
         features, maps = self.forward_features(images, return_attention=True)
-        return self.forward_head(features), torch.stack(maps, dim=1)
+        attention = torch.stack(maps, dim=1)
+        if self.distillation_token is not None:
+            attention = without_token(attention, self.config.num_prefix_tokens - 1)
+        return self.logits(features), attention
 
     def get_attention_output(self, images: torch.Tensor, layer: int, head: int) -> torch.Tensor:
         """The attention probabilities of one layer and head, (batch, tokens, tokens)."""
@@ -231,6 +274,14 @@ class VisionTransformer(nn.Module):
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+
+def without_token(attention: torch.Tensor, index: int) -> torch.Tensor:
+    """Attention probabilities (..., tokens, tokens) without token ``index``'s row and column, each
+    row renormalised to sum to 1."""
+    kept = [i for i in range(attention.shape[-1]) if i != index]
+    attention = attention[..., kept, :][..., kept]
+    return attention / attention.sum(dim=-1, keepdim=True)
 
 
 class WithAttention(nn.Module):

@@ -256,12 +256,26 @@ def lineage_lines(stages: list[Stage]) -> list[str]:
     teacher = final.settings.get("teacher")
     if teacher not in (None, "none"):
         path = final.run_dir / TEACHER_FILE if teacher == "auto" else Path(teacher)
-        figures = teacher_metadata(path)["figures"] if path.is_file() else {}
+        metadata = teacher_metadata(path) if path.is_file() else {}
+        figures, hyper = metadata.get("figures", {}), metadata.get("hyper", {})
         made = "trained first on the same split" if teacher == "auto" else "given"
+        cnn = f"width {hyper['width']}, " if "width" in hyper else ""
+        steps = figures.get("steps")
+        cnn += f"{steps:,} steps" if isinstance(steps, int) else "? steps"
+        if "seconds" in figures:  # not in the training time below, which is the ViT's
+            cnn += f" in {figures['seconds'] / 60:.1f} minutes"
+        token = (final.settings.get("model_config") or {}).get("distillation_token")
+        through = (
+            " through a distillation token (the served logits are the mean of the class head's and "
+            "the distillation head's)"
+            if token
+            else ""
+        )
         lines.append(
-            f"- Distilled ({final.settings.get('distillation')} distillation, DeiT-style) from a "
-            f"small CNN teacher, {made}: `{path}` (validation accuracy "
-            f"{percent(figures.get('val_accuracy', float('nan')))}). Only the ViT is exported."
+            f"- Distilled ({final.settings.get('distillation')} distillation, DeiT-style{through}) "
+            f"from a small CNN teacher ({cnn}), {made}: `{path}` "
+            f"(validation accuracy {percent(figures.get('val_accuracy', float('nan')))}). Only "
+            "the ViT is exported."
         )
     return lines
 

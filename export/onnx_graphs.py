@@ -251,7 +251,7 @@ def describe(
         "patch": {"size": c.patch_size, "grid": list(c.grid)},
         "pooling": c.pooling,
         "class_token": c.pooling == "token",
-        "tokens": c.num_tokens,
+        "tokens": c.map_tokens,  # of the attention maps: a distillation token is left out
         "depth": c.depth,
         "heads": c.heads,
         "attention_graph": "attention.onnx",

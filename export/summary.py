@@ -23,7 +23,7 @@ from export.checkpoint import load_checkpoint, resolve_checkpoint
 from export.cli import command_parser, exit_status
 from export.config import PRESETS, ViTConfig, get_preset
 from export.data import spec_from_metadata
-from export.model import VisionTransformer, patchify
+from export.model import VisionTransformer, patchify, without_token
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,11 @@ def _trace(model: VisionTransformer, images: torch.Tensor) -> list[tuple[str, tu
     if model.class_token is not None:
         x = torch.cat([model.class_token.expand(x.shape[0], -1, -1), x], dim=1)
         record("+ class token", x)
+    if model.distillation_token is not None:
+        before = 1 if model.class_token is not None else 0
+        token = model.distillation_token.expand(x.shape[0], -1, -1)
+        x = torch.cat([x[:, :before], token, x[:, before:]], dim=1)
+        record("+ distillation token", x)
     x = model.embedding_dropout(x + model.position_embedding)
     record(f"+ position embedding ({config.position_embedding})", x)
     if not torch.equal(x, model.embed(images)):
@@ -132,14 +137,24 @@ def _trace(model: VisionTransformer, images: torch.Tensor) -> list[tuple[str, tu
 
     features = model.norm(x)
     record("final norm", features)
-    pooled = features[:, 0] if config.pooling == "token" else features.mean(dim=1)
+    patches = features[:, config.num_prefix_tokens :]
+    pooled = features[:, 0] if config.pooling == "token" else patches.mean(dim=1)
     record(f"pooled ({config.pooling})", pooled)
     representation = model.pre_logits(pooled)
     if config.representation_size is not None:
         record("pre-logits (Linear + Tanh)", representation)
     logits = model.head(representation)
+    attention = torch.stack(maps, dim=1)
+    if model.distillation_head is not None:
+        record("class head logits", logits)
+        token = features[:, config.num_prefix_tokens - 1]
+        record("distillation token", token)
+        distilled = model.distillation_head(model.pre_logits(token))
+        record("distillation head logits", distilled)
+        logits = (logits + distilled) / 2
+        attention = without_token(attention, config.num_prefix_tokens - 1)
     record("logits", logits)
-    record("attention maps (batch, layers, heads, tokens, tokens)", torch.stack(maps, dim=1))
+    record("attention maps (batch, layers, heads, tokens, tokens)", attention)
     if not torch.allclose(logits, model(images), atol=1e-4, rtol=1e-4):
         raise RuntimeError("the summary's walk gives other logits than VisionTransformer.forward")
     return stages
@@ -188,6 +203,7 @@ def header_lines(model: VisionTransformer, max_depth: int = 4) -> list[str]:
         f"images, patch {config.patch_size} -> {rows_grid}x{cols_grid} = {config.num_patches} "
         f"patches ({config.patch_embedding} embedding)"
         + (" + class token" if config.pooling == "token" else "")
+        + (" + distillation token" if config.distillation_token else "")
         + f", {config.num_tokens} tokens; dim {config.dim}, depth {config.depth}, heads "
         f"{config.heads} (head dim {config.head_dim}), mlp {config.mlp_dim}, pooling {config.pooling}",
         "",

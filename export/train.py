@@ -137,7 +137,9 @@ def choose_from_data(settings: TrainSettings, layout: FolderLayout) -> TrainSett
     fields = {f.name for f in dataclasses.fields(ViTConfig)}
     model = {k: v for k, v in {**chosen, **settings.model_flags}.items() if k in fields}
     config = ViTConfig.from_dict({**model, "num_classes": len(layout.classes)})
-    settings = replace(settings, **{k: v for k, v in chosen.items() if k not in fields})
+    # The rest are settings, but for what only explains a choice (the teacher's threshold).
+    names = {f.name for f in dataclasses.fields(TrainSettings)}
+    settings = replace(settings, **{k: v for k, v in chosen.items() if k in names})
     return replace(settings, model_config=config.to_dict(), chosen_from_data=chosen)
 
 
@@ -244,7 +246,7 @@ def prepare(
         raise ValueError(
             f"batch size {settings.batch_size} exceeds the {len(train)} training images"
         )
-    given_teacher = settings.teacher not in (None, "auto")
+    given_teacher = settings.teacher not in (None, "none", "auto")
     teacher = load_teacher(Path(settings.teacher), spec) if given_teacher else None
     trainer = Trainer(settings, out_dir, spec)
     if resume is not None:

@@ -236,16 +236,29 @@ class Trainer:
                 log.close()
 
     def loss(
-        self, images: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor
+        self,
+        images: torch.Tensor,
+        logits: torch.Tensor,
+        distillation_logits: torch.Tensor | None,
+        labels: torch.Tensor,
     ) -> torch.Tensor:
-        """Cross-entropy with the labels, or with a teacher the distillation loss."""
+        """Cross-entropy with the labels, or with a teacher the distillation loss (its distillation
+        term on the distillation head's logits when the model has a distillation token)."""
         smoothing = self.settings.label_smoothing
         if self.teacher is None:
-            return F.cross_entropy(logits, labels, label_smoothing=smoothing)
+            loss = F.cross_entropy(logits, labels, label_smoothing=smoothing)
+            if distillation_logits is None:
+                return loss
+            # A distillation token and no teacher (a distilled model fine-tuned on other images):
+            # its head learns the labels too.
+            labelled = F.cross_entropy(distillation_logits, labels, label_smoothing=smoothing)
+            return (loss + labelled) / 2
         with torch.no_grad():
             teacher_logits = self.teacher(images).float()
         kind = self.settings.distillation
-        return distillation_loss(logits, teacher_logits, labels, kind, smoothing)
+        return distillation_loss(
+            logits, teacher_logits, labels, kind, smoothing, distillation_logits
+        )
 
     def run_epochs(self, train: Split, validation: Split, log: TensorBoardLog | None) -> None:
         s = self.settings
@@ -255,7 +268,8 @@ class Trainer:
         total_steps = s.steps or steps_per_epoch * s.epochs
         warmup_steps = max(1, int(s.warmup_epochs * steps_per_epoch))
         augment = augmentation_for(self.spec, s.hflip, s.erase) if s.augment else None
-        step_model = torch.compile(self.model) if s.compile else self.model
+        # Both heads' logits: the class head's and, with a distillation token, its head's.
+        forward = torch.compile(self.model.forward_heads) if s.compile else self.model.forward_heads
         use_bf16 = self.device.type == "cuda"
         while self.epoch < s.epochs and self.step < total_steps:
             if self.epochs_without_improvement >= s.patience:
@@ -281,8 +295,11 @@ class Trainer:
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                    logits = step_model(images)
-                loss = self.loss(images, logits.float(), labels)
+                    logits, distillation_logits = forward(images)
+                logits = logits.float()
+                if distillation_logits is not None:
+                    distillation_logits = distillation_logits.float()
+                loss = self.loss(images, logits, distillation_logits, labels)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if s.clip_grad_norm:
@@ -292,6 +309,8 @@ class Trainer:
                 if log is not None:
                     log.step(self.step, loss.item(), lr)
                 loss_sum += loss.item() * len(labels)
+                if distillation_logits is not None:  # the model's logits: the mean of its heads'
+                    logits = (logits + distillation_logits) / 2
                 correct += (logits.argmax(dim=1) == labels).sum().item()
                 seen += len(labels)
                 bar.set_postfix(loss=f"{loss_sum / seen:.4f}", lr=f"{lr:.2e}", refresh=False)

@@ -48,7 +48,7 @@ def test_flags_override_every_field():
         *("--heads", "3", "--mlp-dim", "100", "--pooling", "mean"),
         *("--position-embedding", "sinusoidal", "--patch-embedding", "linear"),
         *("--representation-size", "none", "--dropout", "0.1", "--attention-dropout", "0.05"),
-        *("--no-qkv-bias", "--layer-norm-eps", "1e-5"),
+        *("--no-qkv-bias", "--layer-norm-eps", "1e-5", "--distillation-token"),
     )
     assert config == ViTConfig(
         image_height=28,
@@ -64,6 +64,7 @@ def test_flags_override_every_field():
         position_embedding="sinusoidal",
         patch_embedding="linear",
         representation_size=None,
+        distillation_token=True,
         dropout=0.1,
         attention_dropout=0.05,
         qkv_bias=False,

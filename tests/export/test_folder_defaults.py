@@ -17,6 +17,7 @@ import torch
 from export import quantize
 from export.data import FASHION_MNIST_LABELS
 from export.evaluate import evaluate_onnx
+from export.folder_defaults import TEACHER_BELOW
 from export.sample_folders import write_fashion_mnist
 from tests.export.conftest import FASHION_DIR
 from tests.support import Suite, running_server
@@ -54,19 +55,23 @@ def test_the_defaults_are_chosen_from_the_images_printed_once_and_recorded(defau
     settings = json.loads((out / "settings.json").read_text())
     chosen = settings["chosen_from_data"]
     # 28 x 28 grey PNGs: that size and one channel, patch 4; 360 training images: a small model
-    # and a small batch; no flips or erasing for a folder, no teacher.
+    # and a small batch; no flips or erasing for a folder; a CNN teacher, as for any folder of
+    # under TEACHER_BELOW images.
     assert (chosen["image_height"], chosen["image_width"], chosen["in_channels"]) == (28, 28, 1)
     assert (chosen["patch_size"], chosen["dim"], chosen["depth"]) == (4, 64, 4)
-    assert chosen["batch_size"] == 16 and settings["teacher"] is None
+    assert chosen["batch_size"] == 16 and settings["teacher"] == chosen["teacher"] == "auto"
+    assert chosen["teacher_below"] == TEACHER_BELOW and settings["distillation"] == "soft"
     assert (chosen["hflip"], chosen["erase"], chosen["keep"]) == (False, False, "last")
     assert "steps" not in chosen and settings["steps"] == STEPS  # the flag overrides
     config = settings["model_config"]
     assert (config["in_channels"], config["image_height"], config["patch_size"]) == (1, 28, 4)
+    assert config["distillation_token"] is False
     lines = [
         line for line in completed.stdout.splitlines() if "defaults chosen from the data" in line
     ]
     assert len(lines) == 1 and "image_height 28" in lines[0] and "batch_size 16" in lines[0]
-    assert not (out / "teacher.safetensors").exists()
+    assert f"teacher auto (auto under {TEACHER_BELOW:,} training images)" in lines[0]
+    assert (out / "teacher.safetensors").is_file()
     # The stray file: skipped with one warning that names it, no Python object in it.
     warnings = [line for line in completed.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1, completed.stderr[-2000:]
@@ -102,6 +107,16 @@ def test_the_model_is_exported_evaluated_from_the_recorded_folder_and_served(
             response = httpx.post(server.url + "/models/photos/predict", files=files, timeout=60)
             assert response.status_code == 200, response.text
             answers += [prediction["label"] for prediction in response.json()["predictions"]]
+        # The distilled model's attention maps, over its 7 x 7 patches.
+        attention = httpx.post(
+            server.url + "/models/photos/attention",
+            files={"file": (test_files[0].name, test_files[0].read_bytes())},
+            timeout=60,
+        )
+        assert attention.status_code == 200, attention.text
+        body = attention.json()
+        assert body["grid"] == [7, 7] and np.array(body["map"]).shape == (7, 7)
+        assert body["prediction"]["label"] == answers[0]
     truth = [path.parent.name for path in test_files]
     served = float(np.mean([a == t for a, t in zip(answers, truth, strict=True)]))
     # The service reads the files as training did: the same predictions as the evaluation.

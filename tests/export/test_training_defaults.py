@@ -76,6 +76,33 @@ def test_model_batch_and_length_follow_the_number_of_images():
     assert small["keep"] == "last"
 
 
+def test_a_small_folder_gets_a_teacher():
+    found = FolderSurvey(0, 28, 28, True)
+    below = defaults.TEACHER_BELOW
+    assert choose(found, below - 1, {})["teacher"] == "auto"
+    assert choose(found, below, {})["teacher"] == "none"
+    # The threshold is recorded with the choice, and printed with it.
+    chosen = choose(found, 1800, {})
+    assert chosen["teacher_below"] == below
+    line = defaults.describe(chosen)
+    assert f"teacher auto (auto under {below:,} training images)" in line
+    assert "teacher_below" not in line
+    # A teacher the user gave (or refused) is kept.
+    assert "teacher" not in choose(found, 1800, {"teacher": "none"})
+
+
+def test_soft_distillation_and_no_distillation_token_unless_asked():
+    def parsed(*args: str):
+        settings, _, _, _ = train.parse_args([*args, "--out", "runs/x"])
+        return settings.distillation, settings.model_config["distillation_token"]
+
+    assert parsed("--teacher", "auto") == ("soft", False)
+    assert parsed("--teacher", "auto", "--distillation", "hard", "--distillation-token") == (
+        "hard",
+        True,
+    )
+
+
 def test_what_the_user_gave_is_kept_and_shapes_the_rest():
     found = FolderSurvey(0, 28, 28, True)
     chosen = choose(found, 1800, {"batch_size": 32, "hflip": True, "image_height": 32})
@@ -153,6 +180,41 @@ def test_hard_distillation_is_half_labels_half_the_teachers_class():
         distillation_loss(logits, teacher, labels, "medium", 0.0)
 
 
+def test_the_teacher_keeps_its_last_weights(tmp_path, monkeypatch):
+    """Not those of its epoch of lowest validation loss (docs/training.md: the last scored better)."""
+    from export import teacher as teacher_module
+    from export.data import get_dataset_spec
+    from export.dataset_spec import Split
+    from export.teacher import load_teacher, train_teacher
+
+    spec = get_dataset_spec("fashion-mnist")
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (48, 1, 28, 28), dtype=torch.uint8, generator=generator)
+    split = Split(images, torch.arange(48) % 10)
+    # The validation loss is lowest after the first epoch, then rises.
+    losses = iter([0.1, 0.5, 0.9, 1.3])
+    monkeypatch.setattr(teacher_module, "evaluate_teacher", lambda *_: (next(losses), 0.5))
+    after_steps = []
+    real_step = torch.optim.AdamW.step
+
+    def step(optimizer, *args, **kwargs):
+        result = real_step(optimizer, *args, **kwargs)
+        weights = optimizer.param_groups[0]["params"][0]
+        after_steps.append(weights.detach().clone())
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    path = tmp_path / "teacher.safetensors"
+    model = train_teacher(split, split, spec, None, 9, 16, 0, path)  # 3 epochs of 3 steps
+    saved = load_teacher(path, spec)
+    first = next(iter(saved.state_dict().values()))
+    assert len(after_steps) == 9 and torch.equal(first, after_steps[-1])
+    assert not torch.equal(first, after_steps[2])  # the epoch of lowest validation loss
+    assert torch.equal(next(iter(model.state_dict().values())), first)
+    figures = teacher_module.teacher_metadata(path)["figures"]
+    assert figures["steps"] == 9 and figures["cpu_seconds"] >= 0
+
+
 # -- fine-tuning across datasets -----------------------------------------------------------
 def test_weights_are_adapted_to_other_channels_grid_and_classes():
     torch.manual_seed(0)
@@ -226,28 +288,41 @@ def test_a_teacher_is_trained_first_then_reused_and_its_file_checked(
     shapes_folders, tiny_run, tmp_path, capsys, monkeypatch
 ):
     from export import trainer as trainer_module
+    from export.model_card import lineage_lines, training_stages
 
     data = ("--dataset", "folder", "--data-dir", str(shapes_folders[0]), "--threads", "1")
     first = tmp_path / "first"
     terms = []
     real = trainer_module.distillation_loss
 
-    def spy(logits, teacher_logits, labels, kind, smoothing):
-        terms.append((kind, teacher_logits.shape))
-        return real(logits, teacher_logits, labels, kind, smoothing)
+    def spy(logits, teacher_logits, labels, kind, smoothing, distillation_logits=None):
+        terms.append((kind, teacher_logits.shape, distillation_logits is not None))
+        return real(logits, teacher_logits, labels, kind, smoothing, distillation_logits)
 
     monkeypatch.setattr(trainer_module, "distillation_loss", spy)
     args = [*data, "--steps", "6", "--no-report", "--teacher", "auto", "--out", str(first)]
     assert train.main(args) == 0
     assert "training a CNN teacher for 3 steps" in capsys.readouterr().out
     teacher = first / "teacher.safetensors"
-    assert teacher.is_file() and terms == [("hard", (16, 3))] * 6  # every step distils
-    # Reused by path, with soft distillation: no new teacher is trained.
+    assert teacher.is_file() and terms == [("soft", (16, 3), False)] * 6  # every step distils
+    (line,) = lineage_lines(training_stages(first))
+    assert line.startswith(
+        "- Distilled (soft distillation, DeiT-style) from a small CNN teacher (width 16, 3 steps in "
+    )
+    assert f" minutes), trained first on the same split: `{teacher}`" in line
+    # Reused by path, hard, through a distillation token: no new teacher is trained.
     second = tmp_path / "second"
     args = [*data, "--steps", "2", "--no-report", "--teacher", str(teacher), "--out", str(second)]
-    assert train.main([*args, "--distillation", "soft"]) == 0
+    assert train.main([*args, "--distillation", "hard", "--distillation-token"]) == 0
     assert "training a CNN teacher" not in capsys.readouterr().out
-    assert not (second / "teacher.safetensors").exists() and terms[-1] == ("soft", (16, 3))
+    assert not (second / "teacher.safetensors").exists() and terms[-1] == ("hard", (16, 3), True)
+    assert load_checkpoint(second)[0].config.distillation_token
+    (line,) = lineage_lines(training_stages(second))
+    assert line.startswith(
+        "- Distilled (hard distillation, DeiT-style through a distillation token (the served "
+        "logits are the mean of the class head's and the distillation head's)) from a small CNN"
+    )
+    assert f"given: `{teacher}`" in line
     # A teacher of other classes, or a file that is not a teacher, is refused.
     fashion = ("--dataset", "fashion-mnist", "--train-limit", "100", "--validation-size", "50")
     fashion = (*fashion, "--batch-size", "10")
