@@ -15,6 +15,7 @@ from fastapi.routing import APIRoute
 
 from service.frontend.docs import install_docs
 from service.frontend.error_responses import install_error_handlers
+from service.frontend.hot_routes import HotRoutes, check_hot_routes
 from service.frontend.inputs import json_limits
 from service.frontend.middleware import RequestContextMiddleware
 from service.frontend.oip import extensions as oip_extensions
@@ -188,6 +189,8 @@ def create_app(
     for router in routers:
         app.include_router(router)
     install_docs(app, settings)
+    check_hot_routes(route for router in routers for route in router.routes)
+    app.add_middleware(HotRoutes, handlers=app.exception_handlers)  # the innermost middleware
     app.add_middleware(
         RequestContextMiddleware,
         max_body_bytes=settings.max_body_bytes,

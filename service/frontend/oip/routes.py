@@ -29,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.errors import NotFound, ServiceError
 from service.frontend.decode import INLINE_TENSOR_BYTES
+from service.frontend.hot_routes import hot
 from service.frontend.oip.codec import decode_request, encode_response
 from service.frontend.oip.schemas import (
     EXTENSIONS,
@@ -43,7 +44,7 @@ from service.frontend.oip.schemas import (
     ServerMetadata,
     ServerReady,
 )
-from service.frontend.security import require_api_key
+from service.frontend.security import OPENAPI_SECURITY, check_request_api_key, require_api_key
 from service.frontend.serving import Call, ServedVersion
 from service.frontend.state import FrontendState, frontend_state
 
@@ -155,7 +156,18 @@ async def model_ready(request: Request, name: str, version: str | None = None) -
     return Response(status_code=200 if ready else 400)
 
 
-async def infer(request: Request, name: str, version: str | None = None) -> Response:
+@hot
+async def infer(request: Request, name: str) -> Response:
+    return await _infer(request, name, None)
+
+
+@hot
+async def infer_version(request: Request, name: str, version: str) -> Response:
+    return await _infer(request, name, version)
+
+
+async def _infer(request: Request, name: str, version: str | None) -> Response:
+    check_request_api_key(request)  # not a dependency: a hot route (service/frontend/hot_routes.py)
     served = served_version(frontend_state(request), name, version)
     body = await request.body()
     header_length = request.headers.get(HEADER_LENGTH)
@@ -200,14 +212,15 @@ _versioned(
     ),
     model_ready,
 )
-_versioned(
-    "/infer",
-    lambda path: router.post(
+
+
+def _register_infer(path: str) -> Callable:
+    return router.post(
         path,
         summary="Inference (Open Inference Protocol)",
-        dependencies=PROTECTED,
         responses=RESPONSES,
         openapi_extra={
+            **OPENAPI_SECURITY,
             "requestBody": {
                 "required": True,
                 "content": {
@@ -228,11 +241,15 @@ _versioned(
                         },
                     },
                 },
-            }
+            },
         },
-    ),
-    infer,
-)
+    )
+
+
+# Two endpoints, not one with an optional version: without {version} in its path, FastAPI would
+# read a version from the query string, which the protocol does not have.
+_register_infer("/models/{name}/infer")(infer)
+_register_infer("/models/{name}/versions/{version}/infer")(infer_version)
 OPENAPI_MODELS = (InferRequest,)
 
 

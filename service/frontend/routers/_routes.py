@@ -5,6 +5,8 @@ The routes check the API key and resolve the model version themselves rather tha
 dependencies: on the inference path a generator dependency (an exit stack, a shielded context) and a
 security sub-dependency cost more of the event loop than decoding a thumbnail does. The OpenAPI
 document still declares the bearer scheme for them (``service.frontend.security.OPENAPI_SECURITY``).
+With ``hot_lane``, the default model's and a named model's are hot (service/frontend/hot_routes.py);
+one version's is not, as FastAPI checks its version number.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Path, Request
 
+from service.frontend.hot_routes import hot
 from service.frontend.security import OPENAPI_SECURITY, check_request_api_key
 from service.frontend.serving import ServedVersion
 from service.frontend.state import frontend_state
@@ -29,7 +32,13 @@ async def _serve(handler: Handler, request: Request, name: str | None, version: 
 
 
 def add_model_routes(
-    router: APIRouter, suffix: str, handler: Handler, *, summary: str, **route: Any
+    router: APIRouter,
+    suffix: str,
+    handler: Handler,
+    *,
+    summary: str,
+    hot_lane: bool = False,
+    **route: Any,
 ) -> None:
     """Register ``handler`` as POST ``suffix`` under each prefix, with the model version it runs on."""
 
@@ -42,6 +51,9 @@ def add_model_routes(
     async def one_version(request: Request, name: str, version: int = Path(ge=1)) -> Any:
         return await _serve(handler, request, name, version)
 
+    if hot_lane:
+        hot(default_model, answers=handler)
+        hot(named_model, answers=handler)
     openapi_extra = {**route.pop("openapi_extra", {}), **OPENAPI_SECURITY}
     for prefix, endpoint, which, kind in (
         ("", default_model, "", ""),

@@ -93,6 +93,7 @@ add_model_routes(
     "/predict",
     predict,
     summary="Classify images",
+    hot_lane=True,
     response_model=PredictResponse,
     description=(
         'JSON `{"images": [{"b64": ...} or {"pixels": ...}], "top_k": 5, "invert": "auto"}` or '
