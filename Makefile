@@ -39,8 +39,12 @@ K8S_MANIFESTS := $(sort $(shell find deploy/kubernetes -name '*.yaml' -o -name '
 
 DATASET_DIR := /usr/share/datasets/fashion-mnist
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# $(call apt_install,PACKAGE): install a Debian package, updating the package lists first if need be
+apt_install = export DEBIAN_FRONTEND=noninteractive; \
+	$(SUDO) apt-get install -y --no-install-recommends $(1) \
+	|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends $(1); }
 
-.PHONY: help serve test lint format hadolint compose-check k8s-check pytest dataset chromium train \
+.PHONY: help serve test lint format hadolint compose-check k8s-check pytest dataset chromium hey train \
 	export bench mutation docker-build clean
 
 help: ## List the targets.
@@ -86,7 +90,7 @@ k8s-check: $(TEST_STAMP) ## Validate deploy/kubernetes/ offline (kubernetes-vali
 	$(BIN)/kubernetes-validate --strict --kubernetes-version $(K8S_VERSION) $(K8S_MANIFESTS)
 
 # pytest exits 5 when it collected no test: that fails here like any other non-zero status.
-pytest: $(TEST_STAMP) dataset chromium ## Run the test suite.
+pytest: $(TEST_STAMP) dataset chromium hey ## Run the test suite.
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 dataset: ## Install Debian's dataset-fashion-mnist when its files are missing.
@@ -97,19 +101,16 @@ dataset: ## Install Debian's dataset-fashion-mnist when its files are missing.
 	if [ $$missing = 0 ]; then \
 		echo "Fashion-MNIST: $(DATASET_DIR)"; \
 	else \
-		export DEBIAN_FRONTEND=noninteractive; \
-		$(SUDO) apt-get install -y --no-install-recommends dataset-fashion-mnist \
-		|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends dataset-fashion-mnist; }; \
+		$(call apt_install,dataset-fashion-mnist); \
 	fi
 
 chromium: ## Install Debian's chromium (for the demo page's browser test) when it is missing.
-	@if [ -x /usr/bin/chromium ]; then \
-		echo "Chromium: /usr/bin/chromium"; \
-	else \
-		export DEBIAN_FRONTEND=noninteractive; \
-		$(SUDO) apt-get install -y --no-install-recommends chromium \
-		|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium; }; \
-	fi
+	@if [ -x /usr/bin/chromium ]; then echo "Chromium: /usr/bin/chromium"; \
+	else $(call apt_install,chromium); fi
+
+hey: ## Install Debian's hey (the benchmarks' load generator, run by tests/bench/) when it is missing.
+	@if command -v hey >/dev/null; then echo "hey: $$(command -v hey)"; \
+	else $(call apt_install,hey); fi
 
 train: $(TEST_STAMP) dataset ## Train a ViT: PRESET=fashion-small RUN=runs/fashion-small.
 	$(VPY) -m export.train --preset $(PRESET) --dataset $(DATASET) --out $(RUN)
