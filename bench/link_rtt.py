@@ -3,11 +3,12 @@
 ``python -m bench.link_rtt [--trips 3000] [--size 200]`` echoes ``--size`` bytes ``--trips`` times
 (after 200 warm-up trips) between this process and a child, both on uvloop, through:
 
-- ``zmq.asyncio``: pyzmq's asyncio sockets, DEALER to ROUTER over ipc, as ``service/link`` uses them;
-- ``zmq fd``: plain pyzmq sockets read from the event loop through their file descriptor;
+- ``zmq.asyncio``: pyzmq's asyncio sockets, DEALER to ROUTER over ipc, as ``service/link`` used them;
+- ``zmq fd``: plain pyzmq sockets read from the event loop through their file descriptor, as
+  ``service/link``'s ``wire.LoopSocket`` reads them now;
 - ``unix``: a Unix socket with asyncio streams, no messaging library.
 
-It prints each one's p50 and p90 in microseconds. BENCHMARKS.md ("The hot lane") quotes it.
+It prints each one's p50 and p90 in microseconds. BENCHMARKS.md ("The process hop") quotes it.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import zmq
-import zmq.asyncio
 
 from service.engine.core import Engine
 from service.errors import InferenceFailed, ServiceError
@@ -34,13 +33,14 @@ class EngineServer:
     def __init__(self, engine: Engine, addresses: wire.Addresses) -> None:
         self.engine = engine
         self.addresses = addresses
-        self._context = zmq.asyncio.Context()
-        self._calls = self._context.socket(zmq.ROUTER)
+        self._context = zmq.Context()
+        self._router = self._context.socket(zmq.ROUTER)
         self._tables = self._context.socket(zmq.PUB)
-        for socket in (self._calls, self._tables):
+        for socket in (self._router, self._tables):
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SNDHWM, 0)
             socket.setsockopt(zmq.RCVHWM, 0)
+        self._calls: wire.LoopSocket | None = None
         self._reader = ArenaReader()
         self._gone: dict[tuple[bytes, int], asyncio.Future] = {}  # a call's client-gone signal
         self._running: set[asyncio.Task] = set()
@@ -49,12 +49,11 @@ class EngineServer:
         self._tasks: list[asyncio.Task] = []
 
     def bind(self) -> None:
-        self._calls.bind(self.addresses.calls)
+        self._router.bind(self.addresses.calls)
         self._tables.bind(self.addresses.tables)
-        loop = asyncio.get_running_loop()
+        self._calls = wire.LoopSocket(self._router, self._receive)
         self._tasks = [
-            loop.create_task(self._receive(), name="engine-calls"),
-            loop.create_task(self._publish(), name="engine-tables"),
+            asyncio.get_running_loop().create_task(self._publish(), name="engine-tables")
         ]
 
     async def close(self) -> None:
@@ -67,6 +66,8 @@ class EngineServer:
             await asyncio.gather(*self._running, return_exceptions=True)
         for outbox in self._outboxes.values():
             outbox.flush()
+        if self._calls is not None:
+            self._calls.close()
         self._context.destroy(linger=0)
         self._reader.close()
 
@@ -77,7 +78,7 @@ class EngineServer:
             table = self.engine.table()
             now = loop.time()
             if table.generation != published or now - last >= HEARTBEAT_S:
-                await self._tables.send(wire.dumps((pid, table)))
+                self._tables.send(wire.dumps((pid, table)), zmq.NOBLOCK)
                 published, last = table.generation, now
             self._publish_now.clear()
             with contextlib.suppress(TimeoutError):
@@ -85,12 +86,10 @@ class EngineServer:
             if self._publish_now.is_set():
                 published = -1
 
-    async def _receive(self) -> None:
-        while True:
-            frames = await self._calls.recv_multipart(copy=False)
-            identity = frames[0].bytes
-            for (kind, header), raw in wire.unpack(frames[1:]):
-                self._take(identity, kind, header, raw)
+    def _receive(self, frames: list) -> None:
+        identity = frames[0].bytes
+        for (kind, header), raw in wire.unpack(frames[1:]):
+            self._take(identity, kind, header, raw)
 
     def _take(self, identity: bytes, kind: bytes, header: Any, raw: list) -> None:
         if kind == wire.TABLE:  # a front end starting: the table to it now, not to everyone
@@ -116,9 +115,8 @@ class EngineServer:
     def _answer(self, identity: bytes, call_id: int, ok: bool, payload: Any, *frames: Any) -> None:
         outbox = self._outboxes.get(identity)
         if outbox is None:
-            calls = self._calls
-            send = lambda frames: calls.send_multipart(frames, copy=False)  # noqa: E731
-            outbox = self._outboxes[identity] = wire.Outbox(send, prefix=(identity,))
+            assert self._calls is not None
+            outbox = self._outboxes[identity] = wire.Outbox(self._calls.send, prefix=(identity,))
         outbox.put((call_id, ok, payload), *frames)
 
     async def _infer(

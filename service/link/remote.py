@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import zmq
-import zmq.asyncio
 
 from service.engine.table import Graph, ModelTable, VersionView
 from service.errors import ServiceUnavailable
@@ -68,9 +67,9 @@ class RemoteEngine(EngineClient):
         self._first_table = asyncio.Event()
         self._last_table = time.monotonic()
         self._full: dict[tuple[str, int, str], tuple[float, ServiceUnavailable]] = {}
-        self._context: zmq.asyncio.Context | None = None
-        self._calls: zmq.asyncio.Socket | None = None
-        self._tables: zmq.asyncio.Socket | None = None
+        self._context: zmq.Context | None = None
+        self._calls: wire.LoopSocket | None = None
+        self._tables: wire.LoopSocket | None = None
         self.arena: Arena | None = None
 
     @property
@@ -98,23 +97,21 @@ class RemoteEngine(EngineClient):
                 self._arena_bytes // 2**20,
                 error.strerror or error,
             )
-        self._context = zmq.asyncio.Context()
-        self._calls = self._context.socket(zmq.DEALER)
-        self._tables = self._context.socket(zmq.SUB)
-        for socket in (self._calls, self._tables):
+        self._context = zmq.Context()
+        calls = self._context.socket(zmq.DEALER)
+        tables = self._context.socket(zmq.SUB)
+        for socket in (calls, tables):
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SNDHWM, 0)
             socket.setsockopt(zmq.RCVHWM, 0)
-        self._tables.setsockopt(zmq.SUBSCRIBE, b"")
-        self._calls.connect(self.addresses.calls)
-        self._tables.connect(self.addresses.tables)
-        calls = self._calls
-        self._outbox = wire.Outbox(lambda frames: calls.send_multipart(frames, copy=False))
-        loop = asyncio.get_running_loop()
+        tables.setsockopt(zmq.SUBSCRIBE, b"")
+        calls.connect(self.addresses.calls)
+        tables.connect(self.addresses.tables)
+        self._calls = wire.LoopSocket(calls, self._receive_answers)
+        self._tables = wire.LoopSocket(tables, self._receive_table)
+        self._outbox = wire.Outbox(self._calls.send)
         self._tasks = [
-            loop.create_task(self._receive_answers(), name="engine-answers"),
-            loop.create_task(self._receive_tables(), name="engine-tables"),
-            loop.create_task(self._watch_heartbeat(), name="engine-heartbeat"),
+            asyncio.get_running_loop().create_task(self._watch_heartbeat(), name="engine-heartbeat")
         ]
         self._outbox.put((wire.TABLE, None))
         # accept connections knowing the engine's state (a running engine answers at once; one that
@@ -140,6 +137,9 @@ class RemoteEngine(EngineClient):
                 await task
         self._engine_gone("the front end is stopping")
         self._unwatch()
+        for socket in (self._calls, self._tables):
+            if socket is not None:
+                socket.close()
         if self._context is not None:
             self._context.destroy(linger=0)
         if self.arena is not None:
@@ -147,10 +147,8 @@ class RemoteEngine(EngineClient):
 
     # --- the engine's tables and its life -----------------------------------------------------------
 
-    async def _receive_tables(self) -> None:
-        assert self._tables is not None
-        while True:
-            self._take_table(*wire.loads(await self._tables.recv()))
+    def _receive_table(self, frames: list) -> None:
+        self._take_table(*wire.loads(frames[0].bytes))
 
     async def _watch_heartbeat(self) -> None:
         while True:
@@ -210,13 +208,9 @@ class RemoteEngine(EngineClient):
 
     # --- calls --------------------------------------------------------------------------------------
 
-    async def _receive_answers(self) -> None:
-        assert self._calls is not None
-        while True:
-            for (call_id, ok, payload), raw in wire.unpack(
-                await self._calls.recv_multipart(copy=False)
-            ):
-                self._answered(call_id, ok, payload, raw)
+    def _receive_answers(self, frames: list) -> None:
+        for (call_id, ok, payload), raw in wire.unpack(frames):
+            self._answered(call_id, ok, payload, raw)
 
     def _answered(self, call_id: int, ok: bool, payload: Any, raw: list) -> None:
         if call_id == wire.TABLE_CALL:

@@ -12,6 +12,10 @@ shared-memory arena, or inline in one raw frame when they did not fit), ``CANCEL
 end: one item per call, ``(call_id, ok, payload)`` plus a raw frame per output; and on the table socket,
 the engine's pid and its :class:`~service.engine.table.ModelTable` whenever it changes, and as a heartbeat.
 Both ends are processes of one service started by one supervisor, over sockets in its private directory.
+
+The sockets are plain pyzmq sockets that the event loop reads through their file descriptor
+(:class:`LoopSocket`), not ``zmq.asyncio``'s: its futures and poller cost more than the message itself
+(``python -m bench.link_rtt``: a small message's round trip between two processes, about twice as long).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import zmq
 
 from service import errors
 from service.errors import ServiceError
@@ -73,17 +78,75 @@ def unpack(frames: list) -> Iterator[tuple[Any, list]]:
         at += count
 
 
+class LoopSocket:
+    """A ZeroMQ socket on the running event loop: each message that arrives goes to ``on_message``
+    (its frames, not copied) as soon as the loop sees the socket readable; :meth:`send` never waits
+    (the sockets have no high-water mark).
+
+    ZeroMQ's descriptor is edge-triggered, and a send or a look at the socket's events can take the
+    edge that a message arriving meanwhile would have raised: after each, the socket is drained once
+    more from the loop, so no message waits for the next one to be seen.
+    """
+
+    # messages handed over in one go before the loop runs anything else
+    DRAIN_BATCH = 256
+
+    def __init__(
+        self, socket: zmq.Socket, on_message: Callable[[list[zmq.Frame]], None] | None = None
+    ) -> None:
+        self.socket = socket
+        self._on_message = on_message
+        self._loop = asyncio.get_running_loop()
+        self._drain_scheduled = False
+        if on_message is not None:
+            self._loop.add_reader(socket.FD, self._drain)
+            self._drain_soon()  # messages that came before the reader
+
+    def send(self, frames: list) -> None:
+        self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        if self._on_message is not None:
+            self._drain_soon()
+
+    def close(self) -> None:
+        if self.socket.closed:
+            return
+        if self._on_message is not None:
+            self._loop.remove_reader(self.socket.FD)
+        self.socket.close(linger=0)
+
+    def _drain_soon(self) -> None:
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._drain_scheduled = False
+        socket, on_message = self.socket, self._on_message
+        assert on_message is not None
+        for _ in range(self.DRAIN_BATCH):
+            if socket.closed or not socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            try:
+                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                on_message(frames)
+            except Exception:  # one bad message must not stop the link
+                logger.exception("a message from the other process could not be handled")
+        self._drain_soon()  # more are waiting: the rest after what else the loop has ready
+
+
 class Outbox:
     """Items to send on a ZeroMQ socket, sent together once the event loop has run what is ready.
 
     ``prefix`` is the frames each message starts with (a ROUTER's peer identity); an outbox per peer.
     """
 
-    def __init__(self, send: Callable[[list], asyncio.Future], prefix: tuple = ()) -> None:
+    def __init__(self, send: Callable[[list], None], prefix: tuple = ()) -> None:
         self._send = send
         self._prefix = list(prefix)
         self._items: list[tuple[Any, list]] = []
-        self._sending: set[asyncio.Future] = set()
 
     def put(self, header: Any, *raw: Any) -> None:
         if not self._items:
@@ -94,14 +157,10 @@ class Outbox:
         items, self._items = self._items, []
         if not items:
             return
-        sending = self._send(self._prefix + pack(items))
-        self._sending.add(sending)
-        sending.add_done_callback(self._sent)
-
-    def _sent(self, sending: asyncio.Future) -> None:
-        self._sending.discard(sending)
-        if not sending.cancelled() and sending.exception() is not None:
-            logger.error("a message to the other process was not sent: %r", sending.exception())
+        try:
+            self._send(self._prefix + pack(items))
+        except zmq.ZMQError as error:
+            logger.error("a message to the other process was not sent: %r", error)
 
 
 def error_payload(error: ServiceError) -> dict[str, Any]:

@@ -95,6 +95,7 @@ def test_a_cancel_in_the_same_message_as_its_call_reaches_it(tmp_path, cancelled
 
     async def scenario():
         server = EngineServer(engine, wire.Addresses.in_directory(str(tmp_path)))
+        server.bind()
         header = infer_header(5, rows)
         items = [((wire.INFER, header), [rows.tobytes()])]
         if cancelled:
@@ -102,7 +103,7 @@ def test_a_cancel_in_the_same_message_as_its_call_reaches_it(tmp_path, cancelled
         for (kind, item), raw in wire.unpack(received(wire.pack(items))):
             server._take(b"front-end", kind, item, raw)
         await asyncio.gather(*server._running)
-        server._context.destroy(linger=0)
+        await server.close()
 
     asyncio.run(scenario())
     assert engine.gone_at_start == [cancelled]
@@ -136,3 +137,110 @@ def test_answers_reach_the_front_end_that_asked(tmp_path):
     answers = asyncio.run(scenario())
     assert sorted(call_id for (call_id, ok, _), _ in answers) == [11, 12]
     assert all(ok for (_, ok, _), _ in answers)
+
+
+def _loop_pair(context: zmq.Context, address: str, on_echoed, *, fail_on: bytes | None = None):
+    """A ROUTER that echoes each message (through a LoopSocket) and a DEALER LoopSocket."""
+    router = context.socket(zmq.ROUTER)
+    router.bind(address)
+    echo: list[wire.LoopSocket] = []
+
+    def bounce(frames: list) -> None:
+        if frames[-1].bytes == fail_on:
+            raise ValueError("a message its handler cannot take")
+        asyncio.get_running_loop().call_soon(echo[0].send, frames)  # as an Outbox sends
+
+    echo.append(wire.LoopSocket(router, bounce))
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(address)
+    return echo[0], wire.LoopSocket(dealer, on_echoed)
+
+
+def test_loop_sockets_deliver_every_message_however_sends_and_arrivals_interleave(tmp_path):
+    """ZeroMQ's descriptor is edge-triggered: a message that arrives while this side sends must
+    still be seen without waiting for the next one (a lost edge hangs the round trips below)."""
+    received: list[bytes] = []
+
+    async def scenario():
+        context = zmq.Context()
+        done = asyncio.get_running_loop().create_future()
+
+        def echoed(frames: list) -> None:
+            received.append(frames[-1].bytes)
+            if len(received) < 2000:
+                # the next trip, sent after the handler as an Outbox sends
+                asyncio.get_running_loop().call_soon(dealer.send, [b"%d" % len(received)])
+            elif not done.done():
+                done.set_result(None)
+
+        router, dealer = _loop_pair(context, f"ipc://{tmp_path}/pair", echoed)
+        for n in range(50):  # a burst besides the chain of single round trips
+            dealer.send([b"burst-%d" % n])
+        dealer.send([b"0"])
+        async with asyncio.timeout(10):
+            await done
+        router.close()
+        dealer.close()
+        context.destroy(linger=0)
+
+    asyncio.run(scenario())
+    assert [m for m in received if m.startswith(b"burst-")] == [b"burst-%d" % n for n in range(50)]
+    assert len(received) >= 2000
+
+
+def test_a_message_its_handler_refuses_does_not_stop_the_link(tmp_path, caplog):
+    received: list[bytes] = []
+
+    async def scenario():
+        context = zmq.Context()
+        router, dealer = _loop_pair(
+            context,
+            f"ipc://{tmp_path}/pair",
+            lambda f: received.append(f[-1].bytes),
+            fail_on=b"bad",
+        )
+        for body in (b"one", b"bad", b"two"):
+            dealer.send([body])
+        async with asyncio.timeout(10):
+            while len(received) < 2:
+                await asyncio.sleep(0.005)
+        router.close()
+        dealer.close()
+        context.destroy(linger=0)
+
+    asyncio.run(scenario())
+    assert received == [b"one", b"two"]
+    assert "could not be handled" in caplog.text
+
+
+def test_a_long_queue_is_handed_over_in_turns_of_the_loop(tmp_path, monkeypatch):
+    """More than DRAIN_BATCH waiting messages all arrive, and the loop runs other work between
+    batches instead of reading them all in one callback."""
+    monkeypatch.setattr(wire.LoopSocket, "DRAIN_BATCH", 8)
+    order: list[str] = []
+
+    async def scenario():
+        context = zmq.Context()
+        pull = context.socket(zmq.PULL)
+        pull.bind(f"ipc://{tmp_path}/queue")
+        push = context.socket(zmq.PUSH)
+        push.connect(f"ipc://{tmp_path}/queue")
+        for n in range(40):
+            push.send(b"%d" % n)
+        while pull.poll(0) == 0:  # all 40 have reached the receiving socket
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        socket = wire.LoopSocket(pull, lambda f: order.append(f[-1].bytes.decode()))
+        loop.call_soon(lambda: loop.call_soon(lambda: order.append("other work")))
+        async with asyncio.timeout(10):
+            while len(order) < 41:
+                await asyncio.sleep(0.001)
+        socket.close()
+        push.close(linger=0)
+        context.destroy(linger=0)
+
+    asyncio.run(scenario())
+    messages = [m for m in order if m != "other work"]
+    assert messages == [str(n) for n in range(40)]
+    assert 0 < order.index("other work") < 40
