@@ -1,6 +1,8 @@
 """What callers, operators and the shutdown rely on from the batcher beyond batching itself: refusals
 before start and while closing, a full batch not waiting, the metrics per graph, the log of a failed
-batch, a timed-out request leaving the queue, and a drain that runs out of time.
+batch, a timed-out request leaving the queue, and a drain that runs out of time; and (the last block)
+the watchdog's log and answer, fail_all, stop's threads, flush, preferred sizes without idle dispatch,
+the statistics and tracing spans of a batch, a client that hangs up and a non-finite output.
 
 Written to kill the mutants that `make mutation` found surviving in service/engine/batcher.py
 (docs/testing.md); tests/service/test_batcher.py covers batching, ordering and the queue policy.
@@ -363,9 +365,10 @@ def test_preferred_batch_sizes_run_the_largest_waiting_at_once_without_the_delay
     assert [float(o[0]) for o in outputs] == [1, 2, 3, 4, 5, 6, 7] and float(one[0][0]) == 8
 
 
-# Written for the survivors of the full mutation run of the batcher (docs/testing.md): the watchdog's
-# log and answer, fail_all's default code, stop's threads, flush without close, preferred sizes
-# among three, the statistics a batch records, and the batch spans of tracing.
+# Written for the survivors of the full mutation run of the batcher, 2026-11-27 (docs/testing.md):
+# the watchdog's log and answer, fail_all's default code, stop's threads, flush without close,
+# preferred sizes without idle dispatch, the statistics a batch records, the batch spans of tracing,
+# a client that hangs up, a non-finite output, and the queue depth with an instance left idle.
 
 
 def break_the_loop(b: DynamicBatcher) -> None:
@@ -711,7 +714,7 @@ def test_batch_spans_name_model_graph_instance_link_their_requests_and_record_fa
 
 def test_an_image_not_yet_due_runs_when_its_delay_ends_without_spinning():
     """With idle dispatch off, a lone image runs when its 0.4 s delay is up (not later), and the
-    loop sleeps meanwhile rather than polling: the process spends next to no CPU time waiting."""
+    loop sleeps meanwhile rather than polling: its thread spends next to no CPU time waiting."""
 
     async def scenario():
         b = make(
@@ -724,9 +727,9 @@ def test_an_image_not_yet_due_runs_when_its_delay_ends_without_spinning():
         b.idle_dispatch = False
         b.start()
         names = {task.get_name() for task in asyncio.all_tasks()}
-        started, cpu = time.perf_counter(), time.process_time()
+        started, cpu = time.perf_counter(), time.thread_time()
         answer = await asyncio.wait_for(b.submit(rows(3)), 5)
-        waited, spent = time.perf_counter() - started, time.process_time() - cpu
+        waited, spent = time.perf_counter() - started, time.thread_time() - cpu
         await b.stop(5)
         return names, answer, waited, spent
 
