@@ -94,14 +94,19 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 def spawn(
-    argv: Sequence[str], env: Mapping[str, str], log: Path, *, append: bool = False
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    log: Path,
+    *,
+    append: bool = False,
+    cwd: Path = REPO,
 ) -> subprocess.Popen:
-    """Start ``argv`` from the repository root with stdout and stderr going to ``log``."""
+    """Start ``argv`` from ``cwd`` (the repository root) with stdout and stderr going to ``log``."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab" if append else "wb") as handle:
         return subprocess.Popen(
             list(argv),
-            cwd=REPO,
+            cwd=cwd,
             env=dict(env),
             stdin=subprocess.DEVNULL,
             stdout=handle,
@@ -193,12 +198,14 @@ def running(
     stop_timeout_s: float = 30.0,
     name: str = "the server",
     ready_path: str = "/health/ready",
+    cwd: Path = REPO,
 ) -> Iterator[RunningServer]:
     """A server on the first free port of ``ports`` (looking from index ``start``), ready; always
     stopped (SIGTERM to its group, SIGKILL after ``stop_timeout_s``) when the block ends.
-    ``{port}`` in ``argv`` is replaced; ``env(port)`` is its whole environment."""
+    ``{port}`` in ``argv`` is replaced; ``env(port)`` is its whole environment; it starts in
+    ``cwd``."""
     port = free_port(ports, start)
-    process = spawn([part.format(port=port) for part in argv], env(port), log)
+    process = spawn([part.format(port=port) for part in argv], env(port), log, cwd=cwd)
     url = f"http://{HOST}:{port}"
     try:
         ready_s = wait_ready(

@@ -1,0 +1,104 @@
+"""Two checkouts of vitserve side by side: ``python -m bench.ab BEFORE AFTER``.
+
+For a change whose effect is smaller than the machine's drift between two runs: both servers run at
+once, each from its own tree with its defaults (the commit before, say, in a worktree with the venv
+linked in: ``git worktree add --detach ../before HEAD~1 && ln -s "$PWD/.venv" ../before/.venv``),
+and ``hey`` alternates between them, BEFORE first in even rounds and AFTER first in odd ones, so that
+drift falls on both. Single base64 PNG requests to /predict, as bench/compare.py sends them.
+
+    python -m bench.ab ../before . [--concurrency 1,64] [--rounds 4] [--seconds 8]
+
+Prints, per concurrency, each tree's median req/s, p50 and p99 over the rounds, and every round's
+req/s. BENCHMARKS.md quotes it where a change was measured this way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench import hey
+from bench.payloads import b64_pngs, predict_body
+from bench.server_process import running, service_env
+from bench.stats import Spread, table
+
+PORTS = range(18160, 18180)
+
+
+def order(round_number: int, names: Sequence[str]) -> list[str]:
+    """Which server hey loads first in a round: the given order in even rounds, reversed in odd."""
+    return list(names) if round_number % 2 == 0 else list(reversed(names))
+
+
+def summary(results: dict[tuple[int, str], list[hey.HeyResult]]) -> str:
+    """A Markdown table: per (concurrency, tree), the median req/s, p50 and p99, and each round's
+    req/s in the order run."""
+    rows = []
+    for (concurrency, name), runs in results.items():
+        rps = Spread.of(r.ok_rps for r in runs)
+        p50 = Spread.of(r.ms(50) for r in runs)
+        p99 = Spread.of(r.ms(99) for r in runs)
+        rows.append(
+            [
+                str(concurrency),
+                name,
+                rps.text() if rps else "-",
+                p50.text(2) if p50 else "-",
+                p99.text(1) if p99 else "-",
+                ", ".join(f"{r.ok_rps:,.0f}" for r in runs),
+                str(sum(r.not_ok + r.error_count for r in runs)),
+            ]
+        )
+    return table(["c", "tree", "req/s", "p50 ms", "p99 ms", "each round's req/s", "not 200"], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__)
+    parser.add_argument("before", type=Path, help="a vitserve checkout with its .venv")
+    parser.add_argument("after", type=Path, help="another one")
+    parser.add_argument("--concurrency", default="1,64", help="comma-separated hey -c values")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=8.0, help="each hey run")
+    args = parser.parse_args(argv)
+    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    results: dict[tuple[int, str], list[hey.HeyResult]] = {}
+    with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as stack:
+        body = Path(scratch) / "body-1.json"
+        body.write_bytes(predict_body(b64_pngs(1)[0]))
+        servers = {
+            name: stack.enter_context(
+                running(
+                    [str(tree / ".venv" / "bin" / "python"), "-m", "service"],
+                    service_env,
+                    Path(scratch) / f"{name}.log",
+                    ports=PORTS,
+                    start=index * 10,
+                    name=f"{name} ({tree})",
+                    cwd=tree,
+                )
+            )
+            for index, (name, tree) in enumerate(trees.items())
+        }
+        for concurrency in concurrencies:
+            for round_number in range(args.rounds):
+                for name in order(round_number, list(servers)):
+                    load = hey.command(
+                        servers[name].url + "/predict",
+                        body,
+                        concurrency=concurrency,
+                        duration_s=args.seconds,
+                    )
+                    result = hey.run(load, args.seconds + 60)
+                    results.setdefault((concurrency, name), []).append(result)
+    print(f"before: {trees['before']}\nafter:  {trees['after']}\n")
+    print(summary(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
