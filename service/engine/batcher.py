@@ -4,9 +4,9 @@ batch sizes, and several model instances running batches at once.
 Every image is one queue item, so a request holding several images may be split across batches. When every
 instance is idle, what is queued runs at once instead of waiting for partners that may not come (the
 requests that arrive in one turn of the event loop still run together, and what queued while a batch ran
-runs as soon as it ends), unless ``idle_dispatch`` is off. Otherwise a batch runs when it reaches a preferred
-size (else the max batch size) or when its oldest image has waited ``max_queue_delay``, and an instance is
-idle: each instance is a run function with its own worker thread
+runs as soon as it ends), unless ``idle_dispatch`` is off. Otherwise a batch runs when the largest preferred
+size is waiting (else the max batch size), or when its oldest image has waited ``max_queue_delay`` (then at
+the largest preferred size that is waiting, else all that fit), and an instance is idle: each instance is a run function with its own worker thread
 (and, in the service, its own onnxruntime session), so up to ``instances`` batches run at once while the
 next one fills. Each caller gets its own rows back. Admission is all-or-nothing and immediate: when a
 request's images do not fit in the queue it is answered 503 with ``Retry-After`` without waiting. A
