@@ -41,6 +41,9 @@ from pathlib import Path
 from bench.reliability.common import Payloads, b64, dump, percentile, service
 
 PROBES = ("/health/live", "/health/ready", "/v2/health/live", "/v2/health/ready")
+# a /predict the server has not answered in this long is counted unanswered and its connection
+# dropped, so that one lost answer ends the flood on time with a count instead of hanging it
+ANSWER_TIMEOUT_S = 20.0
 MiB = 2**20
 
 
@@ -63,21 +66,25 @@ async def _flood(
 ) -> dict:
     deadline = time.monotonic() + seconds
     statuses: dict[str, int] = {}
-    refused = errors = 0
+    refused = errors = unanswered = 0
     request = (
         b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % len(body) + body
     )
 
     async def busy_client() -> None:
-        nonlocal errors
+        nonlocal errors, unanswered
         while time.monotonic() < deadline:
             try:
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 while time.monotonic() < deadline:
                     writer.write(request)
-                    status = await _read_answer(reader)
+                    async with asyncio.timeout(ANSWER_TIMEOUT_S):
+                        status = await _read_answer(reader)
                     statuses[str(status)] = statuses.get(str(status), 0) + 1
+                writer.close()
+            except TimeoutError:
+                unanswered += 1
                 writer.close()
             except (OSError, asyncio.IncompleteReadError):
                 errors += 1
@@ -108,7 +115,12 @@ async def _flood(
     tasks += [idle_client(n) for n in range(connections - busy)]
     tasks += [knocker() for _ in range(extra)]
     await asyncio.gather(*tasks)
-    return {"busy_statuses": statuses, "busy_transport_errors": errors, "knocks_refused": refused}
+    return {
+        "busy_statuses": statuses,
+        "busy_transport_errors": errors,
+        "busy_unanswered": unanswered,
+        "knocks_refused": refused,
+    }
 
 
 def _flood_process(queue: multiprocessing.Queue, *args: object) -> None:
@@ -198,6 +210,10 @@ def problems(result: dict, p99_ms: float, rss_mib: float) -> list[str]:
         found.append(f"health-port probe p99 {result['health_p99_ms']:.1f} ms >= {p99_ms} ms")
     if any(status.startswith("5") for status in result["busy_statuses"]):
         found.append(f"busy clients got {result['busy_statuses']}")
+    if result.get("busy_unanswered"):
+        found.append(
+            f"{result['busy_unanswered']} /predict requests unanswered after {ANSWER_TIMEOUT_S:g} s"
+        )
     if result["rss_growth_mib"] >= rss_mib:
         found.append(f"RSS grew {result['rss_growth_mib']:.0f} MiB >= {rss_mib} MiB")
     return found

@@ -23,5 +23,6 @@ def test_probes_are_answered_while_the_cap_is_full(tmp_path):
     assert set(result["health_statuses"]) == {"200"}
     assert result["knocks_refused"] > 0, "the flood never reached the cap"
     assert not [s for s in result["busy_statuses"] if s.startswith("5")], result
+    assert result["busy_unanswered"] == 0, result  # every /predict of the flood was answered
     assert result["health_p99_ms"] < 1000 and result["main_p99_ms"] < 3000, result
     assert result["rss_growth_mib"] < 200
