@@ -91,27 +91,22 @@ class LoopSocket:
     # messages handed over in one go before the loop runs anything else
     DRAIN_BATCH = 256
 
-    def __init__(
-        self, socket: zmq.Socket, on_message: Callable[[list[zmq.Frame]], None] | None = None
-    ) -> None:
+    def __init__(self, socket: zmq.Socket, on_message: Callable[[list[zmq.Frame]], None]) -> None:
         self.socket = socket
         self._on_message = on_message
         self._loop = asyncio.get_running_loop()
         self._drain_scheduled = False
-        if on_message is not None:
-            self._loop.add_reader(socket.FD, self._drain)
-            self._drain_soon()  # messages that came before the reader
+        self._loop.add_reader(socket.FD, self._drain)
+        self._drain_soon()  # messages that came before the reader
 
     def send(self, frames: list) -> None:
         self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
-        if self._on_message is not None:
-            self._drain_soon()
+        self._drain_soon()
 
     def close(self) -> None:
         if self.socket.closed:
             return
-        if self._on_message is not None:
-            self._loop.remove_reader(self.socket.FD)
+        self._loop.remove_reader(self.socket.FD)
         self.socket.close(linger=0)
 
     def _drain_soon(self) -> None:
@@ -122,7 +117,6 @@ class LoopSocket:
     def _drain(self) -> None:
         self._drain_scheduled = False
         socket, on_message = self.socket, self._on_message
-        assert on_message is not None
         for _ in range(self.DRAIN_BATCH):
             if socket.closed or not socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
