@@ -18,20 +18,14 @@ import argparse
 import contextlib
 import sys
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
 from bench import hey
 from bench.payloads import b64_pngs, predict_body
 from bench.server_process import running, service_env
-from bench.stats import Spread, table
+from bench.stats import Spread, alternated, table
 
 PORTS = range(18160, 18180)
-
-
-def order(round_number: int, names: Sequence[str]) -> list[str]:
-    """Which server hey loads first in a round: the given order in even rounds, reversed in odd."""
-    return list(names) if round_number % 2 == 0 else list(reversed(names))
 
 
 def summary(results: dict[tuple[int, str], list[hey.HeyResult]]) -> str:
@@ -86,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for concurrency in concurrencies:
             for round_number in range(args.rounds):
-                for name in order(round_number, list(servers)):
+                for name in alternated(list(servers), round_number):
                     load = hey.command(
                         servers[name].url + "/predict",
                         body,

@@ -29,7 +29,7 @@ from bench.inprocess import Ceiling
 from bench.machine import busy_check, cores_used, process_tree, tree_memory_kib
 from bench.payloads import b64_pngs, oip_png_body, oip_tensor_body, predict_body
 from bench.server_process import http_get, running
-from bench.stats import Spread
+from bench.stats import Spread, alternated
 
 PORTS = range(18110, 18140)
 
@@ -155,7 +155,7 @@ def run(
                 )
             for c in plan.levels:
                 order = [case for case in work if c in case.levels]
-                for case in order if repeat % 2 == 0 else reversed(order):
+                for case in alternated(order, repeat):
                     if time.monotonic() - started > plan.budget_s:
                         result.skipped += 1
                         continue

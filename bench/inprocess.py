@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from bench.stats import Spread, rate, spread_text, table
+from bench.stats import Spread, alternated, rate, spread_text, table
 from service.contract.model_repository import CLASSIFIER_FILE, parse_metadata
 from service.contract.preprocessing import Preprocessor
 
@@ -70,7 +70,7 @@ def model_cost(
         for name, (model, preprocessor) in sessions.items():
             shape = (preprocessor.channels, preprocessor.height, preprocessor.width)
             input_name = model.get_inputs()[0].name
-            for b in batches if repeat % 2 == 0 else reversed(batches):
+            for b in alternated(batches, repeat):
                 images = np.random.default_rng(b).standard_normal((b, *shape), np.float32)
                 per_s = rate(
                     lambda m=model, x=images, n=input_name: m.run(None, {n: x}), b, min_time_s

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -68,3 +71,9 @@ def rate(
 def table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def alternated(items: Sequence[T], repeat: int) -> list[T]:
+    """The order of ``items`` in repeat number ``repeat``: as given in even repeats, reversed in odd
+    ones, so that a machine's drift over a run falls on every item alike."""
+    return list(items) if repeat % 2 == 0 else list(reversed(items))

@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench import ab, hey
+from bench.stats import alternated
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def test_each_tree_goes_first_in_every_other_round():
-    assert [ab.order(n, ["before", "after"]) for n in range(4)] == [
+    assert [alternated(["before", "after"], n) for n in range(4)] == [
         ["before", "after"],
         ["after", "before"],
         ["before", "after"],
