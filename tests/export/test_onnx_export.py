@@ -276,7 +276,7 @@ def test_model_card_lists_every_run_a_model_was_trained_in(
 
 
 def test_model_card_finds_a_parent_recorded_relative_to_the_repository(tmp_path, monkeypatch):
-    from export.model_card import REPO, locate_parent
+    from export.lineage import REPO, locate_parent
 
     monkeypatch.chdir(tmp_path)  # training ran from the repository root; the card runs elsewhere
     found = locate_parent("checkpoints/fashion-small")

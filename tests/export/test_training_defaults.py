@@ -245,7 +245,8 @@ def test_weights_are_adapted_to_other_channels_grid_and_classes():
 def test_init_from_a_run_on_other_data_fine_tunes_it(tiny_run, shapes_folders, tmp_path, capsys):
     """Grey Fashion-MNIST (10 classes) -> a folder of colour shapes (3 classes); the card names the
     parent."""
-    from export.model_card import lineage_lines, training_stages
+    from export.lineage import training_stages
+    from export.model_card import lineage_lines
 
     out = tmp_path / "shapes"
     folder = ("--dataset", "folder", "--data-dir", str(shapes_folders[0]), "--out", str(out))
@@ -288,7 +289,8 @@ def test_a_teacher_is_trained_first_then_reused_and_its_file_checked(
     shapes_folders, tiny_run, tmp_path, capsys, monkeypatch
 ):
     from export import trainer as trainer_module
-    from export.model_card import lineage_lines, training_stages
+    from export.lineage import training_stages
+    from export.model_card import lineage_lines
 
     data = ("--dataset", "folder", "--data-dir", str(shapes_folders[0]), "--threads", "1")
     first = tmp_path / "first"
