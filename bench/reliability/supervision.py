@@ -67,6 +67,7 @@ class Load:
         self.url, self.png, self.clients, self.limit_s = url, png, clients, limit_s
         self.statuses: list[int] = []
         self.failures: list[str] = []
+        self.unexpected: list[str] = []  # answers other than 200 and 503, with their bodies
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
@@ -84,9 +85,11 @@ class Load:
         http = httpx.Client(base_url=self.url, timeout=30)
         while not self._stop.is_set() and time.monotonic() < deadline:
             try:
-                status = http.post("/predict", files={"files": ("a.png", self.png)}).status_code
+                response = http.post("/predict", files={"files": ("a.png", self.png)})
                 with self._lock:
-                    self.statuses.append(status)
+                    self.statuses.append(response.status_code)
+                    if response.status_code not in (200, 503):
+                        self.unexpected.append(f"{response.status_code}: {response.text[:300]}")
             except httpx.HTTPError as error:
                 with self._lock:
                     self.failures.append(f"{type(error).__name__}: {error}")

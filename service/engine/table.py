@@ -97,6 +97,14 @@ class ModelTable:
             )
         name = name or self.default_name
         model = self.models.get(name)
+        if model is None and self.phase == "starting" and name in self.repository_names:
+            # the engine publishes its table while its first load runs: a model of the repository
+            # it has not come to yet is on its way, not unknown
+            raise ServiceUnavailable(
+                f"model {name!r} is not loaded yet (the engine is starting); retry shortly",
+                code="not_ready",
+                retry_after_s=self.retry_after_s,
+            )
         if model is None and self.explicit and name in self.repository_names:
             raise not_loaded(name)
         if model is None:

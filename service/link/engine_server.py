@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,8 @@ class EngineServer:
         self._outboxes: dict[bytes, wire.Outbox] = {}  # a front end's answers, by its identity
         self._publish_now = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        # sent with every table: a restarted engine that got its predecessor's pid is still new
+        self._process = (os.getpid(), time.time_ns())
 
     def bind(self) -> None:
         self._router.bind(self.addresses.calls)
@@ -72,13 +75,13 @@ class EngineServer:
         self._reader.close()
 
     async def _publish(self) -> None:
-        pid, published, last = os.getpid(), -1, 0.0
+        published, last = -1, 0.0
         loop = asyncio.get_running_loop()
         while True:
             table = self.engine.table()
             now = loop.time()
             if table.generation != published or now - last >= HEARTBEAT_S:
-                self._tables.send(wire.dumps((pid, table)), zmq.NOBLOCK)
+                self._tables.send(wire.dumps((self._process, table)), zmq.NOBLOCK)
                 published, last = table.generation, now
             self._publish_now.clear()
             with contextlib.suppress(TimeoutError):
@@ -93,7 +96,7 @@ class EngineServer:
 
     def _take(self, identity: bytes, kind: bytes, header: Any, raw: list) -> None:
         if kind == wire.TABLE:  # a front end starting: the table to it now, not to everyone
-            self._answer(identity, wire.TABLE_CALL, True, (os.getpid(), self.engine.table()))
+            self._answer(identity, wire.TABLE_CALL, True, (self._process, self.engine.table()))
         elif kind == wire.FAILED:
             self.engine.record_failure(*header)
         elif kind == wire.CANCEL:

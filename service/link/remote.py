@@ -57,8 +57,9 @@ class RemoteEngine(EngineClient):
         self._arena_bytes = arena_bytes
         self._retry_after_s = retry_after_s
         self._table = ModelTable(phase="starting", retry_after_s=retry_after_s)
-        self._engine_pid: int | None = None
+        self._engine: tuple[int, int] | None = None  # the engine process followed: pid, start
         self._pidfd: int | None = None
+        self._dead_engines: set[tuple[int, int]] = set()  # one per engine restart
         self._ids = itertools.count(1)
         # a call's answer, its rows' region, and what a queue-full answer would mark full
         self._pending: dict[int, tuple[asyncio.Future, Region | None, tuple | None]] = {}
@@ -78,12 +79,12 @@ class RemoteEngine(EngineClient):
 
     @property
     def connected(self) -> bool:
-        return self._engine_pid is not None
+        return self._engine is not None
 
     @property
     def engine_pid(self) -> int | None:
         """The engine process whose tables this front end follows (None: none now)."""
-        return self._engine_pid
+        return None if self._engine is None else self._engine[0]
 
     # --- life -------------------------------------------------------------------------------------
 
@@ -154,28 +155,35 @@ class RemoteEngine(EngineClient):
         while True:
             await asyncio.sleep(SILENT_ENGINE_S / 3)
             silent = time.monotonic() - self._last_table
-            if self._engine_pid is not None and silent > SILENT_ENGINE_S:
+            if self._engine is not None and silent > SILENT_ENGINE_S:
                 logger.error("no word from the engine process for %.1f s", silent)
                 self._unwatch()
                 self._engine_gone("the engine process stopped answering")
 
-    def _take_table(self, pid: int, table: ModelTable) -> None:
+    def _take_table(self, engine: tuple[int, int], table: ModelTable) -> None:
+        """A table from the engine process ``engine`` (its pid and start time)."""
+        if engine in self._dead_engines:  # sent before it died, read after: it would say "ready"
+            return
+        if engine != self._engine and not self._watch(engine):
+            return
         self._last_table = time.monotonic()
-        if pid != self._engine_pid:
-            self._watch(pid)
         self._table = table
         self._first_table.set()
 
-    def _watch(self, pid: int) -> None:
-        """Follow the engine process ``pid``: its death is seen at once."""
-        self._unwatch()
-        self._engine_pid = pid
+    def _watch(self, engine: tuple[int, int]) -> bool:
+        """Follow the engine process: its death is seen at once. False if it is gone already."""
         try:
-            self._pidfd = os.pidfd_open(pid)
-        except (OSError, AttributeError):  # gone already, or no pidfd: the heartbeat still tells
-            self._pidfd = None
-            return
-        asyncio.get_running_loop().add_reader(self._pidfd, self._engine_died, pid)
+            pidfd = os.pidfd_open(engine[0])
+        except ProcessLookupError:
+            self._dead_engines.add(engine)
+            return False
+        except (OSError, AttributeError):  # no pidfd here: the heartbeat still tells
+            pidfd = None
+        self._unwatch()
+        self._pidfd, self._engine = pidfd, engine
+        if pidfd is not None:
+            asyncio.get_running_loop().add_reader(pidfd, self._engine_died, engine)
+        return True
 
     def _unwatch(self) -> None:
         if self._pidfd is not None:
@@ -184,13 +192,16 @@ class RemoteEngine(EngineClient):
             os.close(self._pidfd)
             self._pidfd = None
 
-    def _engine_died(self, pid: int) -> None:
-        logger.error("the engine process (pid %d) stopped; waiting for it to be restarted", pid)
+    def _engine_died(self, engine: tuple[int, int]) -> None:
+        logger.error(
+            "the engine process (pid %d) stopped; waiting for it to be restarted", engine[0]
+        )
+        self._dead_engines.add(engine)
         self._unwatch()
         self._engine_gone("the engine process stopped before this request was answered")
 
     def _engine_gone(self, why: str) -> None:
-        self._engine_pid = None
+        self._engine = None
         self._table = ModelTable(phase="starting", retry_after_s=self._retry_after_s)
         pending, self._pending = self._pending, {}
         for future, _, _ in pending.values():

@@ -244,3 +244,45 @@ def test_a_long_queue_is_handed_over_in_turns_of_the_loop(tmp_path, monkeypatch)
     messages = [m for m in order if m != "other work"]
     assert messages == [str(n) for n in range(40)]
     assert 0 < order.index("other work") < 40
+
+
+def test_a_table_its_dead_engine_sent_never_makes_the_front_end_ready(tmp_path):
+    """A table published just before the engine died can be read after its death was seen: it must not
+    make the front end ready again (it would send calls to nobody), nor may the table of an engine
+    already gone when it is read; the next engine's table does, even on the same pid."""
+    import subprocess
+    import sys
+
+    from service.link.remote import RemoteEngine
+    from service.observability.metrics import Metrics
+
+    ready = ModelTable(phase="ready", healthy=True, retry_after_s=1)
+
+    async def scenario() -> list[bool]:
+        remote = RemoteEngine(wire.Addresses.in_directory(str(tmp_path)), "unused", 0, 1, Metrics())
+        engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        seen = []
+        remote._take_table((engine.pid, 1), ready)
+        seen.append(remote.connected and remote.table.ready)
+        engine.kill()  # not reaped yet, as when the supervisor has not come to it
+        async with asyncio.timeout(10):
+            while remote.connected:  # its death, seen through its pidfd
+                await asyncio.sleep(0.01)
+        remote._take_table((engine.pid, 1), ready)  # the table it sent before dying
+        seen.append(remote.connected or remote.table.ready)
+        engine.wait()
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        remote._take_table((gone.pid, 2), ready)  # an engine that died before its table was read
+        seen.append(remote.connected or remote.table.ready)
+        again = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        remote._take_table((again.pid, 3), ready)
+        seen.append(remote.connected and remote.table.ready)
+        remote._take_table((engine.pid, 1), ready)  # a stale one read late changes nothing
+        seen.append(remote.engine_pid == again.pid)
+        again.kill()
+        again.wait()
+        remote._unwatch()
+        return seen
+
+    assert asyncio.run(scenario()) == [True, False, False, True, True]

@@ -151,6 +151,45 @@ def test_readiness_follows_the_lifecycle(model_repository, fashion_images):
     assert app.state.frontend.phase == "stopped"
 
 
+def test_a_model_still_loading_at_start_up_is_503_not_unknown(model_repository, monkeypatch):
+    """The engine publishes its table while its first load runs (the front ends answer 503 meanwhile):
+    a request for a repository model not reached yet must not hear that the model does not exist."""
+    import asyncio
+
+    from service.engine.core import Engine
+    from service.engine.model_manager import ModelManager
+    from service.errors import NotFound, ServiceUnavailable
+    from service.observability.metrics import Metrics
+
+    load = ModelManager._sync_model
+    seen: dict[str, BaseException] = {}
+
+    async def slow_load(manager, name, **kwargs):
+        table = engine.table()  # what a front end holds during the load
+        for asked in (None, MODEL_NAME, "no-such-model"):
+            try:
+                table.resolve(asked)
+            except (NotFound, ServiceUnavailable) as error:
+                seen[str(asked)] = error
+        return await load(manager, name, **kwargs)
+
+    monkeypatch.setattr(ModelManager, "_sync_model", slow_load)
+    engine = Engine(make_settings(model_repository), Metrics())
+
+    async def scenario():
+        await engine.start()
+        try:
+            return engine.table().resolve(None).version
+        finally:
+            await engine.stop()
+
+    assert asyncio.run(scenario()) >= 1
+    for asked in ("None", MODEL_NAME):
+        assert isinstance(seen[asked], ServiceUnavailable), seen[asked]
+        assert seen[asked].code == "not_ready" and "retry" in str(seen[asked])
+    assert isinstance(seen["no-such-model"], NotFound)  # not in the repository: unknown at once
+
+
 def test_sigterm_turns_readiness_off_before_the_drain(model_repository):
     app = create_app(make_settings(model_repository))
     server = _Server(uvicorn.Config(app), app)
