@@ -65,6 +65,7 @@ class ModelManager:
         self._retiring: set[asyncio.Task] = set()
         self._retired: set[ModelPipeline] = set()  # released, still answering what they admitted
         self.repository_names: frozenset[str] = frozenset()  # as last scanned
+        self._first_load: frozenset[str] = frozenset()  # the models start() is loading
 
     @property
     def repository(self) -> Path:
@@ -94,9 +95,13 @@ class ModelManager:
                 f"{', '.join(names) or 'none'} (set VITSERVE_MODEL_NAME)"
             )
         self.default_name = default
-        async with self._lock:
-            for name in names:
-                await self._sync_model(name, initial=True)
+        self._first_load = frozenset(names)
+        try:
+            async with self._lock:
+                for name in names:
+                    await self._sync_model(name, initial=True)
+        finally:
+            self._first_load = frozenset()
         required = set(named) | ({default} & set(names))
         for name in sorted(required):
             model = self.models.get(name)
@@ -161,6 +166,7 @@ class ModelManager:
             retry_after_s=self.settings.retry_after_s,
             explicit=self.explicit,
             repository_names=self.repository_names,
+            first_load=self._first_load,
         )
 
     def model(self, name: str | None) -> ManagedModel:

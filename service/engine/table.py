@@ -83,6 +83,7 @@ class ModelTable:
     healthy: bool = False  # the default model's batchers are running
     explicit: bool = False  # model control 'explicit': what is not loaded waits to be asked for
     repository_names: frozenset[str] = frozenset()  # every model in the repository
+    first_load: frozenset[str] = frozenset()  # the models start-up loads, while it runs
 
     @property
     def ready(self) -> bool:
@@ -97,9 +98,9 @@ class ModelTable:
             )
         name = name or self.default_name
         model = self.models.get(name)
-        if model is None and self.phase == "starting" and name in self.repository_names:
-            # the engine publishes its table while its first load runs: a model of the repository
-            # it has not come to yet is on its way, not unknown
+        if model is None and name in self.first_load:
+            # the engine publishes its table while its first load runs: a model it has not come
+            # to yet is on its way, not unknown
             raise ServiceUnavailable(
                 f"model {name!r} is not loaded yet (the engine is starting); retry shortly",
                 code="not_ready",
