@@ -10,6 +10,7 @@ VENV ?= .venv
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 BENCH_ARGS ?=
 
 # make train / make export
@@ -89,9 +90,12 @@ compose-check: $(TEST_STAMP) ## Validate docker-compose.yml (no Docker engine ne
 k8s-check: $(TEST_STAMP) ## Validate deploy/kubernetes/ offline (kubernetes-validate --strict, K8S_VERSION).
 	$(BIN)/kubernetes-validate --strict --kubernetes-version $(K8S_VERSION) $(K8S_MANIFESTS)
 
-# pytest exits 5 when it collected no test: that fails here like any other non-zero status.
-pytest: $(TEST_STAMP) dataset chromium hey ## Run the test suite.
-	$(VPY) -m pytest $(PYTEST_ARGS)
+# Two passes: the tests not marked serial on TEST_WORKERS processes (pytest-xdist), then the serial
+# ones alone (tests/conftest.py: they time the service or load it). pytest exits 5 when it collected
+# no test: that fails here, but for a pass that PYTEST_ARGS left empty (`PYTEST_ARGS=tests/export`).
+pytest: $(TEST_STAMP) dataset chromium hey ## Run the test suite (PYTEST_ARGS: pytest's arguments).
+	$(VPY) -m pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || { s=$$?; [ $$s = 5 ] && [ -n "$(PYTEST_ARGS)" ] || exit $$s; }
+	$(VPY) -m pytest -m serial $(PYTEST_ARGS) || { s=$$?; [ $$s = 5 ] && [ -n "$(PYTEST_ARGS)" ] || exit $$s; }
 
 dataset: ## Install Debian's dataset-fashion-mnist when its files are missing.
 	@missing=0; \

@@ -28,10 +28,23 @@ torch.set_num_threads(1)  # a training run may hold the other cores
 SLOW_TIMEOUT_S = 600
 
 
+# Tests that time the service or hold it under load: `make test` runs them alone, after the other
+# tests have run on two pytest-xdist workers, since beside a neighbour their timings would measure it.
+SERIAL = (
+    "tests/reliability/",
+    "tests/bench/",
+    "tests/service/test_batcher.py",
+    "tests/service/test_batcher_contract.py",
+    "tests/service/test_server.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+        if item.nodeid.startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
     keep = mutation_tests(os.environ.get(MUTATION_MODULES_VARIABLE, ""))
     if keep is None:
         return

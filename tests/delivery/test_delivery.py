@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import tomllib
 from collections import Counter
 from importlib import metadata
@@ -207,6 +208,28 @@ def test_make_test_runs_linters_checks_and_pytest():
         "-m pytest",
     ):
         assert step in plan, f"`make test` does not run {step!r}"
+
+
+def test_make_test_runs_every_test_once_the_timed_ones_alone():
+    plan = make_dry_run("test")
+    parallel, alone = (
+        plan.index('-m pytest -n 2 -m "not serial"'),
+        plan.index("-m pytest -m serial"),
+    )
+    assert parallel < alone
+
+    def collected(marks: str, *paths: str) -> set[str]:
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+             "-m", marks, *paths],
+            cwd=ROOT, capture_output=True, text=True, check=False,
+        ).stdout  # fmt: skip
+        return {line for line in out.splitlines() if "::" in line}
+
+    timed = ("tests/reliability/test_health_flood.py", "tests/service/test_batcher_contract.py")
+    assert collected("serial", *timed) and not collected("not serial", *timed)
+    untimed = ("tests/service/test_link.py",)
+    assert collected("not serial", *untimed) and not collected("serial", *untimed)
 
 
 def test_ci_runs_make_test_and_nothing_else():
