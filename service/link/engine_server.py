@@ -34,7 +34,7 @@ class EngineServer:
     def __init__(self, engine: Engine, addresses: wire.Addresses) -> None:
         self.engine = engine
         self.addresses = addresses
-        self._context = zmq.Context()
+        self._context = wire.context()
         self._router = self._context.socket(zmq.ROUTER)
         self._tables = self._context.socket(zmq.PUB)
         for socket in (self._router, self._tables):

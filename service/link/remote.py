@@ -98,7 +98,7 @@ class RemoteEngine(EngineClient):
                 self._arena_bytes // 2**20,
                 error.strerror or error,
             )
-        self._context = zmq.Context()
+        self._context = wire.context()
         calls = self._context.socket(zmq.DEALER)
         tables = self._context.socket(zmq.SUB)
         for socket in (calls, tables):

@@ -4,6 +4,11 @@ items come out in order with their raw frames, and a cancel that travels with it
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +18,8 @@ import zmq.asyncio
 from service.engine.table import ModelTable
 from service.link import wire
 from service.link.engine_server import EngineServer
+from service.link.remote import RemoteEngine
+from service.observability.metrics import Metrics
 
 
 class Frame:
@@ -250,12 +257,6 @@ def test_a_table_its_dead_engine_sent_never_makes_the_front_end_ready(tmp_path):
     """A table published just before the engine died can be read after its death was seen: it must not
     make the front end ready again (it would send calls to nobody), nor may the table of an engine
     already gone when it is read; the next engine's table does, even on the same pid."""
-    import subprocess
-    import sys
-
-    from service.link.remote import RemoteEngine
-    from service.observability.metrics import Metrics
-
     ready = ModelTable(phase="ready", healthy=True, retry_after_s=1)
 
     async def scenario() -> list[bool]:
@@ -286,3 +287,50 @@ def test_a_table_its_dead_engine_sent_never_makes_the_front_end_ready(tmp_path):
         return seen
 
     assert asyncio.run(scenario()) == [True, False, False, True, True]
+
+
+def io_thread_policies(make_context) -> list[int]:
+    """The scheduling policy of each I/O thread of the context ``make_context()`` returns."""
+
+    def threads() -> dict[int, str]:
+        return {
+            int(t.name): (t / "comm").read_text().strip() for t in Path("/proc/self/task").iterdir()
+        }
+
+    before = threads()
+    context = make_context()
+    socket = context.socket(zmq.DEALER)  # the context's threads start with its first socket
+    try:
+        deadline = time.monotonic() + 5
+        while True:  # each names itself once running
+            io = [tid for tid, name in threads().items() if tid not in before and "IO" in name]
+            if io or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        return [os.sched_getscheduler(tid) for tid in io]
+    finally:
+        socket.close(0)
+        context.term()
+
+
+def test_the_link_s_io_thread_never_preempts_the_event_loop_that_wakes_it():
+    """ZeroMQ's I/O thread, woken by every send, runs SCHED_BATCH: on a loaded machine a woken
+    thread of the normal policy takes the core from the loop that woke it mid-turn."""
+    assert io_thread_policies(wire.context) == [os.SCHED_BATCH]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own thread is untouched
+
+
+def test_where_the_policy_is_refused_the_link_keeps_the_normal_one(monkeypatch):
+    """libzmq aborts the process when it cannot set its threads' policy (a sandbox may refuse it):
+    the context asks only where a thread of this process was allowed to take it."""
+
+    def refused(*_: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    wire._may_batch.cache_clear()
+    try:
+        assert io_thread_policies(wire.context) == [os.SCHED_OTHER]
+    finally:
+        monkeypatch.undo()
+        wire._may_batch.cache_clear()
