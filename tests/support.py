@@ -63,13 +63,28 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_PIXELS = 4096 * 4096
 
 
+def worker_share(ports: range) -> range:
+    """This pytest-xdist worker's share of ``ports`` (all of them outside xdist): two workers that
+    look for a free port at once never pick the same one."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2:
+        return ports
+    size = len(ports) // count
+    index = int(worker[2:])
+    return ports[index * size : (index + 1) * size]
+
+
 @dataclass(frozen=True)
 class Suite:
     """What differs between the suites that build apps and run real servers."""
 
-    ports: range  # its loopback range (docs/ARCHITECTURE.md)
+    ports: range  # its loopback range (docs/ARCHITECTURE.md), this xdist worker's share of it
     limits: Mapping[str, object] = field(default_factory=dict)  # over BASE_SETTINGS
     ready_within_s: float = 60.0  # how long a real server may take to become ready
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ports", worker_share(self.ports))
 
 
 SERVICE = Suite(range(18000, 18100))

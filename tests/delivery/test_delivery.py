@@ -585,3 +585,18 @@ def test_the_export_image_holds_every_package_export_imports():
         assert any(f"{package}/ /app/{package}/" in args for args in copies), (package, copies)
     installs = " ".join(args for name, args in dockerfile_stages()["builder-export"])
     assert "serve.txt" in installs and "export.txt" in installs
+
+
+def test_each_xdist_worker_looks_for_free_ports_in_its_own_share(monkeypatch):
+    from tests.support import worker_share
+
+    ports = range(18000, 18100)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    assert worker_share(ports) == ports  # outside xdist: all of them
+    shares = []
+    for index in range(2):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{index}")
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+        shares.append(set(worker_share(ports)))
+    assert shares[0] and shares[1] and not shares[0] & shares[1]
+    assert shares[0] | shares[1] == set(ports)

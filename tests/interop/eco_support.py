@@ -27,10 +27,11 @@ from tests.support import (
     server_env,
     start_process,
     stop_process,
+    worker_share,
 )
 
 ECO = Suite(range(18350, 18360), ready_within_s=INTEROP.ready_within_s)
-GRPC_PORTS = range(18360, 18400)
+GRPC_PORTS = worker_share(range(18360, 18400))
 
 
 def grpc_port() -> int:
