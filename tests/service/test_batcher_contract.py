@@ -69,6 +69,20 @@ def rows(*values: float) -> np.ndarray:
     return np.array(values, dtype=np.float32).reshape(-1, 1, 1, 1)
 
 
+async def held_batch(
+    images: np.ndarray, settle_s: float = 0.1, **options
+) -> tuple[Model, DynamicBatcher, asyncio.Task]:
+    """A started batcher (``make``'s options) whose model holds its first batch, ``images``, at the
+    gate: the batch is taken and running once this returns."""
+    model = Model()
+    model.gate.clear()
+    b = make(model, **options)
+    b.start()
+    running = asyncio.create_task(b.submit(images))
+    await asyncio.sleep(settle_s)
+    return model, b, running
+
+
 def sample(b: DynamicBatcher, name: str, **labels: str) -> float | None:
     """The sum of the samples of ``name`` whose labels include ``labels``; None if there is none."""
     values = [
@@ -246,12 +260,9 @@ def test_a_failed_batch_without_request_ids_logs_a_dash(caplog):
 
 def test_a_timed_out_request_leaves_the_queue_at_once_and_is_counted():
     async def scenario():
-        model = Model()
-        model.gate.clear()
-        b = make(model, max_batch_size=2, max_queue_size=4, timeout_s=0.3)
-        b.start()
-        running = asyncio.create_task(b.submit(rows(1, 2)))  # taken, held at the gate
-        await asyncio.sleep(0.1)
+        model, b, running = await held_batch(
+            rows(1, 2), max_batch_size=2, max_queue_size=4, timeout_s=0.3
+        )
         with pytest.raises(ServiceUnavailable) as timed_out:
             await b.submit(rows(3, 4, 5, 6))  # fills the queue, then times out
         depth = sample(b, "vitserve_queue_depth", graph="classifier")
@@ -270,12 +281,9 @@ def test_a_timed_out_request_leaves_the_queue_at_once_and_is_counted():
 
 def test_a_drain_out_of_time_fails_every_unanswered_image_with_503():
     async def scenario():
-        model = Model()
-        model.gate.clear()
-        b = make(model, max_batch_size=2, max_queue_delay_s=30.0, timeout_s=20.0)
-        b.start()
-        running = asyncio.create_task(b.submit(rows(1, 2)))  # taken, held at the gate
-        await asyncio.sleep(0.2)
+        model, b, running = await held_batch(
+            rows(1, 2), max_batch_size=2, max_queue_delay_s=30.0, timeout_s=20.0, settle_s=0.2
+        )
         queued = [asyncio.create_task(b.submit(rows(i))) for i in (3, 4, 5)]
         await asyncio.sleep(0.05)
         started = time.perf_counter()
@@ -439,12 +447,7 @@ def test_fail_all_answers_503_shutting_down_by_default_and_skips_abandoned_image
     """The model manager fails a version's batchers with the default code."""
 
     async def scenario():
-        model = Model()
-        model.gate.clear()
-        b = make(model, max_batch_size=2)
-        b.start()
-        running = asyncio.create_task(b.submit(rows(1, 2)))  # taken, held at the gate
-        await asyncio.sleep(0.1)
+        model, b, running = await held_batch(rows(1, 2), max_batch_size=2)
         queued = asyncio.create_task(b.submit(rows(3)))
         gone = asyncio.create_task(b.submit(rows(4)))
         await asyncio.sleep(0.05)
@@ -771,12 +774,7 @@ def test_the_queue_depth_gauge_counts_what_is_left_when_an_instance_stays_idle()
 
 def test_a_client_that_goes_away_gets_client_disconnected_and_its_images_never_run():
     async def scenario():
-        model = Model()
-        model.gate.clear()
-        b = make(model, max_batch_size=1)
-        b.start()
-        running = asyncio.create_task(b.submit(rows(1)))  # taken, held at the gate
-        await asyncio.sleep(0.1)
+        model, b, running = await held_batch(rows(1), max_batch_size=1)
         gone = asyncio.get_running_loop().create_future()
         leaving = asyncio.create_task(b.submit(rows(2, 3), disconnected=gone))
         await asyncio.sleep(0.1)
