@@ -6,14 +6,15 @@ instance is idle, what is queued runs at once instead of waiting for partners th
 requests that arrive in one turn of the event loop still run together, and what queued while a batch ran
 runs as soon as it ends), unless ``idle_dispatch`` is off. Otherwise a batch runs when the largest preferred
 size is waiting (else the max batch size), or when its oldest image has waited ``max_queue_delay`` (then at
-the largest preferred size that is waiting, else all that fit), and an instance is idle: each instance is
-a run function with its own worker thread (and, in the service, its own onnxruntime session), so up to
-``instances`` batches run at once while the next one fills. Each caller gets its own rows back. Admission is all-or-nothing and immediate: when a
-request's images do not fit in the queue it is answered 503 with ``Retry-After`` without waiting. A
-request not finished within its timeout gets 503; one whose client went away is cancelled and its images
-never run. A failing model run fails only the requests in that batch. ``close()`` makes the queue run
-without waiting for the delay (shutdown); ``stop()`` drains it and says how many images it had to fail.
-A request's images and their one future are in ``service/engine/batch_request.py``.
+the largest preferred size that is waiting, else all that fit), and an instance is idle: each instance is a
+run function with its own worker thread (and, in the service, its own onnxruntime session), so up to
+``instances`` batches run at once while the next one fills. Each caller gets its own rows back. Admission is
+all-or-nothing and immediate: when a request's images do not fit in the queue it is answered 503 with
+``Retry-After`` without waiting. A request not finished within its timeout gets 503; one whose client went
+away is cancelled and its images never run. A failing model run fails only the requests in that batch.
+``close()`` makes the queue run without waiting for the delay (shutdown); ``stop()`` drains it and says how
+many images it had to fail. A request's images and their one future are in
+``service/engine/batch_request.py``.
 """
 
 from __future__ import annotations
