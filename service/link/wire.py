@@ -80,7 +80,8 @@ def unpack(frames: list) -> Iterator[tuple[Any, list]]:
         at += count
 
 
-SCHED_BATCH = os.SCHED_BATCH  # Linux's policy for threads that should not preempt their waker
+# Linux's policy for threads that should not preempt their waker (None: not Linux)
+SCHED_BATCH: int | None = getattr(os, "SCHED_BATCH", None)
 
 
 def context() -> zmq.Context:
@@ -95,13 +96,15 @@ def context() -> zmq.Context:
 @functools.cache
 def _may_batch() -> bool:
     """Whether a thread of this process may take SCHED_BATCH (a sandbox may refuse it)."""
+    if SCHED_BATCH is None:
+        return False
     allowed: list[bool] = []
 
     def probe() -> None:
         try:
             os.sched_setscheduler(0, SCHED_BATCH, os.sched_param(0))
             allowed.append(True)
-        except (OSError, AttributeError):
+        except OSError:
             allowed.append(False)
 
     thread = threading.Thread(target=probe, name="sched-probe")
