@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Literal
 
 from service.contract.model_config import (
+    DEFAULT_INSTANCE_COUNT,
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_QUEUE_DELAY_US,
     ModelConfig,
     ModelConfigError,
     ServingConfig,
@@ -76,8 +79,9 @@ DEFAULT_REQUEST_TIMEOUT_S = 30.0
 
 def default_config(name: str) -> ModelConfig:
     """Serving settings of a model whose directory has no config.pbtxt."""
-    config = ModelConfig(name=name, max_batch_size=32)
-    config.dynamic_batching.max_queue_delay_microseconds = 2000
+    config = ModelConfig(name=name, max_batch_size=DEFAULT_MAX_BATCH_SIZE)
+    config.dynamic_batching.max_queue_delay_microseconds = DEFAULT_QUEUE_DELAY_US
+    config.instance_group.add(count=DEFAULT_INSTANCE_COUNT)
     return config
 
 

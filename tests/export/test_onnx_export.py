@@ -347,12 +347,12 @@ def test_a_new_version_with_other_labels_leaves_the_old_one_byte_identical(tmp_p
 def test_the_users_serving_settings_are_kept(tmp_path):
     write(tmp_path, 1)
     path = tmp_path / "m" / "config.pbtxt"
-    edited = path.read_text().replace("max_batch_size: 32", "max_batch_size: 16")
+    edited = path.read_text().replace("max_batch_size: 16", "max_batch_size: 8")
     edited += "\ninstance_group [ { count: 2 kind: KIND_CPU } ]\n"
     path.write_text(edited)
     write(tmp_path, 2)
     config = read_model_config(path)
-    assert config.max_batch_size == 16 and [g.count for g in config.instance_group] == [1, 2]
+    assert config.max_batch_size == 8 and [g.count for g in config.instance_group] == [2, 2]
     write(tmp_path, 1, overwrite=True)  # an older version does not take label_filename back
     assert read_model_config(path).output[0].label_filename == "2/labels.txt"
 

@@ -308,7 +308,8 @@ def test_a_failing_model_run_is_internal_and_names_the_request(model_repository)
             def broken(images: np.ndarray) -> list[np.ndarray]:
                 raise RuntimeError("injected: onnxruntime failed")
 
-            pipeline.classifier._instances[0].run = broken
+            for instance in pipeline.classifier._instances:  # whichever runs the batch
+                instance.run = broken
             port = app_client.app.state.settings.grpc_port
             with triton.InferenceServerClient(f"127.0.0.1:{port}") as grpc_client:
                 tensor = np.zeros((1, 1, 28, 28), np.float32)

@@ -201,7 +201,7 @@ def test_the_default_config_is_what_a_hand_written_one_says(tmp_path: Path):
         """
         name: "fashion"
         platform: "onnxruntime_onnx"
-        max_batch_size: 32
+        max_batch_size: 16
         input [ { name: "images" data_type: TYPE_FP32 dims: [ 1, 28, 28 ] } ]
         output [ { name: "logits" data_type: TYPE_FP32 dims: [ 10 ] label_filename: "labels.txt" } ]
         dynamic_batching {
@@ -209,7 +209,7 @@ def test_the_default_config_is_what_a_hand_written_one_says(tmp_path: Path):
           default_queue_policy { max_queue_size: 512 default_timeout_microseconds: 30000000 }
         }
         version_policy: { latest: { num_versions: 1 } }
-        instance_group [ { kind: KIND_AUTO, count: 1 } ]
+        instance_group [ { kind: KIND_AUTO, count: 2 } ]
         """
     )
     assert read_model_config(written) == expected

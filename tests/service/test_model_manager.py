@@ -460,7 +460,7 @@ def test_a_load_is_timed_logged_and_a_version_loading_says_so(repository, record
             m.startswith(
                 f"serving tiny-vit version 2 from {directory} on CPUExecutionProvider (loaded in "
             )
-            and m.endswith("; max batch 8, 1 instance(s))")
+            and m.endswith("; max batch 8, 2 instance(s))")
             for m in records
         ), records
         status = manager.models[MODEL_NAME].versions[2]

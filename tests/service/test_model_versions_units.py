@@ -81,9 +81,10 @@ def test_only_ready_versions_with_a_pipeline_answer_the_newest_first():
 
 def test_a_model_without_a_config_file_gets_the_documented_default(tmp_path):
     config = default_config("fashion")
-    assert config.name == "fashion" and config.max_batch_size == 32
+    assert config.name == "fashion" and config.max_batch_size == 16
     serving = serving_config(config)
-    assert serving.max_batch_size == 32 and serving.max_queue_delay_s == pytest.approx(0.002)
+    assert serving.max_batch_size == 16 and serving.max_queue_delay_s == pytest.approx(0.002)
+    assert serving.instance_count == 2
     (tmp_path / "fashion").mkdir()
     assert model_config(tmp_path, "fashion") == config
 
