@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -102,8 +104,34 @@ def test_sigterm_stops_every_process_and_exits_0(model_repository, tmp_path, fas
             server.url + "/predict", files={"files": ("a.png", fashion_png)}
         ).is_success
         os.kill(server.process.pid, signal.SIGTERM)
-        assert server.process.wait(60) == 0
+        assert stopped(server, children, 60) == 0
         started = time.monotonic()
         while time.monotonic() - started < 10 and any(state_of(p) for p in children):
             time.sleep(0.05)
         assert not [p for p in children if state_of(p)], "a process outlived the supervisor"
+
+
+def stopped(server, children: list[int], timeout_s: float) -> int:
+    """The service's exit code once it has stopped; when it has not within ``timeout_s``, a failure
+    that says which processes still run, where each one's threads are (py-spy) and the log's end."""
+    try:
+        return server.process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    live = [p for p in [server.process.pid, *children] if state_of(p) not in (None, "Z")]
+    py_spy = str(Path(sys.executable).with_name("py-spy"))
+    dumps = []
+    for pid in live:
+        try:
+            dump = subprocess.run(
+                [py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+            )
+            dumps.append(f"--- pid {pid}\n{dump.stdout}{dump.stderr}")
+        except (OSError, subprocess.TimeoutExpired) as error:
+            dumps.append(f"--- pid {pid}: no dump ({error})")
+    log = "\n".join(server.log.read_text(errors="replace").splitlines()[-40:])
+    pytest.fail(
+        f"the service had not stopped {timeout_s:g} s after SIGTERM; still running: {live}\n"
+        + "\n".join(dumps)
+        + f"\n--- the log's end:\n{log}"
+    )
