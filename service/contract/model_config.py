@@ -30,12 +30,14 @@ VersionPolicy = tuple[str, int] | tuple[str, tuple[int, ...]] | tuple[str]
 
 
 # The serving defaults: what the export writes into a new config.pbtxt, and what a model without one
-# gets. Two instances, as Triton's ONNX Runtime backend starts on the CPU: a batch runs while the
+# gets (the queue's bounds also stand in for a config's missing ones). Two instances, as Triton's ONNX Runtime backend starts on the CPU: a batch runs while the
 # next one fills, and the model's threads use the cores the front ends leave idle. Batches of 16, not
 # 32: with two instances that kept p99 below a single instance's of 32 (BENCHMARKS.md, issue 23).
 DEFAULT_MAX_BATCH_SIZE = 16
 DEFAULT_INSTANCE_COUNT = 2
 DEFAULT_QUEUE_DELAY_US = 2000
+DEFAULT_MAX_QUEUE_SIZE = 512
+DEFAULT_REQUEST_TIMEOUT_US = 30_000_000
 
 MAX_CONFIG_BYTES = 1024 * 1024  # a config.pbtxt is a few hundred bytes; a larger one is refused
 
@@ -103,8 +105,8 @@ def default_model_config(
     label_filename: str = "labels.txt",
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
     max_queue_delay_us: int = DEFAULT_QUEUE_DELAY_US,
-    max_queue_size: int = 512,
-    request_timeout_us: int = 30_000_000,
+    max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+    request_timeout_us: int = DEFAULT_REQUEST_TIMEOUT_US,
     instance_count: int = DEFAULT_INSTANCE_COUNT,
 ) -> ModelConfig:
     """An ONNX Runtime image classifier: float32 ``[batch, *dims]`` in, ``[batch, classes]`` out,

@@ -10,7 +10,9 @@ from typing import Literal
 from service.contract.model_config import (
     DEFAULT_INSTANCE_COUNT,
     DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_QUEUE_SIZE,
     DEFAULT_QUEUE_DELAY_US,
+    DEFAULT_REQUEST_TIMEOUT_US,
     ModelConfig,
     ModelConfigError,
     ServingConfig,
@@ -71,10 +73,6 @@ class ManagedModel:
         if version is None:
             return self.versions[ready[-1]].pipeline if ready else None
         return self.versions[version].pipeline if version in ready else None
-
-
-DEFAULT_MAX_QUEUE_SIZE = 512
-DEFAULT_REQUEST_TIMEOUT_S = 30.0
 
 
 def default_config(name: str) -> ModelConfig:
@@ -149,7 +147,7 @@ def serving_settings(
     serving = replace(
         serving,
         max_queue_size=serving.max_queue_size or DEFAULT_MAX_QUEUE_SIZE,
-        request_timeout_s=serving.request_timeout_s or DEFAULT_REQUEST_TIMEOUT_S,
+        request_timeout_s=serving.request_timeout_s or DEFAULT_REQUEST_TIMEOUT_US / 1e6,
     )
     if serving.max_queue_size < settings.max_images_per_request:
         raise ModelLoadError(
