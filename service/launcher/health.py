@@ -8,7 +8,8 @@ the processes that serve, through a page of shared memory (:class:`HealthBoard`)
 - each front end's event loop writes the time at every tick (uvicorn's ``callback_notify``, about
   every second), with the pid of the engine it is ready with (0 while it is not ready), and a mark
   when it starts draining;
-- the engine's event loop writes the time, its pid and whether it is ready, every ``ENGINE_BEAT_S``;
+- the engine's event loop writes the time, its pid and whether it is ready, every ``ENGINE_BEAT_S``,
+  and a mark once it has started (loaded its models), which front ends wait for before they serve;
 - the supervisor clears a process's place when it starts it or sees it die.
 
 Liveness (:attr:`SupervisedHealth.live`): no process whose loop has ticked has then stopped ticking
@@ -36,9 +37,9 @@ ENGINE_BEAT_S = 0.1  # how often the engine writes its readiness
 ENGINE_SILENT_S = 3.0
 STARTING = 0.0  # a place not written yet: the process is starting (or was just restarted)
 DRAINING = -1.0  # a front end that stopped accepting and finishes what it holds
-# the places of the page: the engine's three, then two for each front end (its beat, and the pid of
+# the places of the page: the engine's four, then two for each front end (its beat, and the pid of
 # the engine it is ready with)
-_ENGINE_BEAT, _ENGINE_READY, _ENGINE_PID, _FRONT_ENDS = 0, 1, 2, 3
+_ENGINE_BEAT, _ENGINE_READY, _ENGINE_PID, _ENGINE_STARTED, _FRONT_ENDS = 0, 1, 2, 3, 4
 
 
 class HealthBoard:
@@ -50,6 +51,12 @@ class HealthBoard:
         self._values = context.RawArray(ctypes.c_double, _FRONT_ENDS + 2 * front_ends)
 
     # --- written by the processes -------------------------------------------------------------------
+
+    def engine_started(self) -> None:
+        """The engine has loaded its models: front ends serve from now on. (A flag on the page, not a
+        ``multiprocessing.Event``: setting one of those waits for every process that waited on it to
+        wake, forever when one of them died waiting.)"""
+        self._values[_ENGINE_STARTED] = 1.0
 
     def engine_beat(self, ready: bool, pid: int) -> None:
         self._values[_ENGINE_PID] = pid
@@ -68,6 +75,7 @@ class HealthBoard:
     # --- written by the supervisor --------------------------------------------------------------------
 
     def engine_starting(self) -> None:
+        self._values[_ENGINE_STARTED] = 0.0
         self._values[_ENGINE_READY] = 0.0
         self._values[_ENGINE_BEAT] = STARTING
         self._values[_ENGINE_PID] = 0
@@ -76,7 +84,18 @@ class HealthBoard:
         self._values[_FRONT_ENDS + 2 * slot + 1] = 0
         self._values[_FRONT_ENDS + 2 * slot] = STARTING
 
-    # --- read by the supervisor's probe listener ------------------------------------------------------
+    # --- read by the supervisor, the front ends and the probe listener ---------------------------------
+
+    @property
+    def engine_has_started(self) -> bool:
+        """The engine the supervisor last started has loaded its models."""
+        return self._values[_ENGINE_STARTED] == 1.0
+
+    def wait_for_engine(self, poll_s: float = 0.02) -> None:
+        """Return once the engine has started (a front end's first step; the supervisor stops it if
+        the engine never starts)."""
+        while not self.engine_has_started:
+            time.sleep(poll_s)
 
     def engine(self) -> tuple[float, bool, int]:
         """The engine's last beat (``STARTING`` when none yet), whether it was ready then, its pid."""

@@ -15,7 +15,6 @@ import os
 import signal
 import socket
 import sys
-from multiprocessing.synchronize import Event
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -121,13 +120,12 @@ def serve_http(
         timeout_notify=1,
     )
     server = _Server(config, app, beat)
-
-    def exit_after_drain(sig: int, frame: FrameType | None) -> None:
-        # uvicorn re-raises SIGTERM once it has drained and restored this handler; without it the
-        # process would end killed by the signal (-15) although every request was answered.
-        sys.exit(0 if server.started else EXIT_START_FAILED)
-
-    signal.signal(signal.SIGTERM, exit_after_drain)
+    # The server's own handler from here on, not only while uvicorn runs: a SIGTERM before uvicorn
+    # takes over (the supervisor's death, during start-up) stops it once it has started, and the
+    # one uvicorn raises again after its drain is not fatal (the process would end by the signal,
+    # -15, with every request answered). A handler that raised SystemExit instead was lost whenever
+    # the signal landed in a weakref callback or a __del__: the front end then served on, orphaned.
+    signal.signal(signal.SIGTERM, server.handle_exit)
     freeze_heap()
     with contextlib.closing(probes.start()) if probes else contextlib.nullcontext():
         server.run(sockets=sockets)
@@ -140,7 +138,6 @@ def front_end(
     listener: socket.socket,
     addresses: Addresses,
     parent: int,
-    engine_started: Event,
     board: HealthBoard,
 ) -> None:
     """A front-end process: HTTP on its listener, gRPC on the shared port, the engine linked.
@@ -161,15 +158,13 @@ def front_end(
         metrics,
     )
     app = create_app(settings, engine=engine, worker=slot, process_metrics=metrics)
-    engine_started.wait()  # the supervisor stops this process if the engine never starts
+    board.wait_for_engine()
     state = app.state.frontend
     beat = FrontEndBeat(board, slot, lambda: (engine.engine_pid or 0) if state.ready else 0)
     sys.exit(serve_http(app, settings, [listener], beat))
 
 
-def engine(
-    settings: Settings, addresses: Addresses, parent: int, started: Event, board: HealthBoard
-) -> None:
+def engine(settings: Settings, addresses: Addresses, parent: int, board: HealthBoard) -> None:
     """The engine process: every model, one batcher per version, fed by every front end."""
     die_with_parent(parent, ENGINE_NAME)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the engine stops
@@ -182,7 +177,7 @@ def engine(
         run = uvloop.run
     except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
         run = asyncio.run
-    sys.exit(run(_serve_engine(settings, addresses, started, board)))
+    sys.exit(run(_serve_engine(settings, addresses, board)))
 
 
 async def _report_health(board: HealthBoard, core: Engine) -> None:
@@ -193,9 +188,7 @@ async def _report_health(board: HealthBoard, core: Engine) -> None:
         await asyncio.sleep(ENGINE_BEAT_S)
 
 
-async def _serve_engine(
-    settings: Settings, addresses: Addresses, started: Event, board: HealthBoard
-) -> int:
+async def _serve_engine(settings: Settings, addresses: Addresses, board: HealthBoard) -> int:
     from service.contract.model_repository import ModelLoadError
     from service.engine.core import Engine
     from service.link.engine_server import EngineServer
@@ -219,7 +212,7 @@ async def _serve_engine(
         await server.close()
         return EXIT_START_FAILED
     freeze_heap()
-    started.set()
+    board.engine_started()
     await stop.wait()
     await core.stop()
     reporting.cancel()

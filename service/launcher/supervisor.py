@@ -88,7 +88,6 @@ class Supervisor:
         self.pid = os.getpid()
         self.stopping = False
         self.engine: BaseProcess | None = None
-        self.engine_started = self.context.Event()
         self.front_ends: dict[int, BaseProcess] = {}
         self.deaths: dict[str, list[float]] = {}
         self.board = HealthBoard(self.context, self.count)
@@ -98,11 +97,10 @@ class Supervisor:
     # --- processes --------------------------------------------------------------------------------
 
     def _start_engine(self) -> None:
-        self.engine_started = self.context.Event()
         self.board.engine_starting()
         self.engine = self.context.Process(
             target=processes.engine,
-            args=(self.settings, self.addresses, self.pid, self.engine_started, self.board),
+            args=(self.settings, self.addresses, self.pid, self.board),
             name="vitserve-engine",
         )
         self.engine.start()
@@ -117,7 +115,6 @@ class Supervisor:
                 self.listeners[slot],
                 self.addresses,
                 self.pid,
-                self.engine_started,
                 self.board,
             ),
             name=f"vitserve-frontend-{slot}",
@@ -229,8 +226,9 @@ class Supervisor:
                     break
                 self._mark_dead(process)
                 if process is self.engine:
+                    started = self.board.engine_has_started
                     self.board.engine_starting()  # not ready from now, not after its silence
-                    if not self.engine_started.is_set():
+                    if not started:
                         logger.error(
                             "cannot start: the engine process exited (code %s)", process.exitcode
                         )

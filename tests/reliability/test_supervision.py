@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from bench import server_process
 from bench.machine import descendants
 from bench.reliability.supervision import Load, engine_and_front_ends, state_of, wait_for
-from tests.support import RELIABILITY, encode, running_server
+from tests.support import RELIABILITY, encode, free_port, running_server, server_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -92,7 +93,10 @@ def test_a_killed_supervisor_leaves_no_process_behind(model_repository, tmp_path
         assert len(children) >= 3  # the engine and two front ends
         os.kill(server.process.pid, signal.SIGKILL)
         server.process.wait(10)
-        wait_for(lambda: not [p for p in children if state_of(p) not in (None, "Z")], 30, "exit")
+        try:
+            wait_for(lambda: not live(children), 30, "exit")
+        except AssertionError:
+            pytest.fail(what_runs(server, live(children), "30 s after the supervisor's kill -9"))
 
 
 def test_sigterm_stops_every_process_and_exits_0(model_repository, tmp_path, fashion_png):
@@ -111,17 +115,115 @@ def test_sigterm_stops_every_process_and_exits_0(model_repository, tmp_path, fas
         assert not [p for p in children if state_of(p)], "a process outlived the supervisor"
 
 
+def test_a_front_end_killed_while_it_waits_for_the_engine_does_not_stop_the_start(
+    model_repository, tmp_path
+):
+    """The engine held (SIGSTOP) before it loads, a front end killed while it waits, then the engine
+    let go: the service still becomes ready. (With a ``multiprocessing.Event`` to wait on, the engine
+    hung in its ``set()``, waiting for the dead waiter to wake, and the service never was.)"""
+    port = free_port(RELIABILITY.ports)
+    env = server_env(model_repository, port, RELIABILITY, workers=2)
+    log = tmp_path / "server.log"
+    process = server_process.spawn(["nice", "-n", "10", sys.executable, "-m", "service"], env, log)
+    try:
+        engine = None
+        while engine is None:
+            assert process.poll() is None, server_process.log_tail(log)
+            engine, _ = engine_and_front_ends(process.pid)
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            wait_for(lambda: len(engine_and_front_ends(process.pid)[1]) == 2, 60, "front ends")
+            front_ends = engine_and_front_ends(process.pid)[1]
+            wait_for(lambda: all(map(waiting, front_ends)), 60, "front ends waiting")
+            os.kill(front_ends[0], signal.SIGKILL)
+            wait_for(lambda: state_of(front_ends[0]) in (None, "Z"), 10, "the kill")
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        url = f"http://127.0.0.1:{port}"
+        server_process.wait_ready(process, url, log, timeout_s=60, poll_s=0.1)
+    finally:
+        server_process.stop_process(process, timeout_s=60)
+
+
+def waiting(pid: int, over_s: float = 1.0) -> bool:
+    """The process has used less than 3 % of a core over ``over_s``: done with its imports, it waits."""
+    before = cpu_ticks(pid)
+    time.sleep(over_s)
+    return cpu_ticks(pid) - before < 0.03 * over_s * os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime
+
+
+# Set as freeze_heap, the last step before uvicorn runs: the SIGTERM's handler then runs inside a
+# weakref callback (signal.raise_signal runs the handler at once), as a supervisor's death during
+# start-up once made it do (a full collection calls weakref callbacks).
+SIGTERM_IN_A_WEAKREF_CALLBACK = """
+import signal, sys, weakref
+from service.frontend.app import create_app
+from service.launcher import processes
+from service.settings import Settings
+
+
+class Thing:
+    pass
+
+
+def freeze_heap():
+    thing = Thing()
+    ref = weakref.ref(thing, lambda _: signal.raise_signal(signal.SIGTERM))
+    del thing
+
+
+processes.freeze_heap = freeze_heap
+settings = Settings()
+sys.exit(processes.serve_http(create_app(settings), settings))
+"""
+
+
+def test_a_sigterm_before_uvicorn_runs_stops_the_front_end_wherever_it_lands(
+    model_repository, tmp_path
+):
+    """An exception raised by a signal handler is lost in a weakref callback or a __del__: a front end
+    whose handler raised SystemExit went on serving, orphaned, after its supervisor's death."""
+    port = free_port(RELIABILITY.ports)
+    env = server_env(model_repository, port, RELIABILITY)
+    log = tmp_path / "server.log"
+    process = server_process.spawn([sys.executable, "-c", SIGTERM_IN_A_WEAKREF_CALLBACK], env, log)
+    try:
+        code = process.wait(60)
+    except subprocess.TimeoutExpired:
+        server_process.stop_process(process, timeout_s=10)
+        pytest.fail(f"still serving 60 s after a SIGTERM:\n{server_process.log_tail(log)}")
+    assert code == 0, server_process.log_tail(log)
+    assert "Shutting down" in log.read_text() or "Finished server process" in log.read_text()
+
+
+def live(pids: list[int]) -> list[int]:
+    return [p for p in pids if state_of(p) not in (None, "Z")]
+
+
 def stopped(server, children: list[int], timeout_s: float) -> int:
     """The service's exit code once it has stopped; when it has not within ``timeout_s``, a failure
-    that says which processes still run, where each one's threads are (py-spy) and the log's end."""
+    that says what still runs."""
     try:
         return server.process.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        pass
-    live = [p for p in [server.process.pid, *children] if state_of(p) not in (None, "Z")]
+        pytest.fail(
+            what_runs(
+                server, live([server.process.pid, *children]), f"{timeout_s:g} s after SIGTERM"
+            )
+        )
+
+
+def what_runs(server, running: list[int], when: str) -> str:
+    """What a failure says of the processes still ``running``: where each one's threads are (py-spy)
+    and the log's end (a service that does not stop is seldom caught twice)."""
     py_spy = str(Path(sys.executable).with_name("py-spy"))
     dumps = []
-    for pid in live:
+    for pid in running:
         try:
             dump = subprocess.run(
                 [py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
@@ -130,8 +232,8 @@ def stopped(server, children: list[int], timeout_s: float) -> int:
         except (OSError, subprocess.TimeoutExpired) as error:
             dumps.append(f"--- pid {pid}: no dump ({error})")
     log = "\n".join(server.log.read_text(errors="replace").splitlines()[-40:])
-    pytest.fail(
-        f"the service had not stopped {timeout_s:g} s after SIGTERM; still running: {live}\n"
+    return (
+        f"processes still running {when}: {running}\n"
         + "\n".join(dumps)
         + f"\n--- the log's end:\n{log}"
     )
