@@ -37,13 +37,33 @@ SERIAL = (
     "tests/service/test_batcher_contract.py",
     "tests/service/test_server.py",
 )
+# What those folders hold that times nothing and loads no server: in-process apps, parsers, plans.
+UNTIMED = (
+    "tests/reliability/test_bad_input_corpus.py",
+    "tests/reliability/test_docs.py",
+    "tests/reliability/test_hostile_repository.py",
+    "tests/reliability/test_json_guard.py",
+    "tests/reliability/test_lying_headers.py",
+    "tests/reliability/test_probe_listener.py",
+    "tests/reliability/test_schemathesis.py",
+    "tests/reliability/test_strict_json_out.py",
+    "tests/reliability/test_version_strings.py",
+    "tests/bench/test_baselines.py",
+    "tests/bench/test_compare.py",
+    "tests/bench/test_contenders.py",
+    "tests/bench/test_hey.py",
+    "tests/bench/test_profile.py",
+    "tests/bench/test_stats.py",
+    "tests/bench/test_targets.py",
+    "tests/bench/test_venvs.py",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
-        if item.nodeid.startswith(SERIAL):
+        if item.nodeid.startswith(SERIAL) and not item.nodeid.startswith(UNTIMED):
             item.add_marker(pytest.mark.serial)
     keep = mutation_tests(os.environ.get(MUTATION_MODULES_VARIABLE, ""))
     if keep is None:

@@ -293,9 +293,13 @@ def io_thread_policies(make_context) -> list[int]:
     """The scheduling policy of each I/O thread of the context ``make_context()`` returns."""
 
     def threads() -> dict[int, str]:
-        return {
-            int(t.name): (t / "comm").read_text().strip() for t in Path("/proc/self/task").iterdir()
-        }
+        names = {}
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                names[int(task.name)] = (task / "comm").read_text().strip()
+            except FileNotFoundError:  # a thread that ended meanwhile (the policy's probe)
+                pass
+        return names
 
     before = threads()
     context = make_context()
