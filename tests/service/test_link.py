@@ -4,6 +4,7 @@ items come out in order with their raw frames, and a cancel that travels with it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -295,10 +296,9 @@ def io_thread_policies(make_context) -> list[int]:
     def threads() -> dict[int, str]:
         names = {}
         for task in Path("/proc/self/task").iterdir():
-            try:
+            # a thread may end meanwhile (the policy's probe)
+            with contextlib.suppress(FileNotFoundError):
                 names[int(task.name)] = (task / "comm").read_text().strip()
-            except FileNotFoundError:  # a thread that ended meanwhile (the policy's probe)
-                pass
         return names
 
     before = threads()
