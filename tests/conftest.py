@@ -52,6 +52,7 @@ UNTIMED = (
     "tests/bench/test_compare.py",
     "tests/bench/test_contenders.py",
     "tests/bench/test_hey.py",
+    "tests/bench/test_lone_call.py",
     "tests/bench/test_profile.py",
     "tests/bench/test_stats.py",
     "tests/bench/test_targets.py",
