@@ -120,7 +120,8 @@ class EngineServer:
         if outbox is None:
             assert self._calls is not None
             outbox = self._outboxes[identity] = wire.Outbox(self._calls.send, prefix=(identity,))
-        outbox.put((call_id, ok, payload), *frames)
+        # the answer to the only call in progress (its own task) has no partner to wait for
+        outbox.put((call_id, ok, payload), *frames, at_once=len(self._running) <= 1)
 
     async def _infer(
         self, identity: bytes, header: tuple, inline: list, gone: asyncio.Future

@@ -270,7 +270,7 @@ class RemoteEngine(EngineClient):
         call_id = item[1][0]
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = (future, region, full_key)
-        self._outbox.put(item, *raw)
+        self._outbox.put(item, *raw, at_once=len(self._pending) == 1)
         watch = asyncio.ensure_future(disconnected) if disconnected is not None else None
         if watch is not None:
             watch.add_done_callback(lambda _: self._cancel(call_id))

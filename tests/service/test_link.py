@@ -76,6 +76,26 @@ def test_what_one_loop_turn_puts_goes_as_one_message():
     assert [h for h, _ in wire.unpack(received(second[1:]))] == [("d", 4)]
 
 
+def test_a_lone_item_goes_at_once_and_never_ahead_of_one_already_waiting():
+    sent: list[list] = []
+
+    async def scenario():
+        outbox = wire.Outbox(sent.append)
+        outbox.put(("lone", 1), b"x", at_once=True)
+        assert len(sent) == 1  # not held for the loop's next turn
+        outbox.put(("a", 2))
+        outbox.put(("b", 3), at_once=True)  # behind "a": waits with it, order kept
+        assert len(sent) == 1
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    assert [[h for h, _ in wire.unpack(received(message))] for message in sent] == [
+        [("lone", 1)],
+        [("a", 2), ("b", 3)],
+    ]
+    assert next(wire.unpack(received(sent[0])))[1][0].bytes == b"x"
+
+
 def infer_header(call_id: int, rows: np.ndarray) -> tuple:
     """An INFER header (service/link/remote.py's order) for rows sent inline."""
     return (call_id, "m", 1, None, ("k",), "classifier", None, None, 0, rows.shape, rows.dtype.str,
