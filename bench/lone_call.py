@@ -108,11 +108,15 @@ def main(argv: list[str] | None = None) -> int:
         for round_number in range(args.rounds):
             for key in alternated(list(live), round_number):
                 url = live[key].url
-                load = hey.command(url + "/predict", body, concurrency=1, duration_s=args.seconds)
-                hey.run(hey.command(url + "/predict", body, concurrency=1, duration_s=2), 60)
+
+                def load(seconds: float, url: str = url) -> hey.HeyResult:
+                    command = hey.command(url + "/predict", body, concurrency=1, duration_s=seconds)
+                    return hey.run(command, seconds + 60)
+
+                load(2)  # warm-up
                 ours = key != "plain"
                 before = model_stats(url, model) if ours else None
-                result = hey.run(load, args.seconds + 60)
+                result = load(args.seconds)
                 parts = per_request_us(before, model_stats(url, model)) if ours else None
                 runs.setdefault(key, []).append((result, parts))
     print("\n".join(f"{s.key}: {s.shown()}" for s in plan) + "\n")

@@ -41,9 +41,14 @@ def name_of(pid: int) -> str:
         return ""
 
 
+def alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that still run (neither gone nor zombies)."""
+    return [p for p in pids if state_of(p) not in (None, "Z")]
+
+
 def engine_and_front_ends(supervisor: int) -> tuple[int | None, list[int]]:
     """The live engine's pid and the live front ends' pids, by process name."""
-    live = [p for p in descendants(supervisor) if state_of(p) not in (None, "Z")]
+    live = alive(descendants(supervisor))
     engines = [p for p in live if name_of(p) == ENGINE_NAME]
     return (engines[0] if engines else None), sorted(
         p for p in live if name_of(p).startswith(FRONT_END_NAME)

@@ -181,13 +181,12 @@ class Outbox:
         self._items: list[tuple[Any, list]] = []
 
     def put(self, header: Any, *raw: Any, at_once: bool = False) -> None:
-        if not self._items:
-            if at_once:
-                self._items.append((header, list(raw)))
-                self.flush()
-                return
-            asyncio.get_running_loop().call_soon(self.flush)
+        first = not self._items  # else a flush is due this turn, and this item goes with it
         self._items.append((header, list(raw)))
+        if first and at_once:
+            self.flush()
+        elif first:
+            asyncio.get_running_loop().call_soon(self.flush)
 
     def flush(self) -> None:
         items, self._items = self._items, []

@@ -19,8 +19,14 @@ from pathlib import Path
 import pytest
 
 from bench import server_process
-from bench.machine import descendants
-from bench.reliability.supervision import Load, engine_and_front_ends, state_of, wait_for
+from bench.machine import descendants, parse_pid_stat
+from bench.reliability.supervision import (
+    Load,
+    alive,
+    engine_and_front_ends,
+    state_of,
+    wait_for,
+)
 from tests.support import RELIABILITY, encode, free_port, running_server, server_env
 
 pytestmark = pytest.mark.timeout(180)
@@ -94,9 +100,9 @@ def test_a_killed_supervisor_leaves_no_process_behind(model_repository, tmp_path
         os.kill(server.process.pid, signal.SIGKILL)
         server.process.wait(10)
         try:
-            wait_for(lambda: not live(children), 30, "exit")
+            wait_for(lambda: not alive(children), 30, "exit")
         except AssertionError:
-            pytest.fail(what_runs(server, live(children), "30 s after the supervisor's kill -9"))
+            pytest.fail(what_runs(server, alive(children), "30 s after the supervisor's kill -9"))
 
 
 def test_sigterm_stops_every_process_and_exits_0(model_repository, tmp_path, fashion_png):
@@ -153,8 +159,7 @@ def waiting(pid: int, over_s: float = 1.0) -> bool:
 
 
 def cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime, stime
+    return parse_pid_stat(Path(f"/proc/{pid}/stat").read_text())[1]
 
 
 # Set as freeze_heap, the last step before uvicorn runs: the SIGTERM's handler then runs inside a
@@ -201,10 +206,6 @@ def test_a_sigterm_before_uvicorn_runs_stops_the_front_end_wherever_it_lands(
     assert "Shutting down" in log.read_text() or "Finished server process" in log.read_text()
 
 
-def live(pids: list[int]) -> list[int]:
-    return [p for p in pids if state_of(p) not in (None, "Z")]
-
-
 def stopped(server, children: list[int], timeout_s: float) -> int:
     """The service's exit code once it has stopped; when it has not within ``timeout_s``, a failure
     that says what still runs."""
@@ -213,7 +214,7 @@ def stopped(server, children: list[int], timeout_s: float) -> int:
     except subprocess.TimeoutExpired:
         pytest.fail(
             what_runs(
-                server, live([server.process.pid, *children]), f"{timeout_s:g} s after SIGTERM"
+                server, alive([server.process.pid, *children]), f"{timeout_s:g} s after SIGTERM"
             )
         )
 
