@@ -1,13 +1,17 @@
 """What one process hop costs: the round trip of a small message between two processes.
 
-``python -m bench.link_rtt [--trips 3000] [--size 200]`` echoes ``--size`` bytes ``--trips`` times
-(after 200 warm-up trips) between this process and a child, both on uvloop, through:
+``python -m bench.link_rtt [--trips 3000] [--size 200] [--gap-ms 0]`` echoes ``--size`` bytes
+``--trips`` times (after 200 warm-up trips) between this process and a child, both on uvloop, through:
 
-- ``zmq.asyncio``: pyzmq's asyncio sockets, DEALER to ROUTER over ipc, as ``service/link`` used them;
+- ``zmq.asyncio``: pyzmq's asyncio sockets, DEALER to ROUTER over ipc, as ``service/link`` first used
+  them;
 - ``zmq fd``: plain pyzmq sockets read from the event loop through their file descriptor, as
-  ``service/link``'s ``wire.LoopSocket`` reads them now;
-- ``unix``: a Unix socket with asyncio streams, no messaging library.
+  ``service/link`` used them next;
+- ``link``: the service's own link (``service/link/wire.py``: a Unix socket, ``wire.Link`` at both
+  ends, each message packed and unpacked as the service does).
 
+``--gap-ms`` waits that long, idle, before each trip, as a lone client leaves both processes idle
+between its requests: an idle core takes longer to wake, and ZeroMQ wakes two more threads per trip.
 It prints each one's p50 and p90 in microseconds. BENCHMARKS.md ("The process hop") quotes it.
 """
 
@@ -25,7 +29,10 @@ import uvloop
 import zmq
 import zmq.asyncio
 
+from service.link import wire
+
 WARM_UP = 200
+KINDS = ("zmq.asyncio", "zmq fd", "link")
 
 
 def _drain(sock: zmq.Socket, on_message: Callable[[list[bytes]], None]) -> None:
@@ -36,15 +43,14 @@ def _drain(sock: zmq.Socket, on_message: Callable[[list[bytes]], None]) -> None:
 
 def _echo(kind: str, address: str, ready: multiprocessing.synchronize.Event) -> None:
     async def main() -> None:
-        if kind == "unix":
+        if kind == "link":
 
-            async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-                while True:
-                    writer.write(
-                        await reader.readexactly(int.from_bytes(await reader.readexactly(4)))
-                    )
+            def echo(link: wire.Link, header: object, raw: list) -> None:
+                link.outbox.put(header, *raw, at_once=True)
 
-            server = await asyncio.start_unix_server(echo, address)
+            server = await asyncio.get_running_loop().create_unix_server(
+                lambda: wire.Link(echo), address
+            )
             ready.set()
             await server.serve_forever()
         elif kind == "zmq.asyncio":
@@ -67,12 +73,20 @@ def _echo(kind: str, address: str, ready: multiprocessing.synchronize.Event) -> 
 async def _client(kind: str, address: str, size: int) -> Callable[[], Awaitable[object]]:
     """One round trip, as a coroutine function returning the bytes echoed."""
     payload = b"x" * size
-    if kind == "unix":
-        reader, writer = await asyncio.open_unix_connection(address)
+    loop = asyncio.get_running_loop()
+    if kind == "link":
+        echoed: list[asyncio.Future] = []
+
+        def answer(_: wire.Link, header: object, raw: list) -> None:
+            echoed.pop().set_result(bytes(raw[0]))
+
+        _, link = await loop.create_unix_connection(lambda: wire.Link(answer), address)
 
         async def trip() -> object:
-            writer.write(size.to_bytes(4) + payload)
-            return await reader.readexactly(size)
+            echoed.append(loop.create_future())
+            future = echoed[-1]
+            link.outbox.put("echo", payload, at_once=True)
+            return await future
 
         return trip
     if kind == "zmq.asyncio":
@@ -84,7 +98,6 @@ async def _client(kind: str, address: str, size: int) -> Callable[[], Awaitable[
             return await sock.recv()
 
         return trip
-    loop = asyncio.get_running_loop()
     plain = zmq.Context().socket(zmq.DEALER)
     plain.connect(f"ipc://{address}")
     waiting: list[asyncio.Future] = []
@@ -101,7 +114,7 @@ async def _client(kind: str, address: str, size: int) -> Callable[[], Awaitable[
     return trip
 
 
-def round_trips(kind: str, trips: int, size: int) -> list[float]:
+def round_trips(kind: str, trips: int, size: int, gap_s: float = 0.0) -> list[float]:
     """Each round trip's seconds, sorted."""
     with tempfile.TemporaryDirectory() as directory:
         address = os.path.join(directory, "link")
@@ -121,6 +134,8 @@ def round_trips(kind: str, trips: int, size: int) -> list[float]:
                         raise RuntimeError(f"the {kind} link did not echo what it was sent")
                 seconds = []
                 for _ in range(trips):
+                    if gap_s:
+                        time.sleep(gap_s)  # idle, not polling: as between a lone client's requests
                     started = time.perf_counter()
                     await trip()
                     seconds.append(time.perf_counter() - started)
@@ -136,11 +151,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trips", type=int, default=3000)
     parser.add_argument("--size", type=int, default=200)
+    parser.add_argument("--gap-ms", type=float, default=0.0, help="idle time before each trip")
     args = parser.parse_args(argv)
-    for kind in ("zmq.asyncio", "zmq fd", "unix"):
-        seconds = round_trips(kind, args.trips, args.size)
+    for kind in KINDS:
+        seconds = round_trips(kind, args.trips, args.size, args.gap_ms / 1000)
         p50, p90 = seconds[len(seconds) // 2], seconds[int(len(seconds) * 0.9)]
-        print(f"{kind:12} p50 {p50 * 1e6:6.1f} us  p90 {p90 * 1e6:6.1f} us  ({args.trips} trips)")
+        print(
+            f"{kind:12} p50 {p50 * 1e6:6.1f} us  p90 {p90 * 1e6:6.1f} us  ({args.trips} trips"
+            f"{f', {args.gap_ms:g} ms idle before each' if args.gap_ms else ''})"
+        )
 
 
 if __name__ == "__main__":

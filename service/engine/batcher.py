@@ -178,11 +178,15 @@ class DynamicBatcher:
         rows: np.ndarray,
         request_id: str | None = None,
         disconnected: Awaitable[object] | None = None,
+        alone: bool = False,
     ) -> list[tuple[np.ndarray, ...]]:
         """Queue ``rows`` (one image each) and return each image's outputs, in order.
 
         ``disconnected`` completes when the client has gone: the images still queued are then
-        cancelled (they never run) and :class:`ClientDisconnected` is raised.
+        cancelled (they never run) and :class:`ClientDisconnected` is raised. ``alone``: the caller
+        knows no other request will join this one in this turn of the event loop, so with every
+        instance idle its images start here and now, not in the batching loop's next turn (and a
+        lone image run inline is answered before this awaits anything).
         """
         count = len(rows)
         self.admit(count)
@@ -192,8 +196,12 @@ class DynamicBatcher:
         request = BatchRequest(loop.create_future(), count)
         items = [QueueItem(rows[i], request, i, now, request_id, wait=wait) for i in range(count)]
         self._pending.extend(items)
-        self._depth.set(len(self._pending))
-        self._wakeup.set()
+        if alone and len(self._pending) == count and self._idle_due():
+            self._dispatch(loop)
+        else:
+            self._depth.set(len(self._pending))
+        if self._pending:
+            self._wakeup.set()
         try:
             outputs = await request.wait(now + self.timeout_s, disconnected)
         except ClientGone:

@@ -156,13 +156,15 @@ class Engine:
         rows: np.ndarray,
         request_id: str | None = None,
         disconnected: Awaitable[object] | None = None,
+        alone: bool = False,
     ) -> list[tuple[np.ndarray, ...]]:
         """Run ``rows`` (one image each, preprocessed for ``version`` of model ``name``) on ``graph``;
         each row's outputs, in order. ``disconnected`` completes when the client has gone: its rows
-        still queued never run."""
+        still queued never run. ``alone``: no other call can join this one in this turn of the event
+        loop, so an idle model runs it at once (``DynamicBatcher.submit``)."""
         pipeline = self.manager.pipeline_for(name, version, requested, key)
         with pipeline.lease():
-            return await pipeline.run(graph, rows, request_id, disconnected)
+            return await pipeline.run(graph, rows, request_id, disconnected, alone)
 
     def record_failure(self, name: str, version: int, ns: int) -> None:
         """A request for this version failed in a front end (its input was refused while decoding):

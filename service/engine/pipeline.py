@@ -133,11 +133,12 @@ class ModelPipeline:
         rows: np.ndarray,
         request_id: str | None,
         disconnected: Awaitable[object] | None,
+        alone: bool = False,
     ) -> list[tuple[np.ndarray, ...]]:
-        """Each row's outputs, in order, once its batch has run."""
+        """Each row's outputs, in order, once its batch has run (``alone``: the batcher's)."""
         entered, answered = time.perf_counter_ns(), False
         try:
-            result = await self.batcher(graph).submit(rows, request_id, disconnected)
+            result = await self.batcher(graph).submit(rows, request_id, disconnected, alone)
             answered = True
             return result
         finally:

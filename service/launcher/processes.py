@@ -199,7 +199,7 @@ async def _serve_engine(settings: Settings, addresses: Addresses, board: HealthB
     tracing.activate(provider)
     core = Engine(settings, Metrics())
     server = EngineServer(core, addresses)
-    server.bind()  # first: the front ends see a table (not ready) while the models load
+    await server.bind()  # first: the front ends see a table (not ready) while the models load
     reporting = asyncio.get_running_loop().create_task(_report_health(board, core))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,10 +1,11 @@
-"""A front end's link to the engine process: calls over a ZeroMQ DEALER, tables over a SUB socket.
+"""A front end's link to the engine process: calls, answers and tables over one Unix socket.
 
 The rows of a call go into the front end's shared-memory arena (or inline when they do not fit) and only
 their place travels; the answer's outputs come back as raw frames. A client that goes away sends a cancel,
 so its rows still queued never run. The engine's pid comes with every table: the front end watches it
 (``pidfd``), so when the engine dies the front end is not ready at once, and every call it had in flight is
-answered 503 with Retry-After; a restarted engine's first table makes it ready again.
+answered 503 with Retry-After. The front end connects again every ``RECONNECT_S`` until a restarted engine
+listens; its first table makes the front end ready again.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
-import zmq
 
 from service.engine.table import Graph, ModelTable, VersionView
 from service.errors import ServiceUnavailable
@@ -40,6 +40,7 @@ FIRST_TABLE_WAIT_S = 2.0
 # an engine whose table (published at least every 0.5 s) has not come for this long is taken for dead,
 # where its pid cannot be watched
 SILENT_ENGINE_S = 3.0
+RECONNECT_S = 0.05
 
 
 class RemoteEngine(EngineClient):
@@ -64,13 +65,10 @@ class RemoteEngine(EngineClient):
         # a call's answer, its rows' region, and what a queue-full answer would mark full
         self._pending: dict[int, tuple[asyncio.Future, Region | None, tuple | None]] = {}
         self._tasks: list[asyncio.Task] = []
-        self._outbox: wire.Outbox | None = None
+        self._link: wire.Link | None = None  # the connection to the engine, while there is one
         self._first_table = asyncio.Event()
         self._last_table = time.monotonic()
         self._full: dict[tuple[str, int, str], tuple[float, ServiceUnavailable]] = {}
-        self._context: zmq.Context | None = None
-        self._calls: wire.LoopSocket | None = None
-        self._tables: wire.LoopSocket | None = None
         self.arena: Arena | None = None
 
     @property
@@ -98,23 +96,11 @@ class RemoteEngine(EngineClient):
                 self._arena_bytes // 2**20,
                 error.strerror or error,
             )
-        self._context = wire.context()
-        calls = self._context.socket(zmq.DEALER)
-        tables = self._context.socket(zmq.SUB)
-        for socket in (calls, tables):
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.SNDHWM, 0)
-            socket.setsockopt(zmq.RCVHWM, 0)
-        tables.setsockopt(zmq.SUBSCRIBE, b"")
-        calls.connect(self.addresses.calls)
-        tables.connect(self.addresses.tables)
-        self._calls = wire.LoopSocket(calls, self._receive_answers)
-        self._tables = wire.LoopSocket(tables, self._receive_table)
-        self._outbox = wire.Outbox(self._calls.send)
+        loop = asyncio.get_running_loop()
         self._tasks = [
-            asyncio.get_running_loop().create_task(self._watch_heartbeat(), name="engine-heartbeat")
+            loop.create_task(self._watch_heartbeat(), name="engine-heartbeat"),
+            loop.create_task(self._stay_connected(), name="engine-link"),
         ]
-        self._outbox.put((wire.TABLE, None))
         # accept connections knowing the engine's state (a running engine answers at once; one that
         # is starting later, and meanwhile this front end answers 503 not_ready)
         with contextlib.suppress(TimeoutError):
@@ -138,18 +124,32 @@ class RemoteEngine(EngineClient):
                 await task
         self._engine_gone("the front end is stopping")
         self._unwatch()
-        for socket in (self._calls, self._tables):
-            if socket is not None:
-                socket.close()
-        if self._context is not None:
-            self._context.destroy(linger=0)
+        if self._link is not None:
+            self._link.close()
         if self.arena is not None:
             self.arena.close()
 
     # --- the engine's tables and its life -----------------------------------------------------------
 
-    def _receive_table(self, frames: list) -> None:
-        self._take_table(*wire.loads(frames[0].bytes))
+    async def _stay_connected(self) -> None:
+        """Connected to the engine whenever it listens: at start, and again after each restart."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                _, link = await loop.create_unix_connection(
+                    lambda: wire.Link(self._answered, self._lost), self.addresses.engine
+                )
+            except OSError:  # not listening (yet, or again)
+                await asyncio.sleep(RECONNECT_S)
+                continue
+            self._link = link
+            link.outbox.put((wire.TABLE, None), at_once=True)
+            await link.closed
+
+    def _lost(self, link: wire.Link) -> None:
+        if link is self._link:
+            self._link = None
+            self._engine_gone("the link to the engine process was lost")
 
     async def _watch_heartbeat(self) -> None:
         while True:
@@ -219,11 +219,8 @@ class RemoteEngine(EngineClient):
 
     # --- calls --------------------------------------------------------------------------------------
 
-    def _receive_answers(self, frames: list) -> None:
-        for (call_id, ok, payload), raw in wire.unpack(frames):
-            self._answered(call_id, ok, payload, raw)
-
-    def _answered(self, call_id: int, ok: bool, payload: Any, raw: list) -> None:
+    def _answered(self, link: wire.Link, answer: tuple[int, bool, Any], raw: list) -> None:
+        call_id, ok, payload = answer
         if call_id == wire.TABLE_CALL:
             self._take_table(*payload)
             return
@@ -241,7 +238,7 @@ class RemoteEngine(EngineClient):
                 self._full[full_key] = (time.monotonic() + FULL_MEMORY_S, error)
             future.set_exception(error)
         elif raw:
-            future.set_result(wire.output_rows(payload, [frame.buffer for frame in raw]))
+            future.set_result(wire.output_rows(payload, raw))
         else:
             future.set_result(payload)
 
@@ -263,14 +260,15 @@ class RemoteEngine(EngineClient):
         disconnected: Awaitable[object] | None = None,
         full_key: tuple[str, int, str] | None = None,
     ) -> Any:
-        if not self.connected or self._outbox is None:
+        link = self._link
+        if not self.connected or link is None or not link.open:
             if region is not None and self.arena is not None:
                 self.arena.free(region)
             raise self._unavailable("the engine process is not running")
         call_id = item[1][0]
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = (future, region, full_key)
-        self._outbox.put(item, *raw, at_once=len(self._pending) == 1)
+        link.outbox.put(item, *raw, at_once=len(self._pending) == 1)
         watch = asyncio.ensure_future(disconnected) if disconnected is not None else None
         if watch is not None:
             watch.add_done_callback(lambda _: self._cancel(call_id))
@@ -283,8 +281,8 @@ class RemoteEngine(EngineClient):
                 self._cancel(call_id)
 
     def _cancel(self, call_id: int) -> None:
-        if call_id in self._pending and self._outbox is not None:
-            self._outbox.put((wire.CANCEL, call_id))
+        if call_id in self._pending and self._link is not None:
+            self._link.outbox.put((wire.CANCEL, call_id))
 
     async def infer(
         self,
@@ -316,8 +314,8 @@ class RemoteEngine(EngineClient):
         return await self._call((wire.INFER, header), raw, region, disconnected, full_key)
 
     def record_failure(self, view: VersionView, ns: int) -> None:
-        if self.connected and self._outbox is not None:
-            self._outbox.put((wire.FAILED, (view.name, view.version, ns)))
+        if self.connected and self._link is not None:
+            self._link.outbox.put((wire.FAILED, (view.name, view.version, ns)))
 
     async def control(self, op: str, **arguments: Any) -> Any:
         return await self._call((wire.CONTROL, (next(self._ids), op, arguments)), (), None)

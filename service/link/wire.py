@@ -1,37 +1,36 @@
-"""The messages between front ends and the engine, over ZeroMQ.
+"""The messages between front ends and the engine, over one Unix socket per front end.
 
-A message is a multipart ZeroMQ message that carries every item one side had ready in one turn of its
-event loop (:class:`Outbox`): a first frame, the pickled list of the items' headers (plain values), then
-the items' raw frames for tensors (never pickled). One message for many items matters: each ZeroMQ send
-wakes the library's I/O thread, and under load that wake-up, not the copy, is the link's cost.
+A message carries every item one side had ready in one turn of its event loop (:class:`Outbox`): a
+prefix of two lengths, the pickled list of the items' headers (plain values, each with its raw frames'
+lengths), then the items' raw frames for tensors (never pickled). One message for many items matters:
+under load each write and each wake-up of the other side, not the copy, is the link's cost.
 
 Front end to engine, an item's header is ``(kind, header)``: ``INFER`` (the rows are in the front end's
 shared-memory arena, or inline in one raw frame when they did not fit), ``CANCEL`` (the client has gone),
-``CONTROL`` (index, load, unload, config, statistics), ``TABLE`` (the table, now, to this front end) and
-``FAILED`` (a request refused while decoding, for the version's statistics; no answer). Engine to front
-end: one item per call, ``(call_id, ok, payload)`` plus a raw frame per output; and on the table socket,
-the engine's pid and its :class:`~service.engine.table.ModelTable` whenever it changes, and as a heartbeat.
-Both ends are processes of one service started by one supervisor, over sockets in its private directory.
+``CONTROL`` (index, load, unload, config, statistics), ``TABLE`` (sent on connecting: the table now,
+and every table from then on) and ``FAILED`` (a request refused while decoding, for the version's
+statistics; no answer). Engine to front end: one item per call, ``(call_id, ok, payload)`` plus a raw
+frame per output; and, as the answers to call ``TABLE_CALL``, the engine's pid and its
+:class:`~service.engine.table.ModelTable` at once, whenever it changes, and as a heartbeat. Both ends are processes of one service started by one supervisor, over a socket in its
+private directory.
 
-The sockets are plain pyzmq sockets that the event loop reads through their file descriptor
-(:class:`LoopSocket`), not ``zmq.asyncio``'s: its futures and poller cost more than the message itself
-(``python -m bench.link_rtt``: a small message's round trip between two processes, about twice as long).
+The sockets are asyncio's own Unix-socket transports (:class:`Link`), not ZeroMQ's: ZeroMQ hands every
+message to an I/O thread on each side, and those two thread wake-ups more than doubled a round trip
+between idle processes, the case of a lone client (``python -m bench.link_rtt``: BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import pickle
-import threading
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import zmq
 
 from service import errors
 from service.errors import ServiceError
@@ -39,22 +38,21 @@ from service.errors import ServiceError
 logger = logging.getLogger("vitserve")
 
 INFER, CANCEL, CONTROL, TABLE, FAILED = b"I", b"X", b"C", b"T", b"F"
-TABLE_CALL = 0  # the call id of the answer to TABLE (calls count from 1)
+TABLE_CALL = 0  # the call id the engine's tables come under (calls count from 1)
+
+# a message's first bytes: its headers' length, then its raw frames' length
+_PREFIX = struct.Struct("<QQ")
 
 
 @dataclass(frozen=True)
 class Addresses:
-    """The engine's two sockets, in the supervisor's private run directory."""
+    """Where the engine listens: a Unix socket in the supervisor's private run directory."""
 
-    calls: str
-    tables: str
+    engine: str
 
     @classmethod
     def in_directory(cls, directory: str) -> Addresses:
-        return cls(
-            f"ipc://{os.path.join(directory, 'calls')}",
-            f"ipc://{os.path.join(directory, 'tables')}",
-        )
+        return cls(os.path.join(directory, "engine"))
 
 
 def dumps(value: Any) -> bytes:
@@ -65,119 +63,113 @@ loads = pickle.loads
 
 
 def pack(items: list[tuple[Any, list]]) -> list:
-    """Items ``(header, raw frames)`` as the frames of one message: the headers, then every raw frame."""
-    frames: list = [dumps([(header, len(raw)) for header, raw in items])]
-    for _, raw in items:
-        frames.extend(raw)
-    return frames
+    """Items ``(header, raw frames)`` as the buffers of one message, to be written back to back."""
+    headers, raw = [], []
+    for header, frames in items:
+        views = [memoryview(frame).cast("B") for frame in frames]
+        headers.append((header, [len(view) for view in views]))
+        raw.extend(views)
+    packed = dumps(headers)
+    return [_PREFIX.pack(len(packed), sum(len(view) for view in raw)) + packed, *raw]
 
 
-def unpack(frames: list) -> Iterator[tuple[Any, list]]:
-    """The items of a message :func:`pack` made (its frames as received), in order."""
-    at = 1
-    for header, count in loads(frames[0].bytes):
-        yield header, frames[at : at + count]
-        at += count
+def unpack(message: memoryview) -> Iterator[tuple[Any, list[memoryview]]]:
+    """The items of one whole message (prefix included), in order, each with its raw frames as views
+    of ``message``."""
+    header_bytes, _ = _PREFIX.unpack_from(message)
+    at = _PREFIX.size + header_bytes
+    for header, lengths in loads(message[_PREFIX.size : at]):
+        raw = []
+        for length in lengths:
+            raw.append(message[at : at + length])
+            at += length
+        yield header, raw
 
 
-# Linux's policy for threads that should not preempt their waker (None: not Linux)
-SCHED_BATCH: int | None = getattr(os, "SCHED_BATCH", None)
+def split(data: memoryview) -> tuple[list[memoryview], int]:
+    """The whole messages at the start of ``data``, and how many of its bytes they take."""
+    messages, at = [], 0
+    while len(data) - at >= _PREFIX.size:
+        header_bytes, raw_bytes = _PREFIX.unpack_from(data, at)
+        end = at + _PREFIX.size + header_bytes + raw_bytes
+        if end > len(data):
+            break
+        messages.append(data[at:end])
+        at = end
+    return messages, at
 
 
-def context() -> zmq.Context:
-    """A ZeroMQ context whose I/O thread, woken by every send, does not take the core from the event
-    loop that woke it mid-turn (BENCHMARKS.md: about 5% at c=64 on two cores)."""
-    ctx = zmq.Context()
-    if _may_batch():  # libzmq aborts the process where the policy cannot be set
-        ctx.set(zmq.THREAD_SCHED_POLICY, SCHED_BATCH)
-    return ctx
+class Link(asyncio.Protocol):
+    """One end of a front end's connection to the engine: each item of each message that arrives goes
+    to ``on_item(link, header, raw)`` in order; ``outbox`` sends. ``on_lost(link)`` runs once, when the
+    connection has ended (the other process closed it, or died)."""
 
+    def __init__(
+        self,
+        on_item: Callable[[Link, Any, list[memoryview]], None],
+        on_lost: Callable[[Link], None] | None = None,
+    ) -> None:
+        self._on_item = on_item
+        self._on_lost = on_lost
+        self._partial = bytearray()  # the start of a message still arriving
+        self.transport: Any = None  # an asyncio.Transport (uvloop's are not its subclasses)
+        self.outbox = Outbox(self._write)
+        self.closed: asyncio.Future = asyncio.get_running_loop().create_future()
 
-@functools.cache
-def _may_batch() -> bool:
-    """Whether a thread of this process may take SCHED_BATCH (a sandbox may refuse it)."""
-    if SCHED_BATCH is None:
-        return False
-    allowed: list[bool] = []
+    @property
+    def open(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
 
-    def probe() -> None:
-        try:
-            os.sched_setscheduler(0, SCHED_BATCH, os.sched_param(0))
-            allowed.append(True)
-        except OSError:
-            allowed.append(False)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
 
-    thread = threading.Thread(target=probe, name="sched-probe")
-    thread.start()
-    thread.join()
-    return allowed == [True]
-
-
-class LoopSocket:
-    """A ZeroMQ socket on the running event loop: each message that arrives goes to ``on_message``
-    (its frames, not copied) as soon as the loop sees the socket readable; :meth:`send` never waits
-    (the sockets have no high-water mark).
-
-    ZeroMQ's descriptor is edge-triggered, and a send or a look at the socket's events can take the
-    edge that a message arriving meanwhile would have raised: after each, the socket is drained once
-    more from the loop, so no message waits for the next one to be seen.
-    """
-
-    # messages handed over in one go before the loop runs anything else
-    DRAIN_BATCH = 256
-
-    def __init__(self, socket: zmq.Socket, on_message: Callable[[list[zmq.Frame]], None]) -> None:
-        self.socket = socket
-        self._on_message = on_message
-        self._loop = asyncio.get_running_loop()
-        self._drain_scheduled = False
-        self._loop.add_reader(socket.FD, self._drain)
-        self._drain_soon()  # messages that came before the reader
-
-    def send(self, frames: list) -> None:
-        self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
-        self._drain_soon()
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+        if self._on_lost is not None:
+            self._on_lost(self)
 
     def close(self) -> None:
-        if self.socket.closed:
-            return
-        self._loop.remove_reader(self.socket.FD)
-        self.socket.close(linger=0)
+        self.outbox.flush()
+        if self.transport is not None:
+            self.transport.close()
 
-    def _drain_soon(self) -> None:
-        if not self._drain_scheduled:
-            self._drain_scheduled = True
-            self._loop.call_soon(self._drain)
+    def _write(self, buffers: list) -> None:
+        if self.open:  # one write: uvloop's writelines wrote each buffer apart, waking the reader
+            self.transport.write(b"".join(buffers))  # for each (a round trip took twice as long)
 
-    def _drain(self) -> None:
-        self._drain_scheduled = False
-        socket, on_message = self.socket, self._on_message
-        for _ in range(self.DRAIN_BATCH):
-            if socket.closed or not socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return
+    def data_received(self, data: bytes) -> None:
+        if self._partial:  # the rest of a message: whole ones are copied out of the buffer
+            self._partial += data
+            with memoryview(self._partial) as view:
+                messages, used = split(view)
+                messages = [memoryview(bytes(message)) for message in messages]
+            del self._partial[:used]
+        else:  # the usual case: whole messages, read in place
+            messages, used = split(memoryview(data))
+            if used < len(data):
+                self._partial += data[used:]
+        for message in messages:
             try:
-                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                on_message(frames)
-            except Exception:  # one bad message must not stop the link
-                logger.exception("a message from the other process could not be handled")
-        self._drain_soon()  # more are waiting: the rest after what else the loop has ready
+                items = list(unpack(message))
+            except Exception:  # the lengths were read, so the next message still starts right
+                logger.exception("a message from the other process could not be read")
+                continue
+            for header, raw in items:
+                try:
+                    self._on_item(self, header, raw)
+                except Exception:  # one bad item must not stop the link
+                    logger.exception("a message from the other process could not be handled")
 
 
 class Outbox:
-    """Items to send on a ZeroMQ socket, sent together once the event loop has run what is ready; an
-    item put ``at_once`` (a lone call, or its answer: nothing else in flight) goes now when nothing
-    waits before it, since no partner will join it this turn (at c=1 the wait for the loop's next turn
-    was a third of the hop: BENCHMARKS.md).
+    """Items to send on a link, sent together once the event loop has run what is ready; an item put
+    ``at_once`` (a lone call, or its answer: nothing else in flight) goes now when nothing waits before
+    it, since no partner will join it this turn (at c=1 the wait for the loop's next turn was a third
+    of the hop: BENCHMARKS.md)."""
 
-    ``prefix`` is the frames each message starts with (a ROUTER's peer identity); an outbox per peer.
-    """
-
-    def __init__(self, send: Callable[[list], None], prefix: tuple = ()) -> None:
+    def __init__(self, send: Callable[[list], None]) -> None:
         self._send = send
-        self._prefix = list(prefix)
         self._items: list[tuple[Any, list]] = []
 
     def put(self, header: Any, *raw: Any, at_once: bool = False) -> None:
@@ -193,8 +185,8 @@ class Outbox:
         if not items:
             return
         try:
-            self._send(self._prefix + pack(items))
-        except zmq.ZMQError as error:
+            self._send(pack(items))
+        except Exception as error:
             logger.error("a message to the other process was not sent: %r", error)
 
 

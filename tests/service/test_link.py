@@ -1,20 +1,19 @@
-"""The process link's messages: what one turn of the event loop has ready goes as one ZeroMQ message,
-items come out in order with their raw frames, and a cancel that travels with its call still cancels it."""
+"""The process link's messages: what one turn of the event loop has ready goes as one message, items come
+out in order with their raw frames however the bytes arrive, a cancel that travels with its call still
+cancels it, answers reach the front end that asked, a front end that goes away has its calls cancelled, and a
+front end connects again to a restarted engine."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
+import random
 import subprocess
 import sys
-import time
-from pathlib import Path
+from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import zmq
-import zmq.asyncio
 
 from service.engine.table import ModelTable
 from service.link import wire
@@ -23,42 +22,83 @@ from service.link.remote import RemoteEngine
 from service.observability.metrics import Metrics
 
 
-class Frame:
-    """What ZeroMQ hands a receiver (copy=False): the bytes, and a buffer over them."""
-
-    def __init__(self, data: bytes) -> None:
-        self.bytes = data
-        self.buffer = memoryview(data)
+def message_bytes(items: list) -> bytes:
+    return b"".join(bytes(buffer) for buffer in wire.pack(items))
 
 
-def received(frames: list) -> list[Frame]:
-    return [Frame(bytes(frame)) for frame in frames]
+def raw_bytes(raw: list) -> list[bytes]:
+    return [bytes(frame) for frame in raw]
+
+
+ITEMS = [
+    ((wire.INFER, (1, "m")), [b"rows-1"]),
+    ((wire.CANCEL, 7), []),
+    ((wire.INFER, (2, "m")), [b"rows-2a", np.arange(6, dtype=np.float32).reshape(2, 3).data]),
+    ((wire.FAILED, ("m", 1, 5)), []),
+]
+EXPECTED = [
+    ((wire.INFER, (1, "m")), [b"rows-1"]),
+    ((wire.CANCEL, 7), []),
+    ((wire.INFER, (2, "m")), [b"rows-2a", np.arange(6, dtype=np.float32).tobytes()]),
+    ((wire.FAILED, ("m", 1, 5)), []),
+]
 
 
 def test_items_come_out_in_order_with_their_own_raw_frames():
-    items = [
-        ((wire.INFER, (1, "m")), [b"rows-1"]),
-        ((wire.CANCEL, 7), []),
-        ((wire.INFER, (2, "m")), [b"rows-2a", b"rows-2b"]),
-        ((wire.FAILED, ("m", 1, 5)), []),
-    ]
-    frames = wire.pack(items)
-    assert len(frames) == 1 + 3  # the headers, then the four raw frames
-    out = [(header, [f.bytes for f in raw]) for header, raw in wire.unpack(received(frames))]
-    assert out == items
+    message = memoryview(message_bytes(ITEMS))
+    out = [(header, raw_bytes(raw)) for header, raw in wire.unpack(message)]
+    assert out == EXPECTED
+
+
+@pytest.mark.parametrize("pieces", ["whole", "bytes", "random"])
+def test_messages_come_out_whole_however_their_bytes_arrive(pieces):
+    """A stream hands over bytes, not messages: a message split anywhere, or several in one read,
+    still comes out whole and in order."""
+    stream = b"".join(message_bytes(ITEMS[: n + 1]) for n in range(len(ITEMS)))
+    if pieces == "whole":
+        chunks = [stream]
+    elif pieces == "bytes":
+        chunks = [stream[i : i + 1] for i in range(len(stream))]
+    else:
+        rng, chunks, at = random.Random(7), [], 0
+        while at < len(stream):
+            size = rng.randint(1, 40)
+            chunks.append(stream[at : at + size])
+            at += size
+    seen: list = []
+
+    async def scenario():
+        link = wire.Link(lambda _, header, raw: seen.append((header, raw_bytes(raw))))
+        for chunk in chunks:
+            link.data_received(chunk)
+
+    asyncio.run(scenario())
+    assert seen == [item for n in range(len(EXPECTED)) for item in EXPECTED[: n + 1]]
+
+
+def test_an_item_its_handler_refuses_does_not_stop_the_link(caplog):
+    seen: list = []
+
+    def take(_: wire.Link, header: tuple, raw: list) -> None:
+        if header == "bad":
+            raise ValueError("an item its handler cannot take")
+        seen.append(header)
+
+    async def scenario():
+        link = wire.Link(take)
+        link.data_received(message_bytes([("one", []), ("bad", []), ("two", [])]))
+        link.data_received(message_bytes([("three", [])]))
+
+    asyncio.run(scenario())
+    assert seen == ["one", "two", "three"]
+    assert "could not be handled" in caplog.text
 
 
 def test_what_one_loop_turn_puts_goes_as_one_message():
-    sent: list[list] = []
-
-    def send(frames: list) -> asyncio.Future:
-        sent.append(frames)
-        future = asyncio.get_running_loop().create_future()
-        future.set_result(None)
-        return future
+    sent: list[bytes] = []
 
     async def scenario():
-        outbox = wire.Outbox(send, prefix=(b"peer",))
+        outbox = wire.Outbox(lambda buffers: sent.append(b"".join(bytes(b) for b in buffers)))
         outbox.put(("a", 1), b"x")
         outbox.put(("b", 2))
         outbox.put(("c", 3), b"y", b"z")
@@ -69,18 +109,17 @@ def test_what_one_loop_turn_puts_goes_as_one_message():
 
     asyncio.run(scenario())
     assert len(sent) == 2
-    first, second = sent
-    assert first[0] == b"peer" and second[0] == b"peer"
-    assert [h for h, _ in wire.unpack(received(first[1:]))] == [("a", 1), ("b", 2), ("c", 3)]
-    assert [r for _, r in wire.unpack(received(first[1:]))][2][1].bytes == b"z"
-    assert [h for h, _ in wire.unpack(received(second[1:]))] == [("d", 4)]
+    first, second = (list(wire.unpack(memoryview(message))) for message in sent)
+    assert [h for h, _ in first] == [("a", 1), ("b", 2), ("c", 3)]
+    assert raw_bytes(first[2][1]) == [b"y", b"z"]
+    assert [h for h, _ in second] == [("d", 4)]
 
 
 def test_a_lone_item_goes_at_once_and_never_ahead_of_one_already_waiting():
-    sent: list[list] = []
+    sent: list[bytes] = []
 
     async def scenario():
-        outbox = wire.Outbox(sent.append)
+        outbox = wire.Outbox(lambda buffers: sent.append(b"".join(bytes(b) for b in buffers)))
         outbox.put(("lone", 1), b"x", at_once=True)
         assert len(sent) == 1  # not held for the loop's next turn
         outbox.put(("a", 2))
@@ -89,11 +128,11 @@ def test_a_lone_item_goes_at_once_and_never_ahead_of_one_already_waiting():
         await asyncio.sleep(0)
 
     asyncio.run(scenario())
-    assert [[h for h, _ in wire.unpack(received(message))] for message in sent] == [
+    assert [[h for h, _ in wire.unpack(memoryview(message))] for message in sent] == [
         [("lone", 1)],
         [("a", 2), ("b", 3)],
     ]
-    assert next(wire.unpack(received(sent[0])))[1][0].bytes == b"x"
+    assert raw_bytes(next(wire.unpack(memoryview(sent[0])))[1]) == [b"x"]
 
 
 def infer_header(call_id: int, rows: np.ndarray) -> tuple:
@@ -102,18 +141,28 @@ def infer_header(call_id: int, rows: np.ndarray) -> tuple:
             None)  # fmt: skip
 
 
+READY = ModelTable(phase="ready", healthy=True, retry_after_s=1)
+
+
 class CancelWatchingEngine:
-    """An engine whose infer reports whether the client-gone signal had completed when it ran."""
+    """An engine whose infer reports whether the client-gone signal had completed when it ran, and,
+    told to ``hold``, waits for that signal before answering."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold: bool = False) -> None:
         self.gone_at_start: list[bool] = []
+        self.hold = hold
+        self.released = 0
+        self.current = READY
 
-    async def infer(self, name, version, requested, key, graph, rows, request_id, gone):
+    async def infer(self, name, version, requested, key, graph, rows, request_id, gone, alone):
         self.gone_at_start.append(gone.done())
-        return [(np.zeros(1, np.float32),) for _ in rows]
+        if self.hold:
+            await gone
+            self.released += 1
+        return [(np.full(2, rows.sum(), np.float32),) for _ in rows]
 
     def table(self) -> ModelTable:
-        return ModelTable(phase="starting", retry_after_s=1)
+        return self.current
 
 
 @pytest.mark.parametrize("cancelled", [False, True])
@@ -123,13 +172,13 @@ def test_a_cancel_in_the_same_message_as_its_call_reaches_it(tmp_path, cancelled
 
     async def scenario():
         server = EngineServer(engine, wire.Addresses.in_directory(str(tmp_path)))
-        server.bind()
-        header = infer_header(5, rows)
-        items = [((wire.INFER, header), [rows.tobytes()])]
+        link = wire.Link(lambda *_: None)  # never connected: its answers go nowhere
+        # as the server's link hands over a message's items
+        items = [((wire.INFER, infer_header(5, rows)), [rows.tobytes()])]
         if cancelled:
             items.append(((wire.CANCEL, 5), []))
-        for (kind, item), raw in wire.unpack(received(wire.pack(items))):
-            server._take(b"front-end", kind, item, raw)
+        for header, raw in wire.unpack(memoryview(message_bytes(items))):
+            server._take(link, header, raw)
         await asyncio.gather(*server._running)
         await server.close()
 
@@ -137,141 +186,129 @@ def test_a_cancel_in_the_same_message_as_its_call_reaches_it(tmp_path, cancelled
     assert engine.gone_at_start == [cancelled]
 
 
-def test_answers_reach_the_front_end_that_asked(tmp_path):
-    """Over real ZeroMQ sockets: two calls in one message, two answers back, each to its caller."""
+async def connect(path: str, received: list) -> wire.Link:
+    """A front end's connection to the engine server at ``path``, recording every answer."""
+    loop = asyncio.get_running_loop()
+    _, link = await loop.create_unix_connection(
+        lambda: wire.Link(lambda _, answer, raw: received.append((answer, raw_bytes(raw)))), path
+    )
+    return link
+
+
+async def until(condition, seconds: float = 10) -> None:
+    async with asyncio.timeout(seconds):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+def test_answers_and_tables_reach_the_front_end_that_asked(tmp_path):
+    """Over real sockets: two front ends, two calls each in one message; each gets the table on
+    connecting and whenever it changes, and its own answers only."""
     engine = CancelWatchingEngine()
-    rows = np.zeros((1, 1, 2, 2), np.float32)
+    addresses = wire.Addresses.in_directory(str(tmp_path))
 
     async def scenario():
-        addresses = wire.Addresses.in_directory(str(tmp_path))
         server = EngineServer(engine, addresses)
-        server.bind()
-        context = zmq.asyncio.Context()
-        dealer = context.socket(zmq.DEALER)
-        dealer.connect(addresses.calls)
-        items = [
-            ((wire.INFER, infer_header(call_id, rows)), [rows.tobytes()]) for call_id in (11, 12)
-        ]
-        await dealer.send_multipart(wire.pack(items))
-        answers = []
-        while len(answers) < 2:
-            async with asyncio.timeout(10):
-                frames = await dealer.recv_multipart(copy=False)
-            answers.extend(wire.unpack(frames))
-        context.destroy(linger=0)
+        await server.bind()
+        answers: dict[str, list] = {"a": [], "b": []}
+        links = {key: await connect(addresses.engine, got) for key, got in answers.items()}
+        for offset, link in enumerate(links.values()):
+            link.outbox.put((wire.TABLE, None))
+            for call_id in (11, 12):
+                rows = np.full((1, 1, 2, 2), call_id + offset * 100, np.float32)
+                link.outbox.put((wire.INFER, infer_header(call_id, rows)), rows.data)
+
+        def answered() -> bool:
+            return all(
+                len([a for a in got if a[0][0] != wire.TABLE_CALL]) == 2 for got in answers.values()
+            )
+
+        await until(answered)
+        engine.current = replace(READY, phase="shutting_down", generation=READY.generation + 1)
+
+        def told(got: list) -> bool:
+            return any(
+                c == wire.TABLE_CALL and p[1].phase == "shutting_down" for (c, _, p), _ in got
+            )
+
+        await until(lambda: all(told(got) for got in answers.values()))
+        for link in links.values():
+            link.close()
         await server.close()
         return answers
 
     answers = asyncio.run(scenario())
-    assert sorted(call_id for (call_id, ok, _), _ in answers) == [11, 12]
-    assert all(ok for (_, ok, _), _ in answers)
+    for offset, key in enumerate(("a", "b")):
+        tables = [
+            payload for (call_id, _, payload), _ in answers[key] if call_id == wire.TABLE_CALL
+        ]
+        assert tables and tables[0][1] == READY
+        calls = {call_id: (ok, raw) for (call_id, ok, _), raw in answers[key] if call_id}
+        assert sorted(calls) == [11, 12]
+        for call_id, (ok, raw) in calls.items():
+            sum_of_rows = 4 * (call_id + offset * 100)  # what the engine answers for these rows
+            assert ok and np.frombuffer(raw[0], np.float32).tolist() == [sum_of_rows] * 2
 
 
-def _loop_pair(context: zmq.Context, address: str, on_echoed, *, fail_on: bytes | None = None):
-    """A ROUTER that echoes each message (through a LoopSocket) and a DEALER LoopSocket."""
-    router = context.socket(zmq.ROUTER)
-    router.bind(address)
-    echo: list[wire.LoopSocket] = []
-
-    def bounce(frames: list) -> None:
-        if frames[-1].bytes == fail_on:
-            raise ValueError("a message its handler cannot take")
-        asyncio.get_running_loop().call_soon(echo[0].send, frames)  # as an Outbox sends
-
-    echo.append(wire.LoopSocket(router, bounce))
-    dealer = context.socket(zmq.DEALER)
-    dealer.connect(address)
-    return echo[0], wire.LoopSocket(dealer, on_echoed)
-
-
-def test_loop_sockets_deliver_every_message_however_sends_and_arrivals_interleave(tmp_path):
-    """ZeroMQ's descriptor is edge-triggered: a message that arrives while this side sends must
-    still be seen without waiting for the next one (a lost edge hangs the round trips below)."""
-    received: list[bytes] = []
+def test_a_front_end_that_goes_away_has_its_calls_cancelled(tmp_path):
+    """Nobody will read the answers of a front end that died: its calls' rows need not run."""
+    engine = CancelWatchingEngine(hold=True)
+    addresses = wire.Addresses.in_directory(str(tmp_path))
 
     async def scenario():
-        context = zmq.Context()
-        done = asyncio.get_running_loop().create_future()
-
-        def echoed(frames: list) -> None:
-            received.append(frames[-1].bytes)
-            if len(received) < 2000:
-                # the next trip, sent after the handler as an Outbox sends
-                asyncio.get_running_loop().call_soon(dealer.send, [b"%d" % len(received)])
-            elif not done.done():
-                done.set_result(None)
-
-        router, dealer = _loop_pair(context, f"ipc://{tmp_path}/pair", echoed)
-        for n in range(50):  # a burst besides the chain of single round trips
-            dealer.send([b"burst-%d" % n])
-        dealer.send([b"0"])
-        async with asyncio.timeout(10):
-            await done
-        router.close()
-        dealer.close()
-        context.destroy(linger=0)
-
-    asyncio.run(scenario())
-    assert [m for m in received if m.startswith(b"burst-")] == [b"burst-%d" % n for n in range(50)]
-    assert len(received) >= 2000
-
-
-def test_a_message_its_handler_refuses_does_not_stop_the_link(tmp_path, caplog):
-    received: list[bytes] = []
-
-    async def scenario():
-        context = zmq.Context()
-        router, dealer = _loop_pair(
-            context,
-            f"ipc://{tmp_path}/pair",
-            lambda f: received.append(f[-1].bytes),
-            fail_on=b"bad",
-        )
-        for body in (b"one", b"bad", b"two"):
-            dealer.send([body])
-        async with asyncio.timeout(10):
-            while len(received) < 2:
-                await asyncio.sleep(0.005)
-        router.close()
-        dealer.close()
-        context.destroy(linger=0)
-
-    asyncio.run(scenario())
-    assert received == [b"one", b"two"]
-    assert "could not be handled" in caplog.text
-
-
-def test_a_long_queue_is_handed_over_in_turns_of_the_loop(tmp_path, monkeypatch):
-    """More than DRAIN_BATCH waiting messages all arrive, and the loop runs other work between
-    batches instead of reading them all in one callback."""
-    monkeypatch.setattr(wire.LoopSocket, "DRAIN_BATCH", 8)
-    order: list[str] = []
-
-    async def scenario():
-        context = zmq.Context()
-        pull = context.socket(zmq.PULL)
-        pull.bind(f"ipc://{tmp_path}/queue")
-        push = context.socket(zmq.PUSH)
-        push.connect(f"ipc://{tmp_path}/queue")
-        for n in range(40):
-            push.send(b"%d" % n)
-        while pull.poll(0) == 0:  # all 40 have reached the receiving socket
-            await asyncio.sleep(0.001)
+        server = EngineServer(engine, addresses)
+        await server.bind()
+        staying, leaving = [], []
+        stays = await connect(addresses.engine, staying)
+        leaves = await connect(addresses.engine, leaving)
+        rows = np.zeros((1, 1, 2, 2), np.float32)
+        for link in (stays, leaves):
+            link.outbox.put((wire.INFER, infer_header(3, rows)), rows.data)
+        await until(lambda: len(engine.gone_at_start) == 2)
+        leaves.transport.abort()  # as when its process is killed
+        await until(lambda: engine.released == 1)
         await asyncio.sleep(0.05)
-        loop = asyncio.get_running_loop()
-        socket = wire.LoopSocket(pull, lambda f: order.append(f[-1].bytes.decode()))
-        loop.call_soon(lambda: loop.call_soon(lambda: order.append("other work")))
-        async with asyncio.timeout(10):
-            while len(order) < 41:
-                await asyncio.sleep(0.001)
-        socket.close()
-        push.close(linger=0)
-        context.destroy(linger=0)
+        held = engine.released
+        stays.close()
+        await until(lambda: engine.released == 2)
+        await server.close()
+        return held
 
-    asyncio.run(scenario())
-    messages = [m for m in order if m != "other work"]
-    assert messages == [str(n) for n in range(40)]
-    assert 0 < order.index("other work") < 40
+    assert asyncio.run(scenario()) == 1  # the other front end's call still waited
+
+
+def test_a_front_end_connects_again_to_a_restarted_engine(tmp_path):
+    """The engine's socket goes away with it: the front end answers 503 meanwhile, connects to the
+    next engine when it listens, takes its table and runs calls again."""
+    addresses = wire.Addresses.in_directory(str(tmp_path))
+    view = SimpleNamespace(name="m", version=1, preprocessing_key=("k",))  # what infer reads
+
+    async def scenario() -> list:
+        seen = []
+        first = EngineServer(CancelWatchingEngine(), addresses)
+        await first.bind()
+        remote = RemoteEngine(addresses, "unused", 0, 1, Metrics())
+        await remote.start()
+        rows = np.ones((1, 1, 2, 2), np.float32)
+        seen.append(await remote.infer(view, None, "classifier", rows, None, None))
+        await first.close()
+        await until(lambda: not remote.connected)
+        try:
+            await remote.infer(view, None, "classifier", rows, None, None)
+        except Exception as error:  # its kind is what is checked
+            seen.append(getattr(error, "code", repr(error)))
+        second = EngineServer(CancelWatchingEngine(), addresses)
+        await second.bind()
+        await until(lambda: remote.connected and remote.table.ready)
+        seen.append(await remote.infer(view, None, "classifier", rows * 2, None, None))
+        await remote.stop()
+        await second.close()
+        return seen
+
+    first_answer, refused, second_answer = asyncio.run(scenario())
+    assert [row[0].tolist() for row in first_answer] == [[4.0, 4.0]]
+    assert refused == "engine_unavailable"
+    assert [row[0].tolist() for row in second_answer] == [[8.0, 8.0]]
 
 
 def test_a_table_its_dead_engine_sent_never_makes_the_front_end_ready(tmp_path):
@@ -308,53 +345,3 @@ def test_a_table_its_dead_engine_sent_never_makes_the_front_end_ready(tmp_path):
         return seen
 
     assert asyncio.run(scenario()) == [True, False, False, True, True]
-
-
-def io_thread_policies(make_context) -> list[int]:
-    """The scheduling policy of each I/O thread of the context ``make_context()`` returns."""
-
-    def threads() -> dict[int, str]:
-        names = {}
-        for task in Path("/proc/self/task").iterdir():
-            # a thread may end meanwhile (the policy's probe)
-            with contextlib.suppress(FileNotFoundError):
-                names[int(task.name)] = (task / "comm").read_text().strip()
-        return names
-
-    before = threads()
-    context = make_context()
-    socket = context.socket(zmq.DEALER)  # the context's threads start with its first socket
-    try:
-        deadline = time.monotonic() + 5
-        while True:  # each names itself once running
-            io = [tid for tid, name in threads().items() if tid not in before and "IO" in name]
-            if io or time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
-        return [os.sched_getscheduler(tid) for tid in io]
-    finally:
-        socket.close(0)
-        context.term()
-
-
-def test_the_link_s_io_thread_never_preempts_the_event_loop_that_wakes_it():
-    """ZeroMQ's I/O thread, woken by every send, runs SCHED_BATCH: on a loaded machine a woken
-    thread of the normal policy takes the core from the loop that woke it mid-turn."""
-    assert io_thread_policies(wire.context) == [os.SCHED_BATCH]
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own thread is untouched
-
-
-def test_where_the_policy_is_refused_the_link_keeps_the_normal_one(monkeypatch):
-    """libzmq aborts the process when it cannot set its threads' policy (a sandbox may refuse it):
-    the context asks only where a thread of this process was allowed to take it."""
-
-    def refused(*_: object) -> None:
-        raise PermissionError(1, "Operation not permitted")
-
-    monkeypatch.setattr(os, "sched_setscheduler", refused)
-    wire._may_batch.cache_clear()
-    try:
-        assert io_thread_policies(wire.context) == [os.SCHED_OTHER]
-    finally:
-        monkeypatch.undo()
-        wire._may_batch.cache_clear()
