@@ -196,7 +196,7 @@ class DynamicBatcher:
         request = BatchRequest(loop.create_future(), count)
         items = [QueueItem(rows[i], request, i, now, request_id, wait=wait) for i in range(count)]
         self._pending.extend(items)
-        if alone and len(self._pending) == count and self._idle_due():
+        if alone and self._idle_due():
             self._dispatch(loop)
         else:
             self._depth.set(len(self._pending))

@@ -187,6 +187,36 @@ def test_a_lone_image_failing_on_the_event_loop_fails_only_its_request(monkeypat
     assert float(run(scenario())[0][0]) == 2.0
 
 
+def test_a_call_alone_on_an_idle_model_is_answered_in_its_first_step(monkeypatch):
+    """``alone`` (no partner can come this turn): an idle model starts on the call from ``submit``
+    itself, so a lone image of a fast model is answered before the call awaits anything; without it
+    the batching loop starts the call a turn later. A call ``alone`` behind one already queued takes
+    it along."""
+    monkeypatch.setattr(batcher_module, "INLINE_RUN_MAX_S", 1.0)
+
+    async def scenario():
+        model = Model()
+        b = batcher(model)
+        b.start()
+        await b.submit(rows(1))  # timed on the thread: short, so the next lone runs are inline
+        done_after_one_step = []
+        for alone in (True, False):
+            call = asyncio.create_task(b.submit(rows(2), alone=alone))
+            await asyncio.sleep(0)  # the call's first step runs, and nothing after it
+            done_after_one_step.append(call.done())
+            await call
+        queued = asyncio.create_task(b.submit(rows(3)))
+        behind = asyncio.create_task(b.submit(rows(4), alone=True))
+        answers = await asyncio.gather(queued, behind)
+        await b.stop(5)
+        return model, done_after_one_step, answers
+
+    model, done_after_one_step, answers = run(scenario())
+    assert done_after_one_step == [True, False]
+    assert model.batches == [1, 1, 1, 2]
+    assert [float(answer[0][0]) for answer in answers] == [3.0, 4.0]
+
+
 def test_max_queue_delay_counts_from_the_oldest_item_while_an_instance_is_busy():
     """With an instance busy and one idle, a batch waits the delay from its oldest item."""
 

@@ -150,12 +150,14 @@ class CancelWatchingEngine:
 
     def __init__(self, hold: bool = False) -> None:
         self.gone_at_start: list[bool] = []
+        self.alone: list[bool] = []
         self.hold = hold
         self.released = 0
         self.current = READY
 
     async def infer(self, name, version, requested, key, graph, rows, request_id, gone, alone):
         self.gone_at_start.append(gone.done())
+        self.alone.append(alone)
         if self.hold:
             await gone
             self.released += 1
@@ -184,6 +186,26 @@ def test_a_cancel_in_the_same_message_as_its_call_reaches_it(tmp_path, cancelled
 
     asyncio.run(scenario())
     assert engine.gone_at_start == [cancelled]
+
+
+def test_only_a_call_with_no_other_in_progress_is_run_alone(tmp_path):
+    """The engine tells the batcher a call is alone (start it now) only when no other call came with
+    it or is still in progress; calls that came together may share a batch."""
+    engine = CancelWatchingEngine()
+    rows = np.zeros((1, 1, 2, 2), np.float32)
+
+    async def scenario():
+        server = EngineServer(engine, wire.Addresses.in_directory(str(tmp_path)))
+        link = wire.Link(lambda *_: None)
+        for call_ids in ((1,), (2, 3), (4,)):
+            items = [((wire.INFER, infer_header(i, rows)), [rows.tobytes()]) for i in call_ids]
+            for header, raw in wire.unpack(memoryview(message_bytes(items))):
+                server._take(link, header, raw)
+            await asyncio.gather(*server._running)
+        await server.close()
+
+    asyncio.run(scenario())
+    assert engine.alone == [True, False, False, True]
 
 
 async def connect(path: str, received: list) -> wire.Link:
