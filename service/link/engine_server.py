@@ -37,6 +37,7 @@ class EngineServer:
         self._server: asyncio.AbstractServer | None = None
         self._links: set[wire.Link] = set()  # one per front end connected
         self._reader = ArenaReader()
+        self._arenas: dict[wire.Link, set[str]] = {}  # the shared-memory blocks each front end used
         self._gone: dict[tuple[wire.Link, int], asyncio.Future] = {}  # a call's client-gone signal
         self._running: set[asyncio.Task] = set()
         self._publish_now = asyncio.Event()
@@ -85,8 +86,11 @@ class EngineServer:
                 published = -1
 
     def _lost(self, link: wire.Link) -> None:
-        """A front end went away: nobody will read its answers, so its calls need not run."""
+        """A front end went away: nobody will read its answers, so its calls need not run, and its
+        shared memory is let go (a block still holding queued rows goes with them)."""
         self._links.discard(link)
+        for name in self._arenas.pop(link, ()):
+            self._reader.forget(name)
         for (owner, _), gone in list(self._gone.items()):
             if owner is link and not gone.done():
                 gone.set_result(None)
@@ -127,6 +131,7 @@ class EngineServer:
             rows = np.frombuffer(inline[0], dtype=np.dtype(dtype)).reshape(shape)
         else:
             rows = self._reader.rows(arena, offset, shape, dtype)
+            self._arenas.setdefault(link, set()).add(arena)
         # the only call in progress: every call that came with it, or before it, has its task by now
         alone = len(self._running) == 1
         try:

@@ -6,10 +6,12 @@ front end connects again to a restarted engine."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,6 +19,7 @@ import pytest
 
 from service.engine.table import ModelTable
 from service.link import wire
+from service.link.arena import PAGE, Arena
 from service.link.engine_server import EngineServer
 from service.link.remote import RemoteEngine
 from service.observability.metrics import Metrics
@@ -297,6 +300,39 @@ def test_a_front_end_that_goes_away_has_its_calls_cancelled(tmp_path):
         return held
 
     assert asyncio.run(scenario()) == 1  # the other front end's call still waited
+
+
+def test_the_engine_lets_go_of_a_gone_front_end_s_shared_memory(tmp_path):
+    """A front end that died is replaced by one with a block of its own: the engine unmaps the dead
+    one's block instead of holding its pages for the rest of its life."""
+    engine = CancelWatchingEngine()
+    addresses = wire.Addresses.in_directory(str(tmp_path))
+    arena = Arena(f"vitserve-test-{os.getpid()}-link", 16 * PAGE)
+
+    def mapped() -> bool:
+        return arena.name in Path(f"/proc/{os.getpid()}/maps").read_text()
+
+    async def scenario() -> list[bool]:
+        seen = []
+        server = EngineServer(engine, addresses)
+        await server.bind()
+        answers: list = []
+        link = await connect(addresses.engine, answers)
+        rows = np.ones((1, 1, 2, 2), np.float32)
+        region = arena.put(rows)
+        header = list(infer_header(1, rows))
+        header[7:9] = [arena.name, region.offset]  # the rows in the block, not in the message
+        link.outbox.put((wire.INFER, tuple(header)))
+        await until(lambda: answers)
+        arena.close()  # unlinked, and unmapped here: only the engine's mapping is left
+        seen.append(mapped())
+        link.transport.abort()
+        await until(lambda: not mapped())
+        seen.append(mapped())
+        await server.close()
+        return seen
+
+    assert asyncio.run(scenario()) == [True, False]
 
 
 def test_a_front_end_connects_again_to_a_restarted_engine(tmp_path):
