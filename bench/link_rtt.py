@@ -12,7 +12,7 @@
 
 ``--gap-ms`` waits that long, idle, before each trip, as a lone client leaves both processes idle
 between its requests: an idle core takes longer to wake, and ZeroMQ wakes two more threads per trip.
-It prints each one's p50 and p90 in microseconds. BENCHMARKS.md ("The process hop") quotes it.
+It prints each one's p50 and p90 in microseconds. BENCHMARKS.md ("The link without ZeroMQ") quotes it.
 """
 
 from __future__ import annotations

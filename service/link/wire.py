@@ -15,8 +15,8 @@ frame per output; and, as the answers to call ``TABLE_CALL``, the engine's pid a
 private directory.
 
 The sockets are asyncio's own Unix-socket transports (:class:`Link`), not ZeroMQ's: ZeroMQ hands every
-message to an I/O thread on each side, and those two thread wake-ups more than doubled a round trip
-between idle processes, the case of a lone client (``python -m bench.link_rtt``: BENCHMARKS.md).
+message to an I/O thread on each side, and between processes left idle by a lone client those wake-ups
+made a round trip about 1.6x as long (``python -m bench.link_rtt --gap-ms 1``: BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -170,14 +170,20 @@ def test_a_lone_image_of_a_fast_model_runs_on_the_event_loop(monkeypatch):
     assert loop_thread not in slow.threads
 
 
+async def inline_ready(model: Model) -> DynamicBatcher:
+    """A started batcher whose next lone runs are inline (with INLINE_RUN_MAX_S at 1 s): its first,
+    timed on the thread, was short."""
+    b = batcher(model)
+    b.start()
+    await b.submit(rows(1))
+    return b
+
+
 def test_a_lone_image_failing_on_the_event_loop_fails_only_its_request(monkeypatch):
     monkeypatch.setattr(batcher_module, "INLINE_RUN_MAX_S", 1.0)
 
     async def scenario():
-        model = Model()
-        b = batcher(model)
-        b.start()
-        await b.submit(rows(1))  # timed on the thread: short, so the next lone run is inline
+        b = await inline_ready(Model())
         with pytest.raises(InferenceFailed):
             await b.submit(rows(-1))
         answer = await b.submit(rows(2))
@@ -196,9 +202,7 @@ def test_a_call_alone_on_an_idle_model_is_answered_in_its_first_step(monkeypatch
 
     async def scenario():
         model = Model()
-        b = batcher(model)
-        b.start()
-        await b.submit(rows(1))  # timed on the thread: short, so the next lone runs are inline
+        b = await inline_ready(model)
         done_after_one_step = []
         for alone in (True, False):
             call = asyncio.create_task(b.submit(rows(2), alone=alone))
