@@ -11,8 +11,8 @@ shared-memory arena, or inline in one raw frame when they did not fit), ``CANCEL
 and every table from then on) and ``FAILED`` (a request refused while decoding, for the version's
 statistics; no answer). Engine to front end: one item per call, ``(call_id, ok, payload)`` plus a raw
 frame per output; and, as the answers to call ``TABLE_CALL``, the engine's pid and its
-:class:`~service.engine.table.ModelTable` at once, whenever it changes, and as a heartbeat. Both ends are processes of one service started by one supervisor, over a socket in its
-private directory.
+:class:`~service.engine.table.ModelTable` at once, whenever it changes, and as a heartbeat. Both ends
+are processes of one service started by one supervisor, over a socket in its private directory.
 
 The sockets are asyncio's own Unix-socket transports (:class:`Link`), not ZeroMQ's: ZeroMQ hands every
 message to an I/O thread on each side, and between processes left idle by a lone client those wake-ups

@@ -178,10 +178,10 @@ def test_a_cancel_in_the_same_message_as_its_call_reaches_it(tmp_path, cancelled
     async def scenario():
         server = EngineServer(engine, wire.Addresses.in_directory(str(tmp_path)))
         link = wire.Link(lambda *_: None)  # never connected: its answers go nowhere
-        # as the server's link hands over a message's items
         items = [((wire.INFER, infer_header(5, rows)), [rows.tobytes()])]
         if cancelled:
             items.append(((wire.CANCEL, 5), []))
+        # one message's items, handed over as the server's links hand them
         for header, raw in wire.unpack(memoryview(message_bytes(items))):
             server._take(link, header, raw)
         await asyncio.gather(*server._running)
