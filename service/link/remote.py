@@ -137,7 +137,7 @@ class RemoteEngine(EngineClient):
         while True:
             try:
                 _, link = await loop.create_unix_connection(
-                    lambda: wire.Link(self._answered, self._lost), self.addresses.engine
+                    lambda: wire.Link(self._answered), self.addresses.engine
                 )
             except OSError:  # not listening (yet, or again)
                 await asyncio.sleep(RECONNECT_S)
@@ -145,9 +145,6 @@ class RemoteEngine(EngineClient):
             self._link = link
             link.outbox.put((wire.TABLE, None), at_once=True)
             await link.closed
-
-    def _lost(self, link: wire.Link) -> None:
-        if link is self._link:
             self._link = None
             self._engine_gone("the link to the engine process was lost")
 

@@ -62,15 +62,17 @@ def dumps(value: Any) -> bytes:
 loads = pickle.loads
 
 
-def pack(items: list[tuple[Any, list]]) -> list:
-    """Items ``(header, raw frames)`` as the buffers of one message, to be written back to back."""
+def pack(items: list[tuple[Any, list]]) -> bytes:
+    """Items ``(header, raw frames)`` as one message, to be written in one go (uvloop's
+    ``writelines`` wrote each buffer apart and woke the reader for each: a round trip took twice as
+    long)."""
     headers, raw = [], []
     for header, frames in items:
         views = [memoryview(frame).cast("B") for frame in frames]
         headers.append((header, [len(view) for view in views]))
         raw.extend(views)
     packed = dumps(headers)
-    return [_PREFIX.pack(len(packed), sum(len(view) for view in raw)) + packed, *raw]
+    return b"".join([_PREFIX.pack(len(packed), sum(len(view) for view in raw)), packed, *raw])
 
 
 def unpack(message: memoryview) -> Iterator[tuple[Any, list[memoryview]]]:
@@ -134,9 +136,9 @@ class Link(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def _write(self, buffers: list) -> None:
-        if self.open:  # one write: uvloop's writelines wrote each buffer apart, waking the reader
-            self.transport.write(b"".join(buffers))  # for each (a round trip took twice as long)
+    def _write(self, message: bytes) -> None:
+        if self.open:
+            self.transport.write(message)
 
     def data_received(self, data: bytes) -> None:
         if self._partial:  # the rest of a message: whole ones are copied out of the buffer
@@ -168,7 +170,7 @@ class Outbox:
     it, since no partner will join it this turn (at c=1 the wait for the loop's next turn was a third
     of the hop: BENCHMARKS.md)."""
 
-    def __init__(self, send: Callable[[list], None]) -> None:
+    def __init__(self, send: Callable[[bytes], None]) -> None:
         self._send = send
         self._items: list[tuple[Any, list]] = []
 

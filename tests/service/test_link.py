@@ -25,10 +25,6 @@ from service.link.remote import RemoteEngine
 from service.observability.metrics import Metrics
 
 
-def message_bytes(items: list) -> bytes:
-    return b"".join(bytes(buffer) for buffer in wire.pack(items))
-
-
 def raw_bytes(raw: list) -> list[bytes]:
     return [bytes(frame) for frame in raw]
 
@@ -48,7 +44,7 @@ EXPECTED = [
 
 
 def test_items_come_out_in_order_with_their_own_raw_frames():
-    message = memoryview(message_bytes(ITEMS))
+    message = memoryview(wire.pack(ITEMS))
     out = [(header, raw_bytes(raw)) for header, raw in wire.unpack(message)]
     assert out == EXPECTED
 
@@ -57,7 +53,7 @@ def test_items_come_out_in_order_with_their_own_raw_frames():
 def test_messages_come_out_whole_however_their_bytes_arrive(pieces):
     """A stream hands over bytes, not messages: a message split anywhere, or several in one read,
     still comes out whole and in order."""
-    stream = b"".join(message_bytes(ITEMS[: n + 1]) for n in range(len(ITEMS)))
+    stream = b"".join(wire.pack(ITEMS[: n + 1]) for n in range(len(ITEMS)))
     if pieces == "whole":
         chunks = [stream]
     elif pieces == "bytes":
@@ -89,8 +85,8 @@ def test_an_item_its_handler_refuses_does_not_stop_the_link(caplog):
 
     async def scenario():
         link = wire.Link(take)
-        link.data_received(message_bytes([("one", []), ("bad", []), ("two", [])]))
-        link.data_received(message_bytes([("three", [])]))
+        link.data_received(wire.pack([("one", []), ("bad", []), ("two", [])]))
+        link.data_received(wire.pack([("three", [])]))
 
     asyncio.run(scenario())
     assert seen == ["one", "two", "three"]
@@ -101,7 +97,7 @@ def test_what_one_loop_turn_puts_goes_as_one_message():
     sent: list[bytes] = []
 
     async def scenario():
-        outbox = wire.Outbox(lambda buffers: sent.append(b"".join(bytes(b) for b in buffers)))
+        outbox = wire.Outbox(sent.append)
         outbox.put(("a", 1), b"x")
         outbox.put(("b", 2))
         outbox.put(("c", 3), b"y", b"z")
@@ -122,7 +118,7 @@ def test_a_lone_item_goes_at_once_and_never_ahead_of_one_already_waiting():
     sent: list[bytes] = []
 
     async def scenario():
-        outbox = wire.Outbox(lambda buffers: sent.append(b"".join(bytes(b) for b in buffers)))
+        outbox = wire.Outbox(sent.append)
         outbox.put(("lone", 1), b"x", at_once=True)
         assert len(sent) == 1  # not held for the loop's next turn
         outbox.put(("a", 2))
@@ -182,7 +178,7 @@ def test_a_cancel_in_the_same_message_as_its_call_reaches_it(tmp_path, cancelled
         if cancelled:
             items.append(((wire.CANCEL, 5), []))
         # one message's items, handed over as the server's links hand them
-        for header, raw in wire.unpack(memoryview(message_bytes(items))):
+        for header, raw in wire.unpack(memoryview(wire.pack(items))):
             server._take(link, header, raw)
         await asyncio.gather(*server._running)
         await server.close()
@@ -202,7 +198,7 @@ def test_only_a_call_with_no_other_in_progress_is_run_alone(tmp_path):
         link = wire.Link(lambda *_: None)
         for call_ids in ((1,), (2, 3), (4,)):
             items = [((wire.INFER, infer_header(i, rows)), [rows.tobytes()]) for i in call_ids]
-            for header, raw in wire.unpack(memoryview(message_bytes(items))):
+            for header, raw in wire.unpack(memoryview(wire.pack(items))):
                 server._take(link, header, raw)
             await asyncio.gather(*server._running)
         await server.close()
@@ -350,7 +346,8 @@ def test_a_front_end_connects_again_to_a_restarted_engine(tmp_path):
         rows = np.ones((1, 1, 2, 2), np.float32)
         seen.append(await remote.infer(view, None, "classifier", rows, None, None))
         await first.close()
-        await until(lambda: not remote.connected)
+        # the lost link says so at once, not the heartbeat (silent for SILENT_ENGINE_S = 3 s)
+        await until(lambda: not remote.connected, seconds=2)
         try:
             await remote.infer(view, None, "classifier", rows, None, None)
         except Exception as error:  # its kind is what is checked
@@ -382,9 +379,7 @@ def test_a_table_its_dead_engine_sent_never_makes_the_front_end_ready(tmp_path):
         remote._take_table((engine.pid, 1), ready)
         seen.append(remote.connected and remote.table.ready)
         engine.kill()  # not reaped yet, as when the supervisor has not come to it
-        async with asyncio.timeout(10):
-            while remote.connected:  # its death, seen through its pidfd
-                await asyncio.sleep(0.01)
+        await until(lambda: not remote.connected)  # its death, seen through its pidfd
         remote._take_table((engine.pid, 1), ready)  # the table it sent before dying
         seen.append(remote.connected or remote.table.ready)
         engine.wait()
