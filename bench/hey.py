@@ -114,11 +114,12 @@ def command(
     ]
 
 
-def start(argv: list[str]) -> subprocess.Popen:
-    """hey in the background (its summary on stdout), for runs something else happens during."""
+def start(argv: list[str], threads: int = 1) -> subprocess.Popen:
+    """hey in the background (its summary on stdout), for runs something else happens during;
+    ``threads`` OS threads (``GOMAXPROCS``): more only where the server has many cores."""
     if shutil.which(argv[0]) is None:
         raise HeyError("hey is not installed (Debian: apt-get install hey)")
-    env = {**os.environ, **ENV}
+    env = {**os.environ, **ENV, "GOMAXPROCS": str(threads)}
     return subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -136,8 +137,8 @@ def finish(process: subprocess.Popen, wall_limit_s: float) -> HeyResult:
     return parse_summary(out)
 
 
-def run(argv: list[str], wall_limit_s: float) -> HeyResult:
-    return finish(start(argv), wall_limit_s)
+def run(argv: list[str], wall_limit_s: float, threads: int = 1) -> HeyResult:
+    return finish(start(argv, threads), wall_limit_s)
 
 
 def shown(argv: list[str]) -> str:

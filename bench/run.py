@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "## On a GPU",
         "",
-        "Not measured: no GPU was available. What we would do on one (I/O binding, CUDA graphs, "
-        "bucketed batch sizes, instances) and why: [docs/gpu.md](docs/gpu.md).",
+        "This run is the CPU's. `python -m bench.cuda` checks and measures the service on an NVIDIA "
+        "GPU; what it measured on an H200, and what comes next there: [docs/gpu.md](docs/gpu.md).",
     ]
     output.write_text("\n".join(document) + "\n")
     print(f"== wrote {output} in {(time.monotonic() - began) / 60:.1f} min", flush=True)
