@@ -88,6 +88,7 @@ class QueueItem:
     # statistics and tracing: when its batch started, what the batch took, the request's queue span
     started: float = 0.0
     batch: BatchTimes | None = None
+    finite: bool = True  # every number of its outputs (output_checks.finite_rows)
     wait: tracing.QueueTrace | None = None
 
     @property

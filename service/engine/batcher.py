@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from service.engine.batch_request import BatchRequest, ClientGone, QueueItem, TimedOut
-from service.engine.output_checks import require_finite
+from service.engine.output_checks import finite_rows, require_finite
 from service.engine.statistics import BatchTimes, ModelStatistics
 from service.errors import ClientDisconnected, InferenceFailed, ServiceUnavailable
 from service.observability import tracing
@@ -228,7 +228,8 @@ class DynamicBatcher:
             max(round((item.started - item.enqueued) * 1e9) for item in items),
             {id(item.batch): item.batch for item in items if item.batch}.values(),
         )
-        require_finite(outputs, self.model, self.graph, self._metrics)
+        bad = sum(not item.finite for item in items)
+        require_finite(bad, count, self.model, self.graph, self._metrics)
         return outputs
 
     def _reject(self, reason: str) -> None:
@@ -414,8 +415,11 @@ class DynamicBatcher:
         self.statistics.record_batch(len(batch), times)
         if len(batch) == 1:
             self._lone_run_s = times.compute_infer_ns / 1e9
-        for item, row in zip(batch, rows, strict=True):
+        finite = finite_rows(outputs, len(batch))
+        for index, (item, row) in enumerate(zip(batch, rows, strict=True)):
             item.started, item.batch = started, times
+            if finite is not None:
+                item.finite = bool(finite[index])
             item.request.deliver(item.index, row)
 
     def fail_all(self, message: str, code: str = "shutting_down") -> int:

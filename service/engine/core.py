@@ -26,7 +26,7 @@ from service.settings import Settings
 
 logger = logging.getLogger("vitserve")
 
-CONTROL_OPS = ("index", "load", "unload", "config", "statistics")
+CONTROL_OPS = ("index", "load", "unload", "config", "statistics", "metrics")
 
 
 class Engine:
@@ -175,8 +175,11 @@ class Engine:
             status.pipeline.statistics.record_outcome(False, ns)
 
     async def control(self, op: str, **arguments: Any) -> Any:
-        """The repository index, explicit load and unload, the served config and the statistics."""
+        """The repository index, explicit load and unload, the served config and the statistics;
+        ``metrics`` writes the statistics to their Prometheus series, before a scrape."""
         manager = self.manager
+        if op == "metrics":
+            return manager.publish_statistics()
         if op == "index":
             return reports.index(manager)
         if op == "config":

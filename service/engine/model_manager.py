@@ -124,6 +124,11 @@ class ModelManager:
             if status.pipeline is not None
         ]
 
+    def publish_statistics(self) -> None:
+        """Every serving version's statistics to its ``nv_inference_*`` series."""
+        for pipeline in self._serving_pipelines():
+            pipeline.statistics.publish()
+
     def flush(self) -> None:
         """Shutdown has begun: every batcher runs what is queued without waiting for its delay."""
         for pipeline in self._serving_pipelines():

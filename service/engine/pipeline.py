@@ -166,4 +166,5 @@ class ModelPipeline:
         failed = 0
         for batcher in self.batchers:
             failed += await batcher.stop(timeout_s)
+        self.statistics.publish()  # its last numbers: nothing publishes a retired version's
         return failed

@@ -11,7 +11,10 @@ batch: ``execution_count``, ``inference_count`` (images run) and ``batch_stats``
 A pipeline owns one; everything is recorded on the event loop, so no lock is needed. The JSON shape
 is Triton's (``GET /v2/models/stats``), the field names those of its ``ModelStatistics`` protobuf.
 The same numbers feed Triton's ``nv_inference_*`` Prometheus series, when given
-(``Metrics.triton_series``), in microseconds as Triton's.
+(``Metrics.triton_series``), in microseconds as Triton's. They are written by :meth:`publish`, not per
+request: in multiprocess mode each Prometheus write is a locked write to a file in shared memory, six
+a request, and Triton too refreshes these series on an interval. The engine publishes when a front end
+serves ``/metrics`` (the ``metrics`` control call), so a scrape reads the numbers of that moment.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class ModelStatistics:
         self.execution_count = 0
         self.last_inference_ms = 0
         self._batches: dict[int, _BatchSizeStats] = {}
+        self._published: dict[str, float] = {}  # the totals the series were last given
 
     def record_batch(self, size: int, times: BatchTimes) -> None:
         """A batch of ``size`` images ran."""
@@ -78,8 +82,6 @@ class ModelStatistics:
         stats.compute_input.add(times.compute_input_ns)
         stats.compute_infer.add(times.compute_infer_ns)
         stats.compute_output.add(times.compute_output_ns)
-        self._add("exec_count", 1)
-        self._add("count", size)
 
     def record_request(self, queue_ns: int, batches: Iterable[BatchTimes]) -> None:
         """A request's images all ran: its wait in the queue and the batches they ran in."""
@@ -92,17 +94,27 @@ class ModelStatistics:
         }
         for stage, ns in spent.items():
             self.durations[stage].add(ns)
-            self._add(f"{stage}_duration_us", ns / 1000)
 
     def record_outcome(self, succeeded: bool, ns: int) -> None:
         """A request left the pipeline, answered (``succeeded``) or with an error, after ``ns``."""
         self.durations["success" if succeeded else "fail"].add(ns)
-        self._add("request_success" if succeeded else "request_failure", 1)
-        self._add("request_duration_us", ns / 1000)
 
-    def _add(self, series: str, amount: float) -> None:
-        if series in self._series:
-            self._series[series].inc(amount)
+    def publish(self) -> None:
+        """Add to the ``nv_inference_*`` series what they have not been given yet (added, not set:
+        a version loaded again goes on from the series' last values, as Triton's counters)."""
+        success, fail = self.durations["success"], self.durations["fail"]
+        totals = {
+            "request_success": success.count,
+            "request_failure": fail.count,
+            "count": self.inference_count,
+            "exec_count": self.execution_count,
+            "request_duration_us": (success.ns + fail.ns) / 1000,
+            **{f"{s}_duration_us": self.durations[s].ns / 1000 for s in STAGES[2:]},
+        }
+        for key, series in self._series.items():
+            if totals[key] != self._published.get(key, 0):
+                series.inc(totals[key] - self._published.get(key, 0))
+                self._published[key] = totals[key]
 
     def as_dict(self, name: str, version: str) -> dict[str, Any]:
         """One entry of Triton's ``model_stats``."""

@@ -19,6 +19,7 @@ from service.engine.batch_request import ClientGone
 from service.engine.model_versions import model_config, serving_settings
 from service.engine.pipeline import ModelPipeline
 from service.engine.runtime import Runtime
+from service.engine.statistics import BatchTimes, ModelStatistics
 from service.errors import NotFound, ServiceError
 from service.observability.metrics import Metrics
 from tests.support import MODEL_NAME, make_settings
@@ -83,6 +84,27 @@ def test_a_pipeline_runs_its_version_and_counts_its_requests(loaded, model_repos
     stats = pipeline.statistics.as_dict(MODEL_NAME, "1")["inference_stats"]
     assert stats["success"]["count"] == 1 and stats["fail"]["count"] == 0
     assert series(metrics, "vitserve_batch_size_count", model=MODEL_NAME, graph="classifier") == 1
+
+
+def test_published_statistics_add_up_across_publishes_and_a_version_loaded_again():
+    """The nv_inference_* series get each request once however often the engine publishes, and a
+    version loaded again (new statistics, the same series) goes on from their last values."""
+    metrics = Metrics()
+    first = ModelStatistics(metrics.triton_series(MODEL_NAME, 1))
+    first.record_batch(3, BatchTimes(1_000, 2_000, 3_000))
+    first.record_outcome(True, 2_000)
+    first.publish()
+    first.publish()
+    again = ModelStatistics(metrics.triton_series(MODEL_NAME, 1))
+    again.record_outcome(False, 1_000)
+    labels = {"model": MODEL_NAME, "version": "1"}
+    assert series(metrics, "nv_inference_request_failure", **labels) == 0  # not yet published
+    again.publish()
+    assert series(metrics, "nv_inference_request_success", **labels) == 1
+    assert series(metrics, "nv_inference_request_failure", **labels) == 1
+    assert series(metrics, "nv_inference_count", **labels) == 3
+    assert series(metrics, "nv_inference_exec_count", **labels) == 1
+    assert series(metrics, "nv_inference_request_duration_us", **labels) == pytest.approx(3.0)
 
 
 def test_a_failed_request_is_counted_failed_and_logged_with_its_id(loaded, records):
