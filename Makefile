@@ -93,8 +93,11 @@ k8s-check: $(TEST_STAMP) ## Validate deploy/kubernetes/ offline (kubernetes-vali
 # Two passes: the tests not marked serial on TEST_WORKERS processes (pytest-xdist), then the serial
 # ones alone (tests/conftest.py: they time the service or load it). pytest exits 5 when it collected
 # no test: that fails here, but for a pass that PYTEST_ARGS left empty (`PYTEST_ARGS=tests/export`).
+# Both passes share one export of the tests' tiny model (TESTS_MODEL_CACHE, tests/conftest.py), in a
+# fresh directory removed after them.
 pytest: $(TEST_STAMP) dataset chromium hey ## Run the test suite (PYTEST_ARGS: pytest's arguments).
-	$(VPY) -m pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || { s=$$?; [ $$s = 5 ] && [ -n "$(PYTEST_ARGS)" ] || exit $$s; }
+	cache=$$(mktemp -d); trap 'rm -rf "$$cache"' EXIT; export TESTS_MODEL_CACHE=$$cache; \
+	$(VPY) -m pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || { s=$$?; [ $$s = 5 ] && [ -n "$(PYTEST_ARGS)" ] || exit $$s; }; \
 	$(VPY) -m pytest -m serial $(PYTEST_ARGS) || { s=$$?; [ $$s = 5 ] && [ -n "$(PYTEST_ARGS)" ] || exit $$s; }
 
 dataset: ## Install Debian's dataset-fashion-mnist when its files are missing.
