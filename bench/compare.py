@@ -1,5 +1,6 @@
 """vitserve against the servers a user would run instead, and against the anchors (mosec, Triton),
-over HTTP under ``hey``, in one run. Who and with what: bench/contenders.py.
+over HTTP under ``hey`` (at c=1, one client timing each request to the microsecond:
+bench/one_client.py), in one run. Who and with what: bench/contenders.py.
 
 Each repeat measures every case at every concurrency level, the cases alternated (order reversed every
 other repeat) so that drift hits them alike, and the in-process ceiling (bench/inprocess.py) at each
@@ -14,17 +15,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import hey
+from bench import hey, one_client
 from bench.baselines.classifier import Classifier
 from bench.baselines.venvs import VenvError, ensure
 from bench.comparison import Comparison, Point, Start
 from bench.contenders import LEVELS, OIP_PNG, OIP_TENSOR, PNG, PREDICT, Case, Server, cases, servers
+from bench.hey import HeyResult
 from bench.inprocess import Ceiling
 from bench.machine import busy_check, cores_used, process_tree, tree_memory_kib
 from bench.payloads import b64_pngs, oip_png_body, oip_tensor_body, predict_body
@@ -159,13 +162,13 @@ def run(
                     if time.monotonic() - started > plan.budget_s:
                         result.skipped += 1
                         continue
-                    argv = request(case, c, duration_s=plan.duration_s)
-                    if repeat == 0 and (c == plan.levels[-1] or case.kind != PNG):
-                        result.commands.append(hey.shown(argv))
+                    measure = _measure(case, c, request, urls, by_key, bodies, plan)
+                    if repeat == 0 and (c == plan.levels[-1] or case.kind != PNG) and c > 1:
+                        result.commands.append(
+                            hey.shown(request(case, c, duration_s=plan.duration_s))
+                        )
                     own = {p for pid in pids.values() for p in process_tree(pid)} | ceiling.pids
-                    point = _point(
-                        case, by_key[case.server], c, repeat, argv, urls, pids, own, plan
-                    )
+                    point = _point(case, by_key[case.server], c, repeat, measure, urls, pids, own)
                     result.points.append(point)
                     print(f"  r{repeat} {point}", flush=True)
         for key, pid in pids.items():
@@ -203,22 +206,40 @@ def _start(
     return live.url, live.process.pid, Start(Spread.of(times), load, warmup, rss)
 
 
+def _measure(
+    case: Case,
+    c: int,
+    request: Callable[..., list[str]],
+    urls: dict[str, str],
+    by_key: dict[str, Server],
+    bodies: dict[tuple[str, int], Path],
+    plan: Plan,
+) -> Callable[[], HeyResult]:
+    """hey at ``c``; at c=1 one client timing each request to the microsecond (bench/one_client.py:
+    hey's 0.1 ms steps are 3% of a lone request, and the c=1 target is 5%)."""
+    if c == 1:
+        route = by_key[case.server].routes[case.kind]
+        body = bodies[route.body, case.images].read_bytes()
+        return lambda: one_client.run(urls[case.server] + route.path, body, plan.duration_s)
+    argv = request(case, c, duration_s=plan.duration_s)
+    return lambda: hey.run(argv, wall_limit_s=plan.duration_s + 90)
+
+
 def _point(
     case: Case,
     server: Server,
     c: int,
     repeat: int,
-    argv: list[str],
+    measure: Callable[[], HeyResult],
     urls: dict[str, str],
     pids: dict[str, int],
     own: set[int],
-    plan: Plan,
 ) -> Point:
     check = busy_check(own, interval_s=1.0)
     url, histogram = urls[case.server], server.batch_histogram
     before = batch_counters(http_get(url + "/metrics"), histogram) if histogram else (0.0, 0.0)
     ticks, began = process_tree(pids[case.server]), time.monotonic()
-    measured = hey.run(argv, wall_limit_s=plan.duration_s + 90)
+    measured = measure()
     cores = cores_used(ticks, process_tree(pids[case.server]), time.monotonic() - began)
     after = batch_counters(http_get(url + "/metrics"), histogram) if histogram else (0.0, 0.0)
     batches = after[1] - before[1]

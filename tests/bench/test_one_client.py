@@ -1,0 +1,69 @@
+"""bench/one_client.py against a local server that takes a known time: every answer counted by its
+status, each latency at least that time and kept to the microsecond, a dropped connection counted as
+an error and opened again, and hey's percentile rule."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from bench import one_client
+
+DELAY_S = 0.00237  # not a multiple of hey's 0.1 ms steps
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as the client expects
+    disable_nagle_algorithm = True  # headers and body go out in two writes
+    served = 0
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        Handler.served += 1
+        if Handler.served % 5 == 0:  # every fifth request: the connection dropped, no answer
+            self.close_connection = True
+            return
+        time.sleep(DELAY_S)
+        status = 200 if Handler.served % 7 else 503
+        self.send_response(status)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    Handler.served = 0
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/predict"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_each_request_is_timed_and_counted(server):
+    result = one_client.run(server, b'{"images": []}', seconds=0.5)
+    answered = sum(result.status_codes.values())
+    assert answered > 20
+    assert Handler.served == answered + result.error_count  # one request at a time, none lost
+    assert result.error_count == Handler.served // 5 and set(result.errors) == {"RemoteDisconnected"}
+    assert result.status_codes[503] >= 1 and result.ok == result.status_codes[200]
+    p50 = result.percentiles_s[50]
+    assert DELAY_S <= p50 < DELAY_S + 0.02
+    assert round(p50 * 1e4) != p50 * 1e4  # not rounded to hey's 0.1 ms
+    assert result.ok_rps == pytest.approx(result.ok / result.total_s)
+
+
+def test_percentiles_follow_heys_rule():
+    ordered = [float(i) for i in range(1, 11)]  # 1..10
+    assert one_client.percentile(ordered, 50) == 6.0  # index 10 * 50 // 100 = 5
+    assert one_client.percentile(ordered, 99) == 10.0
+    assert one_client.percentile(ordered, 10) == 2.0
