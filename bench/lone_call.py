@@ -3,8 +3,9 @@
 Issue 23 asks that one client at a time (c=1) be answered within 5% of the plain server's p50. This
 runs, side by side and alternated round by round, the plain server and vitserve in one process
 (``VITSERVE_WORKERS=0``), with one front end (``1``) and with its default (one per core), sends each
-single base64 PNGs with ``hey -c 1``, and reads the model's own statistics (``/v2/models/{name}/stats``,
-the engine's counters, as Triton keeps them) before and after each run. Per request, over the run:
+single base64 PNGs one at a time (bench/one_client.py, each timed to the microsecond), and reads
+the model's own statistics (``/v2/models/{name}/stats``, the engine's counters, as Triton keeps
+them) before and after each run. Per request, over the run:
 
 - ``success``: from the engine taking the call to its answer;
 - ``queue``: in the batcher's queue; ``input``: stacking the rows; ``infer``: the model's ``run``.
@@ -25,7 +26,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from bench import hey
+from bench import hey, one_client
 from bench.contenders import Server, cores, servers
 from bench.payloads import b64_pngs, predict_body
 from bench.server_process import REPO, SERVICE, running
@@ -83,7 +84,7 @@ def summary(runs: dict[str, list[tuple[hey.HeyResult, dict[str, float] | None]]]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.lone_call", description=__doc__)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=8.0, help="each hey run")
+    parser.add_argument("--seconds", type=float, default=8.0, help="each run")
     parser.add_argument("--workers", type=int, default=cores(), help="the default's front ends")
     args = parser.parse_args(argv)
     plan = contenders(args.workers)
@@ -110,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 url = live[key].url
 
                 def load(seconds: float, url: str = url) -> hey.HeyResult:
-                    command = hey.command(url + "/predict", body, concurrency=1, duration_s=seconds)
-                    return hey.run(command, seconds + 60)
+                    return one_client.run(url + "/predict", body.read_bytes(), seconds)
 
                 load(2)  # warm-up
                 ours = key != "plain"
