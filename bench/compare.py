@@ -1,6 +1,6 @@
 """vitserve against the servers a user would run instead, and against the anchors (mosec, Triton),
-over HTTP under ``hey`` (at c=1, one client timing each request to the microsecond:
-bench/one_client.py), in one run. Who and with what: bench/contenders.py.
+over HTTP under ``hey``, in one run; at c=1 one client sends to every server in turn, request by
+request, each timed to the microsecond (bench/one_client.py). Who and with what: bench/contenders.py.
 
 Each repeat measures every case at every concurrency level, the cases alternated (order reversed every
 other repeat) so that drift hits them alike, and the in-process ceiling (bench/inprocess.py) at each
@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +26,6 @@ from bench.baselines.classifier import Classifier
 from bench.baselines.venvs import VenvError, ensure
 from bench.comparison import Comparison, Point, Start
 from bench.contenders import LEVELS, OIP_PNG, OIP_TENSOR, PNG, PREDICT, Case, Server, cases, servers
-from bench.hey import HeyResult
 from bench.inprocess import Ceiling
 from bench.machine import busy_check, cores_used, process_tree, tree_memory_kib
 from bench.payloads import b64_pngs, oip_png_body, oip_tensor_body, predict_body
@@ -157,18 +155,24 @@ def run(
                     ceiling.images_per_s(batch, plan.ceiling_s)
                 )
             for c in plan.levels:
-                order = [case for case in work if c in case.levels]
-                for case in alternated(order, repeat):
+                order = alternated([case for case in work if c in case.levels], repeat)
+                own = {p for pid in pids.values() for p in process_tree(pid)} | ceiling.pids
+                if c == 1:  # every case in turn, request by request (bench/one_client.py)
+                    targets = [_target(case, urls, by_key, bodies) for case in order]
+                    points = _one_at_a_time(order, targets, repeat, urls, pids, own, by_key, plan)
+                    result.points += points
+                    print("".join(f"  r{repeat} {point}\n" for point in points), end="", flush=True)
+                    continue
+                for case in order:
                     if time.monotonic() - started > plan.budget_s:
                         result.skipped += 1
                         continue
-                    measure = _measure(case, c, request, urls, by_key, bodies, plan)
-                    if repeat == 0 and (c == plan.levels[-1] or case.kind != PNG) and c > 1:
-                        result.commands.append(
-                            hey.shown(request(case, c, duration_s=plan.duration_s))
-                        )
-                    own = {p for pid in pids.values() for p in process_tree(pid)} | ceiling.pids
-                    point = _point(case, by_key[case.server], c, repeat, measure, urls, pids, own)
+                    argv = request(case, c, duration_s=plan.duration_s)
+                    if repeat == 0 and (c == plan.levels[-1] or case.kind != PNG):
+                        result.commands.append(hey.shown(argv))
+                    point = _point(
+                        case, by_key[case.server], c, repeat, argv, urls, pids, own, plan
+                    )
                     result.points.append(point)
                     print(f"  r{repeat} {point}", flush=True)
         for key, pid in pids.items():
@@ -206,23 +210,66 @@ def _start(
     return live.url, live.process.pid, Start(Spread.of(times), load, warmup, rss)
 
 
-def _measure(
-    case: Case,
-    c: int,
-    request: Callable[..., list[str]],
+def _target(
+    case: Case, urls: dict[str, str], by_key: dict[str, Server], bodies: dict[tuple[str, int], Path]
+) -> tuple[str, bytes]:
+    route = by_key[case.server].routes[case.kind]
+    return urls[case.server] + route.path, bodies[route.body, case.images].read_bytes()
+
+
+def _one_at_a_time(
+    cases: list[Case],
+    targets: list[tuple[str, bytes]],
+    repeat: int,
     urls: dict[str, str],
+    pids: dict[str, int],
+    own: set[int],
     by_key: dict[str, Server],
-    bodies: dict[tuple[str, int], Path],
     plan: Plan,
-) -> Callable[[], HeyResult]:
-    """hey at ``c``; at c=1 one client timing each request to the microsecond (bench/one_client.py:
-    hey's 0.1 ms steps are 3% of a lone request, and the c=1 target is 5%)."""
-    if c == 1:
-        route = by_key[case.server].routes[case.kind]
-        body = bodies[route.body, case.images].read_bytes()
-        return lambda: one_client.run(urls[case.server] + route.path, body, plan.duration_s)
-    argv = request(case, c, duration_s=plan.duration_s)
-    return lambda: hey.run(argv, wall_limit_s=plan.duration_s + 90)
+) -> list[Point]:
+    """The c=1 points: every case in turn, one request each, for ``duration_s`` a case in all, so
+    that the machine's drift falls on them alike. A server's cores are its process tree's CPU over
+    the time its own requests took (a server with two cases here: both cases' requests)."""
+    check = busy_check(own, interval_s=1.0)
+    histograms = [by_key[case.server].batch_histogram for case in cases]
+    before = [
+        batch_counters(http_get(urls[case.server] + "/metrics"), h) if h else (0.0, 0.0)
+        for case, h in zip(cases, histograms, strict=True)
+    ]
+    servers = {case.server for case in cases}
+    ticks = {server: process_tree(pids[server]) for server in servers}
+    measured = one_client.alternate(targets, plan.duration_s * len(cases))
+    serving_s = dict.fromkeys(servers, 0.0)
+    for case, got in zip(cases, measured, strict=True):
+        serving_s[case.server] += got.total_s
+    used = {s: cores_used(ticks[s], process_tree(pids[s]), serving_s[s]) for s in servers}
+    points = []
+    for index, case in enumerate(cases):
+        got, histogram, cores = measured[index], histograms[index], used[case.server]
+        after = (
+            batch_counters(http_get(urls[case.server] + "/metrics"), histogram)
+            if histogram
+            else (0.0, 0.0)
+        )
+        batches = after[1] - before[index][1]
+        points.append(
+            Point(
+                case.server,
+                case.images,
+                1,
+                repeat,
+                got.ok_rps,
+                got.ms(50),
+                got.ms(99),
+                got.not_ok,
+                got.error_count,
+                check.busy,
+                (after[0] - before[index][0]) / batches if batches else None,
+                case.kind,
+                cores,
+            )
+        )
+    return points
 
 
 def _point(
@@ -230,16 +277,17 @@ def _point(
     server: Server,
     c: int,
     repeat: int,
-    measure: Callable[[], HeyResult],
+    argv: list[str],
     urls: dict[str, str],
     pids: dict[str, int],
     own: set[int],
+    plan: Plan,
 ) -> Point:
     check = busy_check(own, interval_s=1.0)
     url, histogram = urls[case.server], server.batch_histogram
     before = batch_counters(http_get(url + "/metrics"), histogram) if histogram else (0.0, 0.0)
     ticks, began = process_tree(pids[case.server]), time.monotonic()
-    measured = measure()
+    measured = hey.run(argv, wall_limit_s=plan.duration_s + 90)
     cores = cores_used(ticks, process_tree(pids[case.server]), time.monotonic() - began)
     after = batch_counters(http_get(url + "/metrics"), histogram) if histogram else (0.0, 0.0)
     batches = after[1] - before[1]

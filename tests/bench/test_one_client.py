@@ -62,6 +62,37 @@ def test_each_request_is_timed_and_counted(server):
     assert result.ok_rps == pytest.approx(result.ok / result.total_s)
 
 
+class Slow(Handler):
+    """Answers every request, in three times the delay."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        time.sleep(3 * DELAY_S)
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+
+@pytest.fixture
+def slow_server() -> Iterator[str]:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/predict"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_servers_in_turn_each_get_every_other_request_and_their_own_times(server, slow_server):
+    fast, slow = one_client.alternate([(server, b"{}"), (slow_server, b"{}")], seconds=0.6)
+    sent = [sum(r.status_codes.values()) + r.error_count for r in (fast, slow)]
+    assert sent[0] in (sent[1], sent[1] + 1) and sent[1] > 10  # in turn, one request each
+    assert DELAY_S <= fast.percentiles_s[50] < 3 * DELAY_S <= slow.percentiles_s[50]
+    # each server's time is its own requests' time: its req/s is one over its mean latency
+    assert slow.rps == pytest.approx(1 / slow.average_s, rel=1e-6)
+
+
 def test_percentiles_follow_heys_rule():
     ordered = [float(i) for i in range(1, 11)]  # 1..10
     assert one_client.percentile(ordered, 50) == 6.0  # index 10 * 50 // 100 = 5
