@@ -1,11 +1,11 @@
 """Where a lone request's time goes: ``python -m bench.lone_call [--rounds 4] [--seconds 8]``.
 
 Issue 23 asks that one client at a time (c=1) be answered within 5% of the plain server's p50. This
-runs, side by side and alternated round by round, the plain server and vitserve in one process
-(``VITSERVE_WORKERS=0``), with one front end (``1``) and with its default (one per core), sends each
-single base64 PNGs one at a time (bench/one_client.py, each timed to the microsecond), and reads
-the model's own statistics (``/v2/models/{name}/stats``, the engine's counters, as Triton keeps
-them) before and after each run. Per request, over the run:
+runs side by side the plain server and vitserve in one process (``VITSERVE_WORKERS=0``), with one
+front end (``1``) and with its default (one per core); one client sends single base64 PNGs to each in
+turn, request by request (bench/one_client.py, each timed to the microsecond), and reads the model's
+own statistics (``/v2/models/{name}/stats``, the engine's counters, as Triton keeps them) before
+and after each round. Per request, over the round:
 
 - ``success``: from the engine taking the call to its answer;
 - ``queue``: in the batcher's queue; ``input``: stacking the rows; ``infer``: the model's ``run``.
@@ -84,7 +84,7 @@ def summary(runs: dict[str, list[tuple[hey.HeyResult, dict[str, float] | None]]]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.lone_call", description=__doc__)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=8.0, help="each run")
+    parser.add_argument("--seconds", type=float, default=8.0, help="each server's share of a round")
     parser.add_argument("--workers", type=int, default=cores(), help="the default's front ends")
     args = parser.parse_args(argv)
     plan = contenders(args.workers)
@@ -106,18 +106,20 @@ def main(argv: list[str] | None = None) -> int:
             )
             for index, server in enumerate(plan)
         }
+        payload = body.read_bytes()
         for round_number in range(args.rounds):
-            for key in alternated(list(live), round_number):
-                url = live[key].url
-
-                def load(seconds: float, url: str = url) -> hey.HeyResult:
-                    return one_client.run(url + "/predict", body.read_bytes(), seconds)
-
-                load(2)  # warm-up
-                ours = key != "plain"
-                before = model_stats(url, model) if ours else None
-                result = load(args.seconds)
-                parts = per_request_us(before, model_stats(url, model)) if ours else None
+            order = alternated(list(live), round_number)
+            targets = [(live[key].url + "/predict", payload) for key in order]
+            one_client.alternate(targets, 2 * len(order))  # warm-up
+            ours = [key for key in order if key != "plain"]
+            before = {key: model_stats(live[key].url, model) for key in ours}
+            results = one_client.alternate(targets, args.seconds * len(order))
+            for key, result in zip(order, results, strict=True):
+                parts = (
+                    per_request_us(before[key], model_stats(live[key].url, model))
+                    if key in before
+                    else None
+                )
                 runs.setdefault(key, []).append((result, parts))
     print("\n".join(f"{s.key}: {s.shown()}" for s in plan) + "\n")
     print(summary(runs))
