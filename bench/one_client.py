@@ -3,10 +3,10 @@
 hey prints latencies to 0.1 ms, 3% of a 3 ms request, so two of its steps span issue 23's c=1 target
 (p50 within 5% of the plain server's). And on a shared machine the speed drifts by more than that
 from one 12 s run to the next (the 13:37 run: the plain server's c=1 p50 was 3.37, 2.68 and 2.40 ms
-in its three rounds). So :func:`alternate` sends to several servers in turn, one request each, over
-one keep-alive connection per server (``http.client``, as hey keeps its connections): each server's
-requests see the same machine, a few milliseconds apart. Each request is timed from its write to the
-last byte of its answer (``perf_counter_ns``). A connection the server closes is opened again and
+in its three rounds). So :func:`alternate` sends to several servers in turn, half a second each,
+over one keep-alive connection per server (``http.client``, as hey keeps its connections): within a
+turn a server's requests come back to back, as at c=1, and the drift falls on every server alike.
+Each request is timed from its write to the last byte of its answer (``perf_counter_ns``). A connection the server closes is opened again and
 counted as an error, as hey counts one. Results come in hey's summary shape
 (:class:`bench.hey.HeyResult`), ``total_s`` being the time spent in that server's own requests.
 """
@@ -22,6 +22,10 @@ from bench.hey import HeyResult
 
 PERCENTILES = (10, 25, 50, 75, 90, 95, 99)  # hey's
 HEADERS = {"Content-Type": "application/json"}
+# Each server's turn: long enough that its requests come back to back, as at c=1 (one request each
+# in turn left each server idle for the others' ~20 ms and measured a colder request: the 14:08 run,
+# stopped, had vitserve at 216 req/s where it answers about 300 alone), short against the drift.
+SLICE_S = 0.5
 
 
 def percentile(ordered: list[float], p: int) -> float:
@@ -77,16 +81,21 @@ class _Client:
 
 
 def alternate(
-    targets: Sequence[tuple[str, bytes]], seconds: float, timeout_s: float = 30.0
+    targets: Sequence[tuple[str, bytes]],
+    seconds: float,
+    slice_s: float = SLICE_S,
+    timeout_s: float = 30.0,
 ) -> list[HeyResult]:
-    """POST each target's body (JSON) to its URL, one request at a time, the targets in turn, for
-    ``seconds`` in all; a result per target, in order."""
+    """POST each target's body (JSON) to its URL, one request at a time, the targets in turn for
+    ``slice_s`` each, for ``seconds`` in all; a result per target, in order."""
     clients = [_Client(url, body, timeout_s) for url, body in targets]
     began = time.perf_counter()
     try:
         while time.perf_counter() - began < seconds:
             for client in clients:
-                client.send()
+                turn = time.perf_counter()
+                while time.perf_counter() - turn < slice_s:
+                    client.send()
     finally:
         results = [client.result() for client in clients]
     return results
@@ -94,4 +103,4 @@ def alternate(
 
 def run(url: str, body: bytes, seconds: float, timeout_s: float = 30.0) -> HeyResult:
     """One server alone: :func:`alternate` with one target."""
-    return alternate([(url, body)], seconds, timeout_s)[0]
+    return alternate([(url, body)], seconds, timeout_s=timeout_s)[0]
