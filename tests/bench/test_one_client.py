@@ -56,7 +56,9 @@ def test_each_request_is_timed_and_counted(server):
     answered = sum(result.status_codes.values())
     assert answered > 20
     assert Handler.served == answered + result.error_count  # one request at a time, none lost
-    assert result.error_count == Handler.served // 5 and set(result.errors) == {"RemoteDisconnected"}
+    assert result.error_count == Handler.served // 5 and set(result.errors) == {
+        "RemoteDisconnected"
+    }
     assert result.status_codes[503] >= 1 and result.ok == result.status_codes[200]
     p50 = result.percentiles_s[50]
     assert DELAY_S <= p50 < DELAY_S + 0.02
