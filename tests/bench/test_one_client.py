@@ -38,15 +38,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def server() -> Iterator[str]:
-    Handler.served = 0
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A local server of ``handler`` in a thread: its /predict URL, until the fixture ends."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}/predict"
     httpd.shutdown()
     httpd.server_close()
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    Handler.served = 0
+    yield from serving(Handler)
 
 
 def test_each_request_is_timed_and_counted(server):
@@ -80,12 +85,7 @@ class Slow(Handler):
 
 @pytest.fixture
 def slow_server() -> Iterator[str]:
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/predict"
-    httpd.shutdown()
-    httpd.server_close()
+    yield from serving(Slow)
 
 
 def test_servers_in_turn_each_get_their_slices_and_their_own_times(server, slow_server):
