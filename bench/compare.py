@@ -1,6 +1,6 @@
 """vitserve against the servers a user would run instead, and against the anchors (mosec, Triton),
-over HTTP under ``hey``, in one run; at c=1 one client sends to every server in turn, request by
-request, each timed to the microsecond (bench/one_client.py). Who and with what: bench/contenders.py.
+over HTTP under ``hey``, in one run; at c=1 one client sends to every server in turn, half a second
+each, every request timed to the microsecond (bench/one_client.py). Who and with what: bench/contenders.py.
 
 Each repeat measures every case at every concurrency level, the cases alternated (order reversed every
 other repeat) so that drift hits them alike, and the in-process ceiling (bench/inprocess.py) at each
@@ -157,7 +157,7 @@ def run(
             for c in plan.levels:
                 order = alternated([case for case in work if c in case.levels], repeat)
                 own = {p for pid in pids.values() for p in process_tree(pid)} | ceiling.pids
-                if c == 1:  # every case in turn, request by request (bench/one_client.py)
+                if c == 1:  # every case in turn (bench/one_client.py)
                     targets = [_target(case, urls, by_key, bodies) for case in order]
                     points = _one_at_a_time(order, targets, repeat, urls, pids, own, by_key, plan)
                     result.points += points
@@ -227,7 +227,7 @@ def _one_at_a_time(
     by_key: dict[str, Server],
     plan: Plan,
 ) -> list[Point]:
-    """The c=1 points: every case in turn, one request each, for ``duration_s`` a case in all, so
+    """The c=1 points: every case in turn, half a second each, ``duration_s`` a case in all, so
     that the machine's drift falls on them alike. A server's cores are its process tree's CPU over
     the time its own requests took (a server with two cases here: both cases' requests)."""
     check = busy_check(own, interval_s=1.0)

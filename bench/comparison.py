@@ -113,8 +113,8 @@ class Comparison:
             "## HTTP: vitserve against the servers a user would write, and against mosec and Triton",
             "",
             f"`hey` runs of {self.duration_s:g} s, {self.repeats} alternated repeat(s) per point "
-            "(at c=1 one client sends to every server in turn, request by request, each timed to "
-            "the microsecond: bench/one_client.py); "
+            "(at c=1 one client sends to every server in turn, half a second each, every request "
+            "timed to the microsecond: bench/one_client.py); "
             "median (min-max). req/s counts 200 answers; p99 is over every answer; cores: CPU "
             "time of the server's whole process tree per second of the run. Servers: "
             + "; ".join(f"**{k}**: {label}" for k, label in self.labels.items())

@@ -2,10 +2,10 @@
 
 Issue 23 asks that one client at a time (c=1) be answered within 5% of the plain server's p50. This
 runs side by side the plain server and vitserve in one process (``VITSERVE_WORKERS=0``), with one
-front end (``1``) and with its default (one per core); one client sends single base64 PNGs to each in
-turn, request by request (bench/one_client.py, each timed to the microsecond), and reads the model's
-own statistics (``/v2/models/{name}/stats``, the engine's counters, as Triton keeps them) before
-and after each round. Per request, over the round:
+front end (``1``) and with its default (one per core); one client sends single base64 PNGs to each
+in turn, half a second each (bench/one_client.py, every request timed to the microsecond), and reads
+the model's own statistics (``/v2/models/{name}/stats``, the engine's counters, as Triton keeps
+them) before and after each round. Per request, over the round:
 
 - ``success``: from the engine taking the call to its answer;
 - ``queue``: in the batcher's queue; ``input``: stacking the rows; ``infer``: the model's ``run``.
