@@ -228,24 +228,28 @@ def _one_at_a_time(
     plan: Plan,
 ) -> list[Point]:
     """The c=1 points: every case in turn, half a second each, ``duration_s`` a case in all, so
-    that the machine's drift falls on them alike. A server's cores are its process tree's CPU over
-    the time its own requests took (a server with two cases here: both cases' requests)."""
+    that the machine's drift falls on them alike. A case's cores are its server's process tree's CPU
+    during that case's own turns over the time its requests took."""
     check = busy_check(own, interval_s=1.0)
     histograms = [by_key[case.server].batch_histogram for case in cases]
     before = [
         batch_counters(http_get(urls[case.server] + "/metrics"), h) if h else (0.0, 0.0)
         for case, h in zip(cases, histograms, strict=True)
     ]
-    servers = {case.server for case in cases}
-    ticks = {server: process_tree(pids[server]) for server in servers}
-    measured = one_client.alternate(targets, plan.duration_s * len(cases))
-    serving_s = dict.fromkeys(servers, 0.0)
-    for case, got in zip(cases, measured, strict=True):
-        serving_s[case.server] += got.total_s
-    used = {s: cores_used(ticks[s], process_tree(pids[s]), serving_s[s]) for s in servers}
+    cpu_s, at_start = [0.0] * len(cases), [{}] * len(cases)
+
+    def on_turn(index: int, starting: bool) -> None:
+        ticks = process_tree(pids[cases[index].server])
+        if starting:
+            at_start[index] = ticks
+        else:  # seconds of CPU: cores over one second
+            cpu_s[index] += cores_used(at_start[index], ticks, 1.0)
+
+    measured = one_client.alternate(targets, plan.duration_s * len(cases), on_turn=on_turn)
     points = []
     for index, case in enumerate(cases):
-        got, histogram, cores = measured[index], histograms[index], used[case.server]
+        got, histogram = measured[index], histograms[index]
+        cores = cpu_s[index] / got.total_s if got.total_s else None
         after = (
             batch_counters(http_get(urls[case.server] + "/metrics"), histogram)
             if histogram

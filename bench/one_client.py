@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import http.client
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 from bench.hey import HeyResult
@@ -85,17 +85,23 @@ def alternate(
     seconds: float,
     slice_s: float = SLICE_S,
     timeout_s: float = 30.0,
+    on_turn: Callable[[int, bool], None] | None = None,
 ) -> list[HeyResult]:
     """POST each target's body (JSON) to its URL, one request at a time, the targets in turn for
-    ``slice_s`` each, for ``seconds`` in all; a result per target, in order."""
+    ``slice_s`` each, for ``seconds`` in all; a result per target, in order. ``on_turn(index,
+    starting)`` is called as each turn starts and ends (to read what a server used in its own)."""
     clients = [_Client(url, body, timeout_s) for url, body in targets]
     began = time.perf_counter()
     try:
         while time.perf_counter() - began < seconds:
-            for client in clients:
+            for index, client in enumerate(clients):
+                if on_turn is not None:
+                    on_turn(index, True)
                 turn = time.perf_counter()
                 while time.perf_counter() - turn < slice_s:
                     client.send()
+                if on_turn is not None:
+                    on_turn(index, False)
     finally:
         results = [client.result() for client in clients]
     return results

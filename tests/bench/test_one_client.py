@@ -89,9 +89,16 @@ def slow_server() -> Iterator[str]:
 
 
 def test_servers_in_turn_each_get_their_slices_and_their_own_times(server, slow_server):
+    turns: list[tuple[int, bool]] = []
     fast, slow = one_client.alternate(
-        [(server, b"{}"), (slow_server, b"{}")], seconds=0.8, slice_s=0.1
+        [(server, b"{}"), (slow_server, b"{}")],
+        seconds=0.8,
+        slice_s=0.1,
+        on_turn=lambda index, starting: turns.append((index, starting)),
     )
+    # each turn is announced as it starts and as it ends, the servers in order
+    assert len(turns) >= 8 and turns[:4] == [(0, True), (0, False), (1, True), (1, False)]
+    assert turns == [(i % 4 // 2, i % 2 == 0) for i in range(len(turns))]
     assert DELAY_S <= fast.percentiles_s[50] < 3 * DELAY_S <= slow.percentiles_s[50]
     # turns of equal time: each server's requests took about half of it, the fast one's more of them
     assert fast.total_s == pytest.approx(slow.total_s, abs=0.1) and 0.25 < slow.total_s < 0.6
