@@ -26,6 +26,7 @@ from bench.baselines.classifier import Classifier
 from bench.baselines.venvs import VenvError, ensure
 from bench.comparison import Comparison, Point, Start
 from bench.contenders import LEVELS, OIP_PNG, OIP_TENSOR, PNG, PREDICT, Case, Server, cases, servers
+from bench.hey import HeyResult
 from bench.inprocess import Ceiling
 from bench.machine import busy_check, cores_used, process_tree, tree_memory_kib
 from bench.payloads import b64_pngs, oip_png_body, oip_tensor_body, predict_body
@@ -231,11 +232,7 @@ def _one_at_a_time(
     that the machine's drift falls on them alike. A case's cores are its server's process tree's CPU
     during that case's own turns over the time its requests took."""
     check = busy_check(own, interval_s=1.0)
-    histograms = [by_key[case.server].batch_histogram for case in cases]
-    before = [
-        batch_counters(http_get(urls[case.server] + "/metrics"), h) if h else (0.0, 0.0)
-        for case, h in zip(cases, histograms, strict=True)
-    ]
+    counted = [_batches(urls[case.server], by_key[case.server]) for case in cases]
     cpu_s, at_start = [0.0] * len(cases), [{}] * len(cases)
 
     def on_turn(index: int, starting: bool) -> None:
@@ -246,34 +243,19 @@ def _one_at_a_time(
             cpu_s[index] += cores_used(at_start[index], ticks, 1.0)
 
     measured = one_client.alternate(targets, plan.duration_s * len(cases), on_turn=on_turn)
-    points = []
-    for index, case in enumerate(cases):
-        got, histogram = measured[index], histograms[index]
-        cores = cpu_s[index] / got.total_s if got.total_s else None
-        after = (
-            batch_counters(http_get(urls[case.server] + "/metrics"), histogram)
-            if histogram
-            else (0.0, 0.0)
+    return [
+        _to_point(
+            case,
+            1,
+            repeat,
+            got,
+            check.busy,
+            counted[index],
+            _batches(urls[case.server], by_key[case.server]),
+            cpu_s[index] / got.total_s if got.total_s else None,
         )
-        batches = after[1] - before[index][1]
-        points.append(
-            Point(
-                case.server,
-                case.images,
-                1,
-                repeat,
-                got.ok_rps,
-                got.ms(50),
-                got.ms(99),
-                got.not_ok,
-                got.error_count,
-                check.busy,
-                (after[0] - before[index][0]) / batches if batches else None,
-                case.kind,
-                cores,
-            )
-        )
-    return points
+        for index, (case, got) in enumerate(zip(cases, measured, strict=True))
+    ]
 
 
 def _point(
@@ -288,12 +270,30 @@ def _point(
     plan: Plan,
 ) -> Point:
     check = busy_check(own, interval_s=1.0)
-    url, histogram = urls[case.server], server.batch_histogram
-    before = batch_counters(http_get(url + "/metrics"), histogram) if histogram else (0.0, 0.0)
+    before = _batches(urls[case.server], server)
     ticks, began = process_tree(pids[case.server]), time.monotonic()
     measured = hey.run(argv, wall_limit_s=plan.duration_s + 90)
     cores = cores_used(ticks, process_tree(pids[case.server]), time.monotonic() - began)
-    after = batch_counters(http_get(url + "/metrics"), histogram) if histogram else (0.0, 0.0)
+    after = _batches(urls[case.server], server)
+    return _to_point(case, c, repeat, measured, check.busy, before, after, cores)
+
+
+def _batches(url: str, server: Server) -> tuple[float, float]:
+    """(images, batches) the server's model has run so far; (0, 0) for a server that says not."""
+    histogram = server.batch_histogram
+    return batch_counters(http_get(url + "/metrics"), histogram) if histogram else (0.0, 0.0)
+
+
+def _to_point(
+    case: Case,
+    c: int,
+    repeat: int,
+    measured: HeyResult,
+    busy: bool,
+    before: tuple[float, float],
+    after: tuple[float, float],
+    cores: float | None,
+) -> Point:
     batches = after[1] - before[1]
     return Point(
         case.server,
@@ -305,7 +305,7 @@ def _point(
         measured.ms(99),
         measured.not_ok,
         measured.error_count,
-        check.busy,
+        busy,
         (after[0] - before[0]) / batches if batches else None,
         case.kind,
         cores,
