@@ -41,7 +41,7 @@ from bench.contenders import cores
 from bench.machine import CLOCK_TICKS, cores_used, descendants, process_tree, thread_ticks
 from bench.payloads import DATASET_DIRS, load_images, oip_tensor_body, png_bytes, predict_body
 from bench.profile import parse_raw, py_spy
-from bench.server_process import REPO, SERVICE, clean_env, running, service_env
+from bench.server_process import REPO, SERVICE, clean_env, http_get, running, service_env
 from bench.stats import rate, table
 from service.contract.model_repository import ATTENTION_FILE, CLASSIFIER_FILE, parse_metadata
 from service.contract.preprocessing import Preprocessor
@@ -334,7 +334,9 @@ def measure_load(report: Report, out: Path, args: argparse.Namespace) -> None:
             engine = engine_pid(root) if settings else None
             hey.run(hey.command(url, body, concurrency=8, requests=300), 120, args.hey_threads)
             for c in args.levels:
-                before_batches = batch_counters(_metrics(live.url)) if settings else (0.0, 0.0)
+                before_batches = (
+                    batch_counters(http_get(live.url + "/metrics")) if settings else (0.0, 0.0)
+                )
                 argv_hey = hey.command(url, body, concurrency=c, duration_s=args.seconds)
                 loading = hey.start(argv_hey, args.hey_threads)
                 time.sleep(0.5)  # past the ramp-up
@@ -369,7 +371,7 @@ def measure_load(report: Report, out: Path, args: argparse.Namespace) -> None:
                     else None
                 )
                 got = hey.finish(loading, args.seconds + 60)
-                after = batch_counters(_metrics(live.url)) if settings else (0.0, 0.0)
+                after = batch_counters(http_get(live.url + "/metrics")) if settings else (0.0, 0.0)
                 batches = after[1] - before_batches[1]
                 mean_batch = f"{(after[0] - before_batches[0]) / batches:.1f}" if batches else ""
                 rows.append(
@@ -431,14 +433,6 @@ def loop_frames(text: str, top: int = 12) -> list[str]:
         *(f"- self {100 * n / total:.1f}%: `{f}`" for f, n in own.most_common(top)),
         *(f"- within {100 * n / total:.1f}%: `{f}`" for f, n in anywhere.most_common(top * 2)),
     ]
-
-
-def _metrics(url: str) -> str | None:
-    try:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
-            return answer.read().decode()
-    except OSError:
-        return None
 
 
 def _ms(value: float | None) -> str:
