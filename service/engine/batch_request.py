@@ -1,23 +1,24 @@
 """One caller's images in the batcher's queue: a queue item per image, and the request they belong to.
 
 The request has one future (not one per image: the event loop's cost of a request does not grow with
-its images). It is answered with every image's outputs when the last has run, or with the first error:
-a failed batch, its deadline passing (:class:`TimedOut`), or its client going away
-(:class:`ClientGone`). An item whose request is answered need not run.
+its images). It is answered with its :data:`Outputs` once its last image has run, or with the first
+error: a failed batch, its deadline passing (:class:`TimedOut`), or its client going away
+(:class:`ClientGone`). A batch hands each request its images' rows of every output at once (slices of
+the batch's outputs, not one copy per image), so a request that ran in one batch is answered with views
+of that batch's outputs. An item whose request is answered need not run.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from service.engine.statistics import BatchTimes
+from service.engine.table import Outputs
 from service.observability import tracing
-
-Row = tuple[np.ndarray, ...]  # one image's outputs
 
 
 class ClientGone(Exception):
@@ -29,30 +30,78 @@ class TimedOut(Exception):
 
 
 class BatchRequest:
-    __slots__ = ("future", "remaining", "rows")
+    __slots__ = (
+        "batches",
+        "count",
+        "enqueued",
+        "future",
+        "non_finite",
+        "parts",
+        "queue_trace",
+        "remaining",
+        "started",
+    )
 
-    def __init__(self, future: asyncio.Future, count: int) -> None:
+    def __init__(
+        self,
+        future: asyncio.Future,
+        count: int,
+        enqueued: float = 0.0,
+        queue_trace: tracing.QueueTrace | None = None,
+    ) -> None:
         self.future = future
-        self.rows: list[Row | None] = [None] * count
+        self.count = count
         self.remaining = count  # images not run yet
+        self.enqueued = enqueued  # event-loop time
+        self.queue_trace = queue_trace  # its span in the queue, when tracing
+        self.parts: list[tuple[int, Sequence[np.ndarray]]] = []  # (first image, its outputs' rows)
+        self.non_finite = 0  # images whose outputs held NaN or Infinity
+        # for the statistics: when its last batch started, and what each of its batches took
+        self.started = 0.0
+        self.batches: list[BatchTimes] = []
 
-    def deliver(self, index: int, row: Row) -> None:
+    def deliver(
+        self,
+        first: int,
+        outputs: Sequence[np.ndarray],
+        started: float = 0.0,
+        times: BatchTimes | None = None,
+        non_finite: int = 0,
+    ) -> None:
+        """Images ``first`` on of this request ran, in one batch that ``started`` (event-loop time)
+        and took ``times``: ``outputs`` holds their rows of every output, in order."""
         if self.future.done():
             return
-        self.rows[index] = row
-        self.remaining -= 1
+        self.parts.append((first, outputs))
+        self.remaining -= len(outputs[0])
+        self.non_finite += non_finite
+        self.started = max(self.started, started)
+        if times is not None:
+            self.batches.append(times)
         if self.remaining == 0:
-            self.future.set_result(self.rows)
+            self.future.set_result(self._joined())
+
+    def _joined(self) -> Outputs:
+        if len(self.parts) == 1:
+            return list(self.parts[0][1])
+        self.parts.sort(key=lambda part: part[0])
+        return [
+            np.concatenate(rows) for rows in zip(*(part for _, part in self.parts), strict=True)
+        ]
 
     def fail(self, error: BaseException) -> None:
         """Answer with ``error``, unless already answered."""
         if not self.future.done():
             self.future.set_exception(error)
 
-    async def wait(self, deadline: float, disconnected: Awaitable[object] | None) -> list[Row]:
-        """Every image's outputs, in order, once all have run. Raises :class:`TimedOut` at
-        ``deadline`` (event-loop time), :class:`ClientGone` when ``disconnected`` completes, or the
-        error a batch failed with; a cancelled caller leaves the request answered (cancelled)."""
+    async def wait(self, deadline: float, disconnected: Awaitable[object] | None) -> Outputs:
+        """Every output, stacked over the images in order, once all have run. Raises
+        :class:`TimedOut` at ``deadline`` (event-loop time), :class:`ClientGone` when ``disconnected``
+        completes, or the error a batch failed with; a cancelled caller leaves the request answered
+        (cancelled)."""
+        if self.future.done():  # run before its caller waited (a lone image run inline)
+            _let_go(disconnected)
+            return self.future.result()
         loop = asyncio.get_running_loop()
 
         def client_left(_: object) -> None:
@@ -76,6 +125,14 @@ class BatchRequest:
         self.fail(TimedOut())
 
 
+def _let_go(signal: Awaitable[object] | None) -> None:
+    """The client-gone signal of a request answered before it waited: nobody watches it any more."""
+    if isinstance(signal, asyncio.Future):
+        signal.cancel()
+    elif asyncio.iscoroutine(signal):
+        signal.close()
+
+
 @dataclass(eq=False)
 class QueueItem:
     """One image in the queue."""
@@ -83,13 +140,7 @@ class QueueItem:
     row: np.ndarray
     request: BatchRequest
     index: int  # its place among its request's images
-    enqueued: float
     request_id: str | None = field(default=None)
-    # statistics and tracing: when its batch started, what the batch took, the request's queue span
-    started: float = 0.0
-    batch: BatchTimes | None = None
-    finite: bool = True  # every number of its outputs (output_checks.finite_rows)
-    wait: tracing.QueueTrace | None = None
 
     @property
     def abandoned(self) -> bool:

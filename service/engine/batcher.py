@@ -14,7 +14,7 @@ all-or-nothing and immediate: when a request's images do not fit in the queue it
 away is cancelled and its images never run. A failing model run fails only the requests in that batch.
 ``close()`` makes the queue run without waiting for the delay (shutdown); ``stop()`` drains it and says how
 many images it had to fail. A request's images and their one future are in
-``service/engine/batch_request.py``.
+``service/engine/batch_request.py``, with the :data:`Outputs` a request is answered with.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import numpy as np
 from service.engine.batch_request import BatchRequest, ClientGone, QueueItem, TimedOut
 from service.engine.output_checks import finite_rows, require_finite
 from service.engine.statistics import BatchTimes, ModelStatistics
+from service.engine.table import Outputs
 from service.errors import ClientDisconnected, InferenceFailed, ServiceUnavailable
 from service.observability import tracing
 from service.observability.metrics import Metrics
@@ -61,7 +62,7 @@ class _Instance:
 def _timed(run: RunBatch, rows: list[np.ndarray]) -> tuple[Sequence[np.ndarray], BatchTimes]:
     """Stack ``rows`` and ``run`` them, timing both (in the instance's thread, off the event loop)."""
     stacking = time.perf_counter_ns()
-    images = np.stack(rows)
+    images = np.stack(rows) if len(rows) > 1 else rows[0][np.newaxis]
     stacked = time.perf_counter_ns()
     outputs = run(images)
     return outputs, BatchTimes(stacked - stacking, time.perf_counter_ns() - stacked, 0)
@@ -179,57 +180,78 @@ class DynamicBatcher:
         request_id: str | None = None,
         disconnected: Awaitable[object] | None = None,
         alone: bool = False,
-    ) -> list[tuple[np.ndarray, ...]]:
-        """Queue ``rows`` (one image each) and return each image's outputs, in order.
+    ) -> Outputs:
+        """Queue ``rows`` (one image each) and return every output, stacked over them in order:
+        :meth:`enqueue`, then :meth:`answer`."""
+        return await self.answer(self.enqueue(rows, request_id, alone), disconnected)
 
-        ``disconnected`` completes when the client has gone: the images still queued are then
-        cancelled (they never run) and :class:`ClientDisconnected` is raised. ``alone``: the caller
+    def enqueue(
+        self, rows: np.ndarray, request_id: str | None = None, alone: bool = False
+    ) -> BatchRequest:
+        """Queue ``rows`` (one image each), or raise the 503 of :meth:`admit`. ``alone``: the caller
         knows no other request will join this one in this turn of the event loop, so with every
-        instance idle its images start here and now, not in the batching loop's next turn (and a
-        lone image run inline is answered before this awaits anything).
+        instance idle its images start here and now, not in the batching loop's next turn; a lone
+        image run inline is answered before this returns (:meth:`finished` then gives its outputs).
         """
         count = len(rows)
         self.admit(count)
         loop = asyncio.get_running_loop()
-        now = loop.time()
-        wait = tracing.enter_queue(count)
-        request = BatchRequest(loop.create_future(), count)
-        items = [QueueItem(rows[i], request, i, now, request_id, wait=wait) for i in range(count)]
-        self._pending.extend(items)
+        request = BatchRequest(loop.create_future(), count, loop.time(), tracing.enter_queue(count))
+        self._pending.extend(QueueItem(rows[i], request, i, request_id) for i in range(count))
         if alone and self._idle_due():
             self._dispatch(loop)
         else:
             self._depth.set(len(self._pending))
         if self._pending:
             self._wakeup.set()
+        return request
+
+    async def answer(
+        self, request: BatchRequest, disconnected: Awaitable[object] | None = None
+    ) -> Outputs:
+        """The outputs of a queued request once its images have all run. ``disconnected``
+        completes when the client has gone: the images still queued are then cancelled (they never
+        run) and :class:`ClientDisconnected` is raised."""
         try:
-            outputs = await request.wait(now + self.timeout_s, disconnected)
+            await request.wait(request.enqueued + self.timeout_s, disconnected)
         except ClientGone:
             self._metrics.cancelled.labels(*self._labels).inc(request.remaining)
             raise ClientDisconnected(
-                f"the client went away; {request.remaining} of {count} images were not run"
+                f"the client went away; {request.remaining} of {request.count} images were not run"
             ) from None
         except TimedOut:
             self._reject("timeout")
             raise ServiceUnavailable(
                 f"the request was not served within request_timeout_s={self.timeout_s} s "
-                f"({request.remaining} of {count} images unfinished); retry after "
+                f"({request.remaining} of {request.count} images unfinished); retry after "
                 f"{self.retry_after_s} s",
                 code="timeout",
                 retry_after_s=self.retry_after_s,
             ) from None
         finally:
-            if wait is not None:
-                wait.end()  # a request given up before its batch started
-            if request.remaining:  # free its places in the queue now, not when the loop next looks
-                self._pending = deque(item for item in self._pending if not item.abandoned)
-                self._depth.set(len(self._pending))
+            self._settle(request)
+        return self._counted(request)
+
+    def finished(self, request: BatchRequest) -> Outputs:
+        """The outputs of a request answered already (run inline by :meth:`enqueue`), or its error."""
+        self._settle(request)
+        return self._counted(request)
+
+    def _settle(self, request: BatchRequest) -> None:
+        """A request answered or given up: nothing of it stays behind."""
+        if request.queue_trace is not None:
+            request.queue_trace.end()  # a request given up before its batch started
+        if request.remaining:  # free its places in the queue now, not when the loop next looks
+            self._pending = deque(item for item in self._pending if not item.abandoned)
+            self._depth.set(len(self._pending))
+
+    def _counted(self, request: BatchRequest) -> Outputs:
+        """An answered request's outputs, in its statistics; its error, raised."""
+        outputs = request.future.result()
         self.statistics.record_request(
-            max(round((item.started - item.enqueued) * 1e9) for item in items),
-            {id(item.batch): item.batch for item in items if item.batch}.values(),
+            round((request.started - request.enqueued) * 1e9), request.batches
         )
-        bad = sum(not item.finite for item in items)
-        require_finite(bad, count, self.model, self.graph, self._metrics)
+        require_finite(request.non_finite, request.count, self.model, self.graph, self._metrics)
         return outputs
 
     def _reject(self, reason: str) -> None:
@@ -260,7 +282,7 @@ class DynamicBatcher:
                 return
             self._wakeup.clear()
             if self._pending and self._idle:  # not due yet: wait out the oldest image's delay
-                due = self._pending[0].enqueued + self.max_queue_delay_s - loop.time()
+                due = self._pending[0].request.enqueued + self.max_queue_delay_s - loop.time()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wakeup.wait(), max(due, 0.0))
             else:
@@ -283,7 +305,7 @@ class DynamicBatcher:
             if not waiting:
                 break
             due = self._idle_due() or (
-                self._pending[0].enqueued + self.max_queue_delay_s <= loop.time()
+                self._pending[0].request.enqueued + self.max_queue_delay_s <= loop.time()
             )
             if not (due or self._flushing or self._full(waiting)):
                 break
@@ -304,9 +326,9 @@ class DynamicBatcher:
         A lone image of a fast model runs here instead (``INLINE_RUN_MAX_S``)."""
         started = loop.time()
         for item in batch:
-            self._queue_wait.observe(started - item.enqueued)
+            self._queue_wait.observe(started - item.request.enqueued)
         span = tracing.start_batch(
-            self.model, self.graph, instance.index, (item.wait for item in batch)
+            self.model, self.graph, instance.index, (item.request.queue_trace for item in batch)
         )
         if (
             len(batch) == 1
@@ -407,20 +429,28 @@ class DynamicBatcher:
     ) -> None:
         self._compute.observe(loop.time() - started)
         self._batch_size.observe(len(batch))
+        if len(batch) == 1:
+            self._lone_run_s = times.compute_infer_ns / 1e9
+        finite = finite_rows(outputs, len(batch))
+        # each request's images are one run of the batch (they queue together, in order): the run's
+        # rows of every output go to it at once
         splitting = time.perf_counter_ns()
-        rows = [tuple(output[index] for output in outputs) for index in range(len(batch))]
+        runs, at = [], 0
+        while at < len(batch):
+            request, end = batch[at].request, at + 1
+            while end < len(batch) and batch[end].request is request:
+                end += 1
+            non_finite = 0 if finite is None else int(end - at - finite[at:end].sum())
+            runs.append(
+                (request, batch[at].index, [output[at:end] for output in outputs], non_finite)
+            )
+            at = end
         times = BatchTimes(
             times.compute_input_ns, times.compute_infer_ns, time.perf_counter_ns() - splitting
         )
         self.statistics.record_batch(len(batch), times)
-        if len(batch) == 1:
-            self._lone_run_s = times.compute_infer_ns / 1e9
-        finite = finite_rows(outputs, len(batch))
-        for index, (item, row) in enumerate(zip(batch, rows, strict=True)):
-            item.started, item.batch = started, times
-            if finite is not None:
-                item.finite = bool(finite[index])
-            item.request.deliver(item.index, row)
+        for request, first, rows, non_finite in runs:
+            request.deliver(first, rows, started, times, non_finite)
 
     def fail_all(self, message: str, code: str = "shutting_down") -> int:
         """Fail every queued image and every image of a running batch (503); how many were failed."""

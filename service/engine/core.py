@@ -19,7 +19,8 @@ import numpy as np
 from service.contract.model_repository import ModelLoadError
 from service.engine import reports
 from service.engine.model_manager import ModelManager
-from service.engine.table import Graph, ModelTable, Phase
+from service.engine.pipeline import Call
+from service.engine.table import Graph, ModelTable, Outputs, Phase
 from service.errors import ServiceError
 from service.observability.metrics import Metrics
 from service.settings import Settings
@@ -146,6 +147,24 @@ class Engine:
         """Raise the 503 that :meth:`infer` would raise now for ``count`` images."""
         self.manager.pipeline_for(name, version, requested, key).batcher(graph).admit(count)
 
+    def call(
+        self,
+        name: str,
+        version: int,
+        requested: int | None,
+        key: tuple[str, str],
+        graph: Graph,
+        rows: np.ndarray,
+        request_id: str | None = None,
+        alone: bool = False,
+    ) -> Call:
+        """Queue ``rows`` (one image each, preprocessed for ``version`` of model ``name``) on
+        ``graph``, or raise why not. ``alone``: no other call can join this one in this turn of the
+        event loop, so an idle model runs it at once (``DynamicBatcher.enqueue``), and a lone image of
+        a fast model is answered before this returns (``Call.answered``)."""
+        pipeline = self.manager.pipeline_for(name, version, requested, key)
+        return pipeline.call(graph, rows, request_id, alone)
+
     async def infer(
         self,
         name: str,
@@ -157,14 +176,11 @@ class Engine:
         request_id: str | None = None,
         disconnected: Awaitable[object] | None = None,
         alone: bool = False,
-    ) -> list[tuple[np.ndarray, ...]]:
-        """Run ``rows`` (one image each, preprocessed for ``version`` of model ``name``) on ``graph``;
-        each row's outputs, in order. ``disconnected`` completes when the client has gone: its rows
-        still queued never run. ``alone``: no other call can join this one in this turn of the event
-        loop, so an idle model runs it at once (``DynamicBatcher.submit``)."""
-        pipeline = self.manager.pipeline_for(name, version, requested, key)
-        with pipeline.lease():
-            return await pipeline.run(graph, rows, request_id, disconnected, alone)
+    ) -> Outputs:
+        """:meth:`call`'s outputs: every output, stacked over the rows in order. ``disconnected``
+        completes when the client has gone: its rows still queued never run."""
+        call = self.call(name, version, requested, key, graph, rows, request_id, alone)
+        return await call.wait(disconnected)
 
     def record_failure(self, name: str, version: int, ns: int) -> None:
         """A request for this version failed in a front end (its input was refused while decoding):

@@ -1,8 +1,10 @@
 """One served model version in the engine: its runtime and its batchers.
 
 Every request that runs a model comes here as rows (already decoded and preprocessed by a front end) with
-the graph to run them on, a request id and a signal that completes when its client has gone. A pipeline
-counts the requests it holds, so that a version being replaced is released only once they are answered.
+the graph to run them on and a request id, and becomes a :class:`Call`: queued at once, then answered
+(at once too, when an idle model ran a lone image inline) or waited for, with a signal that completes
+when its client has gone. A pipeline counts the calls it holds, so that a version being replaced is
+released only once they are answered.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import Any
 import numpy as np
 
 from service.contract.model_config import ServingConfig
+from service.engine.batch_request import BatchRequest
 from service.engine.batcher import DynamicBatcher
 from service.engine.runtime import Runtime
 from service.engine.statistics import ModelStatistics
-from service.engine.table import Graph, VersionView
+from service.engine.table import Graph, Outputs, VersionView
 from service.errors import NotFound
 from service.observability.metrics import Metrics
 from service.settings import Settings
@@ -103,17 +106,25 @@ class ModelPipeline:
         for batcher in self.batchers:
             batcher.start()
 
-    @contextlib.contextmanager
-    def lease(self) -> Iterator[ModelPipeline]:
-        """Held by every request from its arrival to its answer: a retired version waits for these."""
+    def hold(self) -> None:
+        """Held by every call from its arrival to its answer (:class:`Call`): a retired version
+        waits for these. Each hold is given back once, by :meth:`release`."""
         self.in_flight += 1
         self._drained.clear()
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[ModelPipeline]:
+        """A hold for the length of a block."""
+        self.hold()
         try:
             yield self
         finally:
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._drained.set()
+            self.release()
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._drained.set()
 
     def batcher(self, graph: Graph) -> DynamicBatcher:
         if graph == "classifier":
@@ -127,6 +138,20 @@ class ModelPipeline:
             )
         return self.attention
 
+    def call(
+        self, graph: Graph, rows: np.ndarray, request_id: str | None = None, alone: bool = False
+    ) -> Call:
+        """Queue ``rows`` on ``graph``'s batcher (``alone``: its ``enqueue``'s), or raise why not."""
+        entered = time.perf_counter_ns()
+        try:
+            batcher = self.batcher(graph)
+            request = batcher.enqueue(rows, request_id, alone)
+        except BaseException:
+            self.statistics.record_outcome(False, time.perf_counter_ns() - entered)
+            raise
+        self.hold()
+        return Call(self, batcher, request, entered)
+
     async def run(
         self,
         graph: Graph,
@@ -134,15 +159,9 @@ class ModelPipeline:
         request_id: str | None,
         disconnected: Awaitable[object] | None,
         alone: bool = False,
-    ) -> list[tuple[np.ndarray, ...]]:
-        """Each row's outputs, in order, once its batch has run (``alone``: the batcher's)."""
-        entered, answered = time.perf_counter_ns(), False
-        try:
-            result = await self.batcher(graph).submit(rows, request_id, disconnected, alone)
-            answered = True
-            return result
-        finally:
-            self.statistics.record_outcome(answered, time.perf_counter_ns() - entered)
+    ) -> Outputs:
+        """Every output, stacked over the rows in order, once they have run."""
+        return await self.call(graph, rows, request_id, alone).wait(disconnected)
 
     def flush(self) -> None:
         """Run what is queued without waiting for the queue delay (shutdown has begun)."""
@@ -168,3 +187,46 @@ class ModelPipeline:
             failed += await batcher.stop(timeout_s)
         self.statistics.publish()  # its last numbers: nothing publishes a retired version's
         return failed
+
+
+class Call:
+    """One request in a pipeline, from its rows being queued to its answer: it holds the pipeline's
+    lease until then, and its outcome and time go into the pipeline's statistics as it ends. Ended by
+    :meth:`outputs` when it was answered at once, else by :meth:`wait`."""
+
+    def __init__(
+        self, pipeline: ModelPipeline, batcher: DynamicBatcher, request: BatchRequest, entered: int
+    ) -> None:
+        self._pipeline = pipeline
+        self._batcher = batcher
+        self._request = request
+        self._entered = entered
+
+    @property
+    def answered(self) -> bool:
+        return self._request.future.done()
+
+    def outputs(self) -> Outputs:
+        """The outputs of a call answered already, or its error."""
+        answered = False
+        try:
+            outputs = self._batcher.finished(self._request)
+            answered = True
+            return outputs
+        finally:
+            self._end(answered)
+
+    async def wait(self, disconnected: Awaitable[object] | None = None) -> Outputs:
+        """The outputs once every row has run (see ``DynamicBatcher.answer``), or the error."""
+        answered = False
+        try:
+            outputs = await self._batcher.answer(self._request, disconnected)
+            answered = True
+            return outputs
+        finally:
+            self._end(answered)
+
+    def _end(self, answered: bool) -> None:
+        pipeline = self._pipeline
+        pipeline.statistics.record_outcome(answered, time.perf_counter_ns() - self._entered)
+        pipeline.release()

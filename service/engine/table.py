@@ -12,12 +12,16 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
 
+import numpy as np
+
 from service.contract.model_config import ServingConfig
 from service.contract.model_repository import ModelMetadata
 from service.errors import NotFound, ServiceUnavailable
 
 Phase = Literal["starting", "ready", "shutting_down", "stopped"]
 Graph = Literal["classifier", "attention"]  # the graphs a version runs
+# what running a request's rows gives: every output of the graph, each stacked over its images in order
+Outputs = list[np.ndarray]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from service.contract.preprocessing import Invert, Prepared, Preprocessor
-from service.engine.table import Graph, VersionView
+from service.engine.table import Graph, Outputs, VersionView
 from service.errors import NotFound, ServiceError
 from service.frontend.decode import (
     INLINE_TENSOR_BYTES,
@@ -87,7 +87,7 @@ class ServedVersion:
         call: Call,
         images: int,
         inline: bool = False,
-    ) -> list[tuple[np.ndarray, ...]]:
+    ) -> Outputs:
         """Refuse at once when the engine cannot queue ``images`` more, else prepare the rows (on
         the event loop when ``inline``, else in a thread under a decode slot) and run them."""
         self.state.engine.admit(self.view, self.requested, graph, images)
@@ -106,10 +106,8 @@ class ServedVersion:
             self.view, self.requested, graph, rows, call.request_id, call.disconnected
         )
 
-    async def classify(
-        self, images: list[RawImage], invert: Invert, call: Call
-    ) -> list[np.ndarray]:
-        """Logits of each image, in order."""
+    async def classify(self, images: list[RawImage], invert: Invert, call: Call) -> np.ndarray:
+        """Logits ``[images, classes]``, in order."""
         budget = self.settings.max_pixels_per_request
         preprocessor = self.preprocessor
 
@@ -117,8 +115,8 @@ class ServedVersion:
             batch = prepare_batch(preprocessor, images, invert, budget)
             return np.stack([item.tensor for item in batch])
 
-        rows = await self._run("classifier", prepare, call, len(images), decode_inline(images))
-        return [logits for (logits,) in rows]
+        (logits,) = await self._run("classifier", prepare, call, len(images), decode_inline(images))
+        return logits
 
     async def attend(
         self, image: RawImage, invert: Invert, call: Call
@@ -134,8 +132,8 @@ class ServedVersion:
             )
             return prepared[0].tensor[np.newaxis]
 
-        ((logits, maps),) = await self._run("attention", prepare, call, 1)
-        return prepared[0], logits, maps
+        logits, maps = await self._run("attention", prepare, call, 1)
+        return prepared[0], logits[0], maps[0]
 
     def require_attention(self) -> None:
         if not self.view.attention:
@@ -153,5 +151,5 @@ class ServedVersion:
         of ``request_bytes``: on the event loop up to ``INLINE_TENSOR_BYTES``, else in a thread under
         a decode slot."""
         inline = request_bytes <= INLINE_TENSOR_BYTES
-        rows = await self._run("classifier", decode, call, 1, inline)
-        return np.stack([logits for (logits,) in rows])
+        (logits,) = await self._run("classifier", decode, call, 1, inline)
+        return logits

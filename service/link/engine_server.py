@@ -1,10 +1,12 @@
 """The engine process's end of the link: a Unix socket every front end connects to.
 
-Each call runs as its own task on the engine's event loop, so the batcher sees the rows of every front end
-at once and fills its batches from all of them; the answers a batch completes go back to each front end in
-one message. Each front end gets the table when it connects, whenever it changes (looked at every
-``TABLE_CHECK_S``) and at least every ``HEARTBEAT_S``. A front end whose connection ends (it died) has its
-calls cancelled: their rows still queued never run.
+The calls that arrive in one turn of the engine's event loop, from every front end, are queued together
+in the next, so the batcher fills its batches from all of them. A call that came alone, with nothing
+else in progress, may run there and then and be answered at once (a lone image of a fast model: no
+task, no wait); every other call waits for its answer in a task of its own. The answers a batch
+completes go back to each front end in one message. Each front end gets the table when it connects,
+whenever it changes (looked at every ``TABLE_CHECK_S``) and at least every ``HEARTBEAT_S``. A front end
+whose connection ends (it died) has its calls cancelled: their rows still queued never run.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import numpy as np
 
 from service.engine.core import Engine
+from service.engine.pipeline import Call
+from service.engine.table import Outputs
 from service.errors import InferenceFailed, ServiceError
 from service.link import wire
 from service.link.arena import ArenaReader
@@ -39,6 +44,7 @@ class EngineServer:
         self._reader = ArenaReader()
         self._arenas: dict[wire.Link, set[str]] = {}  # the shared-memory blocks each front end used
         self._gone: dict[tuple[wire.Link, int], asyncio.Future] = {}  # a call's client-gone signal
+        self._arrived: list[tuple[wire.Link, tuple, list, asyncio.Future]] = []  # calls to start
         self._running: set[asyncio.Task] = set()
         self._publish_now = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -106,47 +112,80 @@ class EngineServer:
             gone = self._gone.get((link, header))
             if gone is not None and not gone.done():
                 gone.set_result(None)
+        elif kind == wire.INFER:
+            # its client-gone signal registered now: a cancel in the same message finds it
+            loop = asyncio.get_running_loop()
+            gone = self._gone[(link, header[0])] = loop.create_future()
+            self._arrived.append((link, header, raw, gone))
+            if len(self._arrived) == 1:
+                loop.call_soon(self._start_arrived)
         else:
-            if kind == wire.INFER:
-                # registered now, not when the task starts: a cancel in the same message finds it
-                gone = asyncio.get_running_loop().create_future()
-                self._gone[(link, header[0])] = gone
-                call = self._infer(link, header, raw, gone)
-            else:
-                call = self._control(link, header)
-            task = asyncio.get_running_loop().create_task(call)
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            self._track(self._control(link, header))
+
+    def _track(self, call: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(call)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
     def _answer(self, link: wire.Link, call_id: int, ok: bool, payload: Any, *frames: Any) -> None:
-        # the answer to the only call in progress (its own task) has no partner to wait for
+        # the answer to the only call in progress has no partner to wait for
         link.outbox.put((call_id, ok, payload), *frames, at_once=len(self._running) <= 1)
 
-    async def _infer(
-        self, link: wire.Link, header: tuple, inline: list, gone: asyncio.Future
+    def _answer_outputs(self, link: wire.Link, call_id: int, outputs: Outputs) -> None:
+        specs, frames = wire.output_frames(outputs)
+        self._answer(link, call_id, True, specs, *frames)
+
+    def _answer_error(
+        self, link: wire.Link, call_id: int, request_id: str | None, error: Exception
+    ) -> None:
+        if not isinstance(error, ServiceError):
+            logger.error("engine call %s [request %s] failed", call_id, request_id, exc_info=error)
+            error = InferenceFailed(f"the engine failed on this request ({type(error).__name__})")
+        self._answer(link, call_id, False, wire.error_payload(error))
+
+    def _start_arrived(self) -> None:
+        """Queue the calls that arrived in the last turn of the loop; one that came alone, with
+        nothing else in progress, runs at once on an idle model (``Engine.call``)."""
+        arrived, self._arrived = self._arrived, []
+        alone = len(arrived) == 1 and not self._running
+        for link, header, raw, gone in arrived:
+            self._start(link, header, raw, gone, alone)
+
+    def _start(
+        self, link: wire.Link, header: tuple, inline: list, gone: asyncio.Future, alone: bool
     ) -> None:
         (call_id, name, version, requested, key, graph, request_id, arena, offset, shape, dtype,
          trace) = header  # fmt: skip
-        if arena is None:
-            rows = np.frombuffer(inline[0], dtype=np.dtype(dtype)).reshape(shape)
-        else:
-            rows = self._reader.rows(arena, offset, shape, dtype)
-            self._arenas.setdefault(link, set()).add(arena)
-        # the only call in progress: every call that came with it, or before it, has its task by now
-        alone = len(self._running) == 1
         try:
+            if arena is None:
+                rows = np.frombuffer(inline[0], dtype=np.dtype(dtype)).reshape(shape)
+            else:
+                rows = self._reader.rows(arena, offset, shape, dtype)
+                self._arenas.setdefault(link, set()).add(arena)
             with tracing.attached(trace):
-                outputs = await self.engine.infer(
-                    name, version, requested, key, graph, rows, request_id, gone, alone
+                call = self.engine.call(
+                    name, version, requested, key, graph, rows, request_id, alone
                 )
-            specs, frames = wire.output_frames(outputs)
-            self._answer(link, call_id, True, specs, *frames)
-        except ServiceError as error:
-            self._answer(link, call_id, False, wire.error_payload(error))
+            if not call.answered:  # its answer comes when its batch has run
+                self._track(self._wait(link, call_id, request_id, call, gone))
+                return
+            self._answer_outputs(link, call_id, call.outputs())
         except Exception as error:
-            logger.exception("engine call %s [request %s] failed", call_id, request_id)
-            failure = InferenceFailed(f"the engine failed on this request ({type(error).__name__})")
-            self._answer(link, call_id, False, wire.error_payload(failure))
+            self._answer_error(link, call_id, request_id, error)
+        del self._gone[(link, call_id)]
+
+    async def _wait(
+        self,
+        link: wire.Link,
+        call_id: int,
+        request_id: str | None,
+        call: Call,
+        gone: asyncio.Future,
+    ) -> None:
+        try:
+            self._answer_outputs(link, call_id, await call.wait(gone))
+        except Exception as error:
+            self._answer_error(link, call_id, request_id, error)
         finally:
             del self._gone[(link, call_id)]
 

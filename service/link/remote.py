@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from service.engine.table import Graph, ModelTable, VersionView
+from service.engine.table import Graph, ModelTable, Outputs, VersionView
 from service.errors import ServiceUnavailable
 from service.link import wire
 from service.link.arena import Arena, Region
@@ -235,7 +235,7 @@ class RemoteEngine(EngineClient):
                 self._full[full_key] = (time.monotonic() + FULL_MEMORY_S, error)
             future.set_exception(error)
         elif raw:
-            future.set_result(wire.output_rows(payload, raw))
+            future.set_result(wire.outputs_from(payload, raw))
         else:
             future.set_result(payload)
 
@@ -289,7 +289,7 @@ class RemoteEngine(EngineClient):
         rows: np.ndarray,
         request_id: str | None,
         disconnected: Awaitable[object] | None,
-    ) -> list[tuple[np.ndarray, ...]]:
+    ) -> Outputs:
         rows = np.ascontiguousarray(rows)
         region = self.arena.put(rows) if self.arena is not None else None
         header = (

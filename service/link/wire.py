@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from service import errors
+from service.engine.table import Outputs
 from service.errors import ServiceError
 
 logger = logging.getLogger("vitserve")
@@ -222,15 +223,15 @@ def error_from(payload: dict[str, Any]) -> ServiceError:
     return error
 
 
-def output_frames(rows: list[tuple[np.ndarray, ...]]) -> tuple[list[tuple[str, tuple]], list]:
-    """Each output stacked over the rows: its (dtype, shape) and its raw bytes."""
-    stacked = [np.ascontiguousarray(np.stack(column)) for column in zip(*rows, strict=True)]
-    return [(array.dtype.str, array.shape) for array in stacked], [array.data for array in stacked]
+def output_frames(outputs: Outputs) -> tuple[list[tuple[str, tuple]], list]:
+    """Each output's (dtype, shape) and its raw bytes (a request's rows of a batch's outputs are
+    contiguous already: no copy)."""
+    arrays = [np.ascontiguousarray(output) for output in outputs]
+    return [(array.dtype.str, array.shape) for array in arrays], [array.data for array in arrays]
 
 
-def output_rows(specs: list[tuple[str, tuple]], frames: list) -> list[tuple[np.ndarray, ...]]:
-    outputs = [
+def outputs_from(specs: list[tuple[str, tuple]], frames: list) -> Outputs:
+    return [
         np.frombuffer(frame, dtype=np.dtype(dtype)).reshape(shape)
         for (dtype, shape), frame in zip(specs, frames, strict=True)
     ]
-    return list(zip(*outputs, strict=True)) if outputs else []

@@ -209,12 +209,15 @@ def carrier() -> dict[str, str] | None:
     return headers or None
 
 
-@contextlib.contextmanager
-def attached(headers: Mapping[str, str] | None) -> Iterator[None]:
+def attached(headers: Mapping[str, str] | None) -> AbstractContextManager[Any]:
     """Run the block in the trace context another process sent (see :func:`carrier`)."""
     if not headers or _tracer is None:
-        yield
-        return
+        return _NULL
+    return _attached(headers)
+
+
+@contextlib.contextmanager
+def _attached(headers: Mapping[str, str]) -> Iterator[None]:
     from opentelemetry import context, propagate
 
     token = context.attach(propagate.extract(headers))

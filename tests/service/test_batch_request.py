@@ -16,7 +16,7 @@ from service.engine.batch_request import BatchRequest, ClientGone, QueueItem, Ti
 
 
 def item(request: BatchRequest, index: int = 0) -> QueueItem:
-    return QueueItem(row=np.zeros(3, np.float32), request=request, index=index, enqueued=0.0)
+    return QueueItem(row=np.zeros(3, np.float32), request=request, index=index)
 
 
 def test_a_client_that_goes_away_is_answered_client_gone_before_the_deadline():
@@ -45,13 +45,13 @@ def test_the_deadline_answers_timed_out_and_an_answer_in_time_cancels_nothing():
         assert item(late).abandoned
         on_time = BatchRequest(loop.create_future(), 2)
         still_connected = loop.create_future()
-        loop.call_soon(on_time.deliver, 1, (np.ones(1),))
-        loop.call_soon(on_time.deliver, 0, (np.zeros(1),))
-        rows = await on_time.wait(loop.time() + 30, still_connected)
-        assert [row[0][0] for row in rows] == [0.0, 1.0]
+        loop.call_soon(on_time.deliver, 1, (np.ones((1, 3)),))  # image 1 of 2, one output
+        loop.call_soon(on_time.deliver, 0, (np.zeros((1, 3)),))
+        outputs = await on_time.wait(loop.time() + 30, still_connected)
+        assert outputs[0].tolist() == [[0.0] * 3, [1.0] * 3]  # in the images' order
         # the watch on the client is cancelled: its ending later answers nothing again
         assert still_connected.cancelled()
-        assert on_time.future.result() is rows
+        assert on_time.future.result() is outputs
 
     asyncio.run(scenario())
 
@@ -67,7 +67,7 @@ def test_a_cancelled_caller_leaves_its_images_abandoned():
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
-        request.deliver(0, (np.zeros(1),))  # its batch ran after all: nobody is answered twice
+        request.deliver(0, (np.zeros((1, 3)),))  # its batch ran after all: nobody is answered twice
         return queued.abandoned, request.future.cancelled()
 
     assert asyncio.run(scenario()) == (True, True)

@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from service.engine import batcher as batcher_module
 from service.engine.batcher import DynamicBatcher
+from service.engine.output_checks import finite_rows
 from service.engine.statistics import ModelStatistics
 from service.errors import ClientDisconnected, InferenceFailed, ServiceUnavailable
 from service.observability import tracing
@@ -135,7 +136,7 @@ def test_a_full_batch_runs_at_once_without_waiting_for_the_delay():
         return answer, waited
 
     answer, waited = asyncio.run(scenario())
-    assert [float(row[0]) for row in answer] == [1.0, 2.0]
+    assert answer[0].tolist() == [1.0, 2.0]
     assert waited < 5  # a full batch of 2 does not wait for the 30 s delay
 
 
@@ -216,7 +217,7 @@ def test_a_timed_out_request_leaves_the_others_queued():
 
     running, early, late = asyncio.run(scenario())
     assert isinstance(running, ServiceUnavailable) and isinstance(early, ServiceUnavailable)
-    assert [float(row[0]) for row in late] == [4.0]  # still queued, and served
+    assert late[0].tolist() == [4.0]  # still queued, and served
 
 
 def test_a_failed_batch_is_logged_with_its_graph_request_ids_and_cause(caplog):
@@ -370,7 +371,7 @@ def test_preferred_batch_sizes_run_the_largest_waiting_at_once_without_the_delay
     before, batches, outputs, one, (failed, stopped_in) = asyncio.run(scenario())
     assert failed == 0 and stopped_in < 1
     assert before == [4] and batches == [4, 4, 1]  # the held first batch ends last
-    assert [float(o[0]) for o in outputs] == [1, 2, 3, 4, 5, 6, 7] and float(one[0][0]) == 8
+    assert outputs[0].tolist() == [1, 2, 3, 4, 5, 6, 7] and one[0].tolist() == [8]
 
 
 # Written for the survivors of the full mutation run of the batcher, 2026-11-27 (docs/testing.md):
@@ -512,7 +513,7 @@ def test_without_idle_dispatch_a_full_or_largest_preferred_batch_runs_at_once_ot
     async def timed(b: DynamicBatcher, values: tuple[float, ...]) -> tuple[float, list[float]]:
         started = time.perf_counter()
         answer = await asyncio.wait_for(b.submit(rows(*values)), 10)
-        return time.perf_counter() - started, [float(row[0]) for row in answer]
+        return time.perf_counter() - started, answer[0].tolist()
 
     async def scenario():
         model = Model()
@@ -591,7 +592,7 @@ def test_a_batch_records_its_stacking_run_and_split_times_in_the_given_statistic
 
     split_statistics = ModelStatistics()
     b, statistics, answer = asyncio.run(scenario())
-    assert b.statistics is statistics and [float(row[0]) for row in answer] == [1.0, 2.0]
+    assert b.statistics is statistics and answer[0].tolist() == [1.0, 2.0]
     report = statistics.as_dict("m", "1")
     assert (report["execution_count"], report["inference_count"]) == (1, 2)
     (batch,) = report["batch_stats"]
@@ -769,7 +770,7 @@ def test_the_queue_depth_gauge_counts_what_is_left_when_an_instance_stays_idle()
 
     emptied, left, three = asyncio.run(scenario())
     assert (emptied, left) == (0.0, 1.0)
-    assert [float(row[0]) for row in three] == [3.0, 4.0, 5.0]
+    assert three[0].tolist() == [3.0, 4.0, 5.0]
 
 
 def test_a_client_that_goes_away_gets_client_disconnected_and_its_images_never_run():
@@ -816,3 +817,17 @@ def test_a_non_finite_output_fails_its_request_naming_model_and_graph():
     assert sample(b, "vitserve_non_finite_outputs_total", **labels) == 1.0
     assert float(good[0][0]) == 2.0  # its partner in the same batch is answered
     assert b.statistics.execution_count == 1
+
+
+def test_the_finite_check_finds_the_rows_holding_nan_or_infinity_and_no_others():
+    """``finite_rows`` gives None when every number is finite (finite numbers whose sum would
+    overflow too), and otherwise which rows hold only finite numbers in every output."""
+    huge = np.full((2, 4), 3e38, np.float32)  # each row sums past float32's largest number
+    assert finite_rows([huge], 2) is None
+    cancelling = np.zeros((3, 2), np.float32)
+    cancelling[1] = (np.inf, -np.inf)
+    assert finite_rows([cancelling], 3).tolist() == [True, False, True]
+    nan_in_second = np.zeros((2, 5), np.float32)
+    nan_in_second[0, 3] = np.nan
+    assert finite_rows([np.zeros((2, 1), np.float32), nan_in_second], 2).tolist() == [False, True]
+    assert finite_rows([np.ones((2, 3), np.float32), np.arange(2)], 2) is None

@@ -144,26 +144,41 @@ READY = ModelTable(phase="ready", healthy=True, retry_after_s=1)
 
 
 class CancelWatchingEngine:
-    """An engine whose infer reports whether the client-gone signal had completed when it ran, and,
-    told to ``hold``, waits for that signal before answering."""
+    """An engine whose calls report whether the client-gone signal had completed when they were
+    waited for, and, told to ``hold``, wait for that signal before answering; told to run ``inline``,
+    a call that came alone is answered at once (as an idle fast model's lone image is)."""
 
-    def __init__(self, hold: bool = False) -> None:
+    def __init__(self, hold: bool = False, inline: bool = False) -> None:
         self.gone_at_start: list[bool] = []
         self.alone: list[bool] = []
         self.hold = hold
+        self.inline = inline
         self.released = 0
         self.current = READY
 
-    async def infer(self, name, version, requested, key, graph, rows, request_id, gone, alone):
-        self.gone_at_start.append(gone.done())
+    def call(self, name, version, requested, key, graph, rows, request_id, alone):
         self.alone.append(alone)
-        if self.hold:
-            await gone
-            self.released += 1
-        return [(np.full(2, rows.sum(), np.float32),) for _ in rows]
+        return WatchedCall(self, [np.full((len(rows), 2), rows.sum(), np.float32)], alone)
 
     def table(self) -> ModelTable:
         return self.current
+
+
+class WatchedCall:
+    def __init__(self, engine: CancelWatchingEngine, outputs: list, alone: bool) -> None:
+        self.engine = engine
+        self._outputs = outputs
+        self.answered = alone and engine.inline
+
+    def outputs(self) -> list:
+        return self._outputs
+
+    async def wait(self, gone: asyncio.Future) -> list:
+        self.engine.gone_at_start.append(gone.done())
+        if self.engine.hold:
+            await gone
+            self.engine.released += 1
+        return self._outputs
 
 
 @pytest.mark.parametrize("cancelled", [False, True])
@@ -180,6 +195,7 @@ def test_a_cancel_in_the_same_message_as_its_call_reaches_it(tmp_path, cancelled
         # one message's items, handed over as the server's links hand them
         for header, raw in wire.unpack(memoryview(wire.pack(items))):
             server._take(link, header, raw)
+        await asyncio.sleep(0)  # the loop's next turn starts them
         await asyncio.gather(*server._running)
         await server.close()
 
@@ -200,11 +216,51 @@ def test_only_a_call_with_no_other_in_progress_is_run_alone(tmp_path):
             items = [((wire.INFER, infer_header(i, rows)), [rows.tobytes()]) for i in call_ids]
             for header, raw in wire.unpack(memoryview(wire.pack(items))):
                 server._take(link, header, raw)
+            await asyncio.sleep(0)  # the loop's next turn starts them
             await asyncio.gather(*server._running)
         await server.close()
 
     asyncio.run(scenario())
     assert engine.alone == [True, False, False, True]
+
+
+def test_calls_from_two_front_ends_in_one_turn_are_not_alone_and_a_lone_one_is_answered_at_once(
+    tmp_path,
+):
+    """Calls that arrive in one turn of the loop from different front ends may share a batch, so
+    neither is alone; a lone call the engine answered at once is answered without a task."""
+    engine = CancelWatchingEngine(inline=True)
+    rows = np.ones((1, 1, 2, 2), np.float32)
+    sent: list[list] = [[], []]
+
+    async def scenario():
+        server = EngineServer(engine, wire.Addresses.in_directory(str(tmp_path)))
+        links = [wire.Link(lambda *_: None) for _ in sent]
+        for link, messages in zip(links, sent, strict=True):
+            link.outbox = wire.Outbox(messages.append)
+        for call_id, link in enumerate(links, start=1):  # two front ends, one turn
+            server._take(link, (wire.INFER, infer_header(call_id, rows)), [rows.tobytes()])
+        await asyncio.sleep(0)
+        tasks_for_two = len(server._running)
+        await asyncio.gather(*server._running)
+        await asyncio.sleep(0)  # the answers' flush
+        server._take(links[0], (wire.INFER, infer_header(3, rows)), [rows.tobytes()])
+        await asyncio.sleep(0)
+        tasks_for_one = len(server._running)
+        await server.close()
+        return tasks_for_two, tasks_for_one, server._gone
+
+    tasks_for_two, tasks_for_one, gone = asyncio.run(scenario())
+    assert engine.alone == [False, False, True]
+    assert tasks_for_two == 2 and tasks_for_one == 0 and not gone
+    answered = [
+        [header for message in messages for header, _ in wire.unpack(memoryview(message))]
+        for messages in sent
+    ]
+    assert [[(call_id, ok) for call_id, ok, _ in got] for got in answered] == [
+        [(1, True), (3, True)],
+        [(2, True)],
+    ]
 
 
 async def connect(path: str, received: list) -> wire.Link:
@@ -361,9 +417,9 @@ def test_a_front_end_connects_again_to_a_restarted_engine(tmp_path):
         return seen
 
     first_answer, refused, second_answer = asyncio.run(scenario())
-    assert [row[0].tolist() for row in first_answer] == [[4.0, 4.0]]
+    assert first_answer[0].tolist() == [[4.0, 4.0]]
     assert refused == "engine_unavailable"
-    assert [row[0].tolist() for row in second_answer] == [[8.0, 8.0]]
+    assert second_answer[0].tolist() == [[8.0, 8.0]]
 
 
 def test_a_table_its_dead_engine_sent_never_makes_the_front_end_ready(tmp_path):

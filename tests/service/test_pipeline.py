@@ -70,7 +70,7 @@ def test_a_pipeline_runs_its_version_and_counts_its_requests(loaded, model_repos
         return pipeline, answers
 
     pipeline, answers = asyncio.run(scenario())
-    np.testing.assert_allclose(np.stack([a[0] for a in answers]), expected, atol=1e-5)
+    np.testing.assert_allclose(answers[0], expected, atol=1e-5)
     assert (pipeline.name, pipeline.version) == (MODEL_NAME, 1)
     assert pipeline.serving is serving and pipeline.settings is settings
     assert pipeline.view.provider == runtime.provider == "CPUExecutionProvider"
@@ -139,8 +139,8 @@ def test_attention_runs_on_its_own_batcher(loaded):
         await pipeline.retire(5)
         return answers
 
-    (answer,) = asyncio.run(scenario())
-    assert len(answer) == 2  # logits and the attention maps
+    logits, maps = asyncio.run(scenario())  # every output, stacked over the one image
+    assert logits.shape == (1, 10) and maps.ndim == 5  # [images, layers, heads, tokens, tokens]
     assert series(metrics, "vitserve_batch_size_count", model=MODEL_NAME, graph="attention") == 1
 
 
@@ -229,6 +229,41 @@ def test_the_classifier_dispatches_at_a_preferred_batch_size_without_waiting(loa
         run = pipeline.run("classifier", np.zeros((2, 1, 28, 28), np.float32), None, None)
         answers = await asyncio.wait_for(run, 5)  # not the 10 s queue delay
         await pipeline.retire(5)
-        return len(answers)
+        return len(answers[0])
 
     assert asyncio.run(scenario()) == 2
+
+
+def test_a_lone_call_on_an_idle_fast_model_is_answered_before_it_is_waited_for(
+    loaded, model_repository
+):
+    """``call(alone=True)`` runs a lone image inline once the model has shown it is fast: the call is
+    answered when it returns, ``outputs()`` gives the model's answer, the statistics count it and
+    the version's lease is given back; an image the model fails on is answered at once too, as its
+    error."""
+    runtime, settings, serving = loaded
+    rows = np.random.default_rng(1).standard_normal((1, 1, 28, 28)).astype(np.float32)
+    session = ort.InferenceSession(str(model_repository / MODEL_NAME / "1" / "model.onnx"))
+    expected = session.run(None, {session.get_inputs()[0].name: rows})[0]
+
+    async def scenario():
+        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, Metrics())
+        pipeline.start()
+        await pipeline.run("classifier", rows, None, None, alone=True)  # measures the lone run
+        call = pipeline.call("classifier", rows, "req-2", alone=True)
+        answered, held = call.answered, pipeline.in_flight
+        outputs = call.outputs()
+        released = pipeline.in_flight
+        broken = pipeline.call("classifier", rows[:, :, :5, :5], "req-3", alone=True)
+        with pytest.raises(ServiceError) as failure:
+            broken.outputs()
+        stats = pipeline.statistics.as_dict(MODEL_NAME, "1")["inference_stats"]
+        await pipeline.retire(5)
+        return answered, held, outputs, released, broken.answered, failure.value, stats
+
+    answered, held, outputs, released, broken_answered, failure, stats = asyncio.run(scenario())
+    assert answered and held == 1 and released == 0
+    np.testing.assert_allclose(outputs[0], expected, atol=1e-5)
+    assert broken_answered and failure.code == "inference_failed"
+    assert stats["success"]["count"] == 2 and stats["fail"]["count"] == 1
+    assert stats["queue"]["count"] == 2 and stats["compute_infer"]["count"] == 2

@@ -3,7 +3,6 @@ classify one or more images (JSON or multipart/form-data)."""
 
 from __future__ import annotations
 
-import numpy as np
 from fastapi import APIRouter, Request, Response
 from pydantic_core import to_json
 
@@ -83,7 +82,7 @@ async def predict(request: Request, served: ServedVersion) -> Response:
     # schema), without a second validation of every number by the response model
     body = {
         "model": {"name": served.name, "version": served.version},
-        "predictions": predictions(np.stack(logits), labels, top_k),
+        "predictions": predictions(logits, labels, top_k),
     }
     return Response(to_json(body), media_type="application/json")
 
