@@ -1,13 +1,15 @@
 """The processes of ``python -m service``: one engine, and the front ends that feed it.
 
 Each process dies with the supervisor (``PR_SET_PDEATHSIG``) and sits in its own process group, so a
-terminal's Ctrl-C reaches the supervisor alone, which then stops everything in order.
+terminal's Ctrl-C reaches the supervisor alone, which then stops everything in order. Light to import:
+the supervisor imports it, and each child imports it again (spawn) before anything else, so the web
+stack (service/launcher/http_server.py) and the engine's modules are imported only by the process that
+runs them (they were a second's CPU in every process at start-up, on two cores shared by four).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import gc
 import logging
@@ -15,22 +17,14 @@ import os
 import signal
 import socket
 import sys
-from types import FrameType
 from typing import TYPE_CHECKING
 
-import uvicorn
-
-from service.frontend.probes import EventLoopHealth, ProbeListener
-from service.frontend.server import guarded_protocol
 from service.launcher.cli import EXIT_START_FAILED
 from service.launcher.health import ENGINE_BEAT_S, FrontEndBeat, HealthBoard
 from service.link.wire import Addresses
-from service.observability.logs import uvicorn_log_config
 from service.settings import Settings
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI
-
     from service.engine.core import Engine
 
 logger = logging.getLogger("vitserve")
@@ -59,77 +53,12 @@ def die_with_parent(parent: int, name: str) -> None:
         sys.exit(1)
 
 
-class _Server(uvicorn.Server):
-    """Readiness turns false the moment a shutdown signal arrives, before the graceful drain."""
-
-    def __init__(
-        self, config: uvicorn.Config, app: FastAPI, beat: FrontEndBeat | None = None
-    ) -> None:
-        super().__init__(config)
-        self._app = app
-        self._beat = beat
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self._app.state.frontend.begin_shutdown()
-        if self._beat is not None:  # the loop stops ticking while it drains: not a stall
-            self._beat.draining()
-        super().handle_exit(sig, frame)
-
-
 def freeze_heap() -> None:
     """Take what is alive once the process is set up (modules, the app, the models' sessions) out of
     the cyclic collector's reach: each full collection walked all of it on the event loop, and those
     pauses were the slowest requests (p99 at c=64: 70-88 ms frozen, 115-153 ms not; BENCHMARKS.md)."""
     gc.collect()
     gc.freeze()
-
-
-def serve_http(
-    app: FastAPI,
-    settings: Settings,
-    sockets: list[socket.socket] | None = None,
-    beat: FrontEndBeat | None = None,
-) -> int:
-    """Serve ``app`` with uvicorn and the guarded protocol until a signal; the exit code. A front
-    end of several gives its event loop's ``beat`` to the supervisor, which answers ``health_port``
-    (health.py); a single process (no ``beat``) answers ``health_port`` itself, from a thread."""
-    port = settings.health_port if beat is None else 0
-    health = EventLoopHealth(app.state.frontend)
-    try:
-        probes = ProbeListener(settings.host, port, health) if port else None
-    except OSError as error:
-        logger.error(
-            "cannot start: cannot listen on %s, health port %d: %s",
-            settings.host,
-            port,
-            error.strerror or error,
-        )
-        return EXIT_START_FAILED
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        log_config=uvicorn_log_config(settings.log_format),
-        lifespan="on",
-        timeout_graceful_shutdown=settings.graceful_shutdown_s + ANSWER_MARGIN_S,
-        access_log=settings.access_log,
-        proxy_headers=False,
-        http=guarded_protocol(settings, app.state.frontend),
-        callback_notify=beat if beat is not None else health.heartbeat if probes else None,
-        timeout_notify=1,
-    )
-    server = _Server(config, app, beat)
-    # The server's own handler from here on, not only while uvicorn runs: a SIGTERM before uvicorn
-    # takes over (the supervisor's death, during start-up) stops it once it has started, and the
-    # one uvicorn raises again after its drain is not fatal (the process would end by the signal,
-    # -15, with every request answered). A handler that raised SystemExit instead was lost whenever
-    # the signal landed in a weakref callback or a __del__: the front end then served on, orphaned.
-    signal.signal(signal.SIGTERM, server.handle_exit)
-    freeze_heap()
-    with contextlib.closing(probes.start()) if probes else contextlib.nullcontext():
-        server.run(sockets=sockets)
-    return 0 if server.started else EXIT_START_FAILED
 
 
 def front_end(
@@ -145,6 +74,7 @@ def front_end(
     process does; after that it stays up while the engine restarts, answering 503."""
     die_with_parent(parent, f"{FRONT_END_NAME}{slot}")
     from service.frontend.app import create_app
+    from service.launcher.http_server import serve_http
     from service.link.arena import block_name
     from service.link.remote import RemoteEngine
     from service.observability.metrics import Metrics

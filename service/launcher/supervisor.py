@@ -293,6 +293,7 @@ def serve(settings: Settings) -> int:
     """Run the service as ``settings.workers`` asks; the exit code."""
     if settings.front_end_count == 0:
         from service.frontend.app import create_app
+        from service.launcher.http_server import serve_http
 
-        return processes.serve_http(create_app(settings), settings)
+        return serve_http(create_app(settings), settings)
     return Supervisor(settings).run()

@@ -28,13 +28,15 @@ import pickle
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from service import errors
-from service.engine.table import Outputs
 from service.errors import ServiceError
+
+if TYPE_CHECKING:
+    from service.engine.table import Outputs
 
 logger = logging.getLogger("vitserve")
 

@@ -168,7 +168,7 @@ def cpu_ticks(pid: int) -> int:
 SIGTERM_IN_A_WEAKREF_CALLBACK = """
 import signal, sys, weakref
 from service.frontend.app import create_app
-from service.launcher import processes
+from service.launcher import http_server
 from service.settings import Settings
 
 
@@ -182,9 +182,9 @@ def freeze_heap():
     del thing
 
 
-processes.freeze_heap = freeze_heap
+http_server.freeze_heap = freeze_heap
 settings = Settings()
-sys.exit(processes.serve_http(create_app(settings), settings))
+sys.exit(http_server.serve_http(create_app(settings), settings))
 """
 
 

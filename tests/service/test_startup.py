@@ -4,6 +4,7 @@ settings from the environment; the service never imports torch."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from service.contract.model_repository import ModelLoadError
 from service.frontend.app import create_app
-from service.launcher.processes import _Server
+from service.launcher.http_server import _Server
 from service.settings import Settings
 from tests.support import (
     MODEL_NAME,
@@ -239,6 +240,26 @@ print("BANNED", banned)
     result = run_python(script, server_env(model_repository, 18098))
     assert result.returncode == 0, result.stderr
     assert "BANNED []" in result.stdout
+
+
+# what only the process that runs it needs: the web stack (front ends), the engine and onnxruntime
+HEAVY = ("fastapi", "starlette", "uvicorn", "grpc", "onnxruntime", "service.engine.core",
+         "service.frontend.app", "service.launcher.http_server")  # fmt: skip
+
+
+def test_the_supervisor_and_the_entry_points_of_its_processes_import_nothing_heavy():
+    """The supervisor imports only what it needs before it starts its processes, and each process
+    imports the module of its entry point again (spawn) before doing its part: the web stack and the
+    engine are imported by the processes that run them (each was a second's CPU in all four
+    processes at start-up: BENCHMARKS.md)."""
+    script = f"""
+import sys
+import service.launcher.supervisor, service.launcher.processes
+print("HEAVY", sorted(m for m in {HEAVY!r} if m in sys.modules))
+"""
+    result = run_python(script, {"PATH": os.environ.get("PATH", "")})
+    assert result.returncode == 0, result.stderr
+    assert "HEAVY []" in result.stdout
 
 
 SECRET = "hunter2-secret"
