@@ -6,10 +6,12 @@ linked in: ``git worktree add --detach ../before HEAD~1 && ln -s "$PWD/.venv" ..
 and ``hey`` alternates between them, BEFORE first in even rounds and AFTER first in odd ones, so that
 drift falls on both. Single base64 PNG requests to /predict, as bench/compare.py sends them.
 
-    python -m bench.ab ../before . [--concurrency 1,64] [--rounds 4] [--seconds 8]
+    python -m bench.ab ../before . [--concurrency 1,64] [--rounds 4] [--seconds 8] [--starts 0]
 
 Prints, per concurrency, each tree's median req/s, p50 and p99 over the rounds, and every round's
-req/s. BENCHMARKS.md quotes it where a change was measured this way.
+req/s. ``--starts N`` first starts each tree's service N times, alternated, one at a time, and prints
+each one's seconds from spawn to the first 200 of /health/ready (``--concurrency ''`` for those
+alone). BENCHMARKS.md quotes it where a change was measured this way.
 """
 
 from __future__ import annotations
@@ -50,6 +52,24 @@ def summary(results: dict[tuple[int, str], list[hey.HeyResult]]) -> str:
     return table(["c", "tree", "req/s", "p50 ms", "p99 ms", "each round's req/s", "not 200"], rows)
 
 
+def starts(trees: dict[str, Path], count: int, scratch: Path) -> str:
+    """Start each tree's service ``count`` times, alternated, one at a time; a Markdown table of
+    their seconds from spawn to ready."""
+    seconds: dict[str, list[float]] = {name: [] for name in trees}
+    for round_number in range(count):
+        for name in alternated(list(trees), round_number):
+            tree = trees[name]
+            argv = [str(tree / ".venv" / "bin" / "python"), "-m", "service"]
+            log = scratch / f"{name}-start-{round_number}.log"
+            with running(argv, service_env, log, ports=PORTS, cwd=tree) as server:
+                seconds[name].append(server.ready_s)
+    rows = []
+    for name, values in seconds.items():
+        spread = Spread.of(values)
+        rows.append([name, spread.text(2), ", ".join(f"{v:.2f}" for v in values)])
+    return table(["tree", "spawn to ready s", "each start"], rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__)
     parser.add_argument("before", type=Path, help="a vitserve checkout with its .venv")
@@ -57,9 +77,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,64", help="comma-separated hey -c values")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=8.0, help="each hey run")
+    parser.add_argument("--starts", type=int, default=0, help="starts of each tree, timed")
     args = parser.parse_args(argv)
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    started = ""
+    if args.starts:
+        with tempfile.TemporaryDirectory() as scratch:
+            started = starts(trees, args.starts, Path(scratch))
+    results = load(trees, concurrencies, args.rounds, args.seconds) if concurrencies else {}
+    print(f"before: {trees['before']}\nafter:  {trees['after']}\n")
+    if started:
+        print(started + "\n")
+    if results:
+        print(summary(results))
+    return 0
+
+
+def load(
+    trees: dict[str, Path], concurrencies: list[int], rounds: int, seconds: float
+) -> dict[tuple[int, str], list[hey.HeyResult]]:
+    """Both services up at once; hey at each concurrency, ``rounds`` times, alternated."""
     results: dict[tuple[int, str], list[hey.HeyResult]] = {}
     with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as stack:
         body = Path(scratch) / "body-1.json"
@@ -79,19 +117,17 @@ def main(argv: list[str] | None = None) -> int:
             for index, (name, tree) in enumerate(trees.items())
         }
         for concurrency in concurrencies:
-            for round_number in range(args.rounds):
+            for round_number in range(rounds):
                 for name in alternated(list(servers), round_number):
-                    load = hey.command(
+                    command = hey.command(
                         servers[name].url + "/predict",
                         body,
                         concurrency=concurrency,
-                        duration_s=args.seconds,
+                        duration_s=seconds,
                     )
-                    result = hey.run(load, args.seconds + 60)
+                    result = hey.run(command, seconds + 60)
                     results.setdefault((concurrency, name), []).append(result)
-    print(f"before: {trees['before']}\nafter:  {trees['after']}\n")
-    print(summary(results))
-    return 0
+    return results
 
 
 if __name__ == "__main__":
