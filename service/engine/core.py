@@ -1,16 +1,16 @@
 """The engine: every model version, its batchers and sessions, and the engine's phase. No transport.
 
 Front ends reach it through ``service/link/`` (in their own process, or over the process link): they read
-its :class:`~service.engine.table.ModelTable`, send rows to :meth:`Engine.infer` with a request id and a
-signal that completes when the client has gone, and call :meth:`Engine.control` for the repository index,
-explicit load and unload, the served configuration and Triton's statistics.
+its :class:`~service.engine.table.ModelTable`, send rows to :meth:`Engine.call` with a request id (the
+:class:`~service.engine.pipeline.Call` it returns is answered, or waited for with a signal that completes
+when the client has gone), and call :meth:`Engine.control` for the repository index, explicit load and
+unload, the served configuration and Triton's statistics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
 from dataclasses import replace
 from typing import Any
 
@@ -20,7 +20,7 @@ from service.contract.model_repository import ModelLoadError
 from service.engine import reports
 from service.engine.model_manager import ModelManager
 from service.engine.pipeline import Call
-from service.engine.table import Graph, ModelTable, Outputs, Phase
+from service.engine.table import Graph, ModelTable, Phase
 from service.errors import ServiceError
 from service.observability.metrics import Metrics
 from service.settings import Settings
@@ -144,7 +144,7 @@ class Engine:
         graph: Graph,
         count: int,
     ) -> None:
-        """Raise the 503 that :meth:`infer` would raise now for ``count`` images."""
+        """Raise the 503 that :meth:`call` would raise now for ``count`` images."""
         self.manager.pipeline_for(name, version, requested, key).batcher(graph).admit(count)
 
     def call(
@@ -164,23 +164,6 @@ class Engine:
         a fast model is answered before this returns (``Call.answered``)."""
         pipeline = self.manager.pipeline_for(name, version, requested, key)
         return pipeline.call(graph, rows, request_id, alone)
-
-    async def infer(
-        self,
-        name: str,
-        version: int,
-        requested: int | None,
-        key: tuple[str, str],
-        graph: Graph,
-        rows: np.ndarray,
-        request_id: str | None = None,
-        disconnected: Awaitable[object] | None = None,
-        alone: bool = False,
-    ) -> Outputs:
-        """:meth:`call`'s outputs: every output, stacked over the rows in order. ``disconnected``
-        completes when the client has gone: its rows still queued never run."""
-        call = self.call(name, version, requested, key, graph, rows, request_id, alone)
-        return await call.wait(disconnected)
 
     def record_failure(self, name: str, version: int, ns: int) -> None:
         """A request for this version failed in a front end (its input was refused while decoding):

@@ -50,7 +50,7 @@ class EngineClient(ABC):
         request_id: str | None,
         disconnected: Awaitable[object] | None,
     ) -> Outputs:
-        """Every output, stacked over the rows in order (service/engine/core.py's ``Engine.infer``)."""
+        """Every output, stacked over the rows in order (service/engine/core.py's ``Engine.call``)."""
 
     @abstractmethod
     async def control(self, op: str, **arguments: Any) -> Any:
@@ -96,16 +96,10 @@ class LocalEngine(EngineClient):
         request_id: str | None,
         disconnected: Awaitable[object] | None,
     ) -> Outputs:
-        return await self.engine.infer(
-            view.name,
-            view.version,
-            requested,
-            view.preprocessing_key,
-            graph,
-            rows,
-            request_id,
-            disconnected,
+        call = self.engine.call(
+            view.name, view.version, requested, view.preprocessing_key, graph, rows, request_id
         )
+        return await call.wait(disconnected)
 
     async def control(self, op: str, **arguments: Any) -> Any:
         return await self.engine.control(op, **arguments)
