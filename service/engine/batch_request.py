@@ -68,8 +68,9 @@ class BatchRequest:
         times: BatchTimes | None = None,
         non_finite: int = 0,
     ) -> None:
-        """Images ``first`` on of this request ran, in one batch that ``started`` (event-loop time)
-        and took ``times``: ``outputs`` holds their rows of every output, in order."""
+        """Some of this request's images, from its image ``first`` on, ran in one batch that
+        ``started`` (event-loop time) and took ``times``: ``outputs`` holds their rows of every
+        output, in order."""
         if self.future.done():
             return
         self.parts.append((first, outputs))

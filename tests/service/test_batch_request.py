@@ -71,3 +71,25 @@ def test_a_cancelled_caller_leaves_its_images_abandoned():
         return queued.abandoned, request.future.cancelled()
 
     assert asyncio.run(scenario()) == (True, True)
+
+
+def test_a_request_answered_before_it_waits_lets_its_client_gone_signal_go():
+    """A lone image run inline is answered before its caller waits: the wait returns its outputs at
+    once, and the client-gone signal it was given is cancelled (a future) or closed (a coroutine,
+    never left un-awaited)."""
+
+    async def never() -> None:
+        await asyncio.Event().wait()
+
+    async def scenario() -> tuple[list, bool, bool]:
+        loop = asyncio.get_running_loop()
+        answered = BatchRequest(loop.create_future(), 1)
+        answered.deliver(0, (np.full((1, 2), 7.0),))
+        signal = loop.create_future()
+        outputs = await answered.wait(loop.time() + 30, signal)
+        coroutine = never()
+        await answered.wait(loop.time() + 30, coroutine)
+        return outputs, signal.cancelled(), coroutine.cr_frame is None
+
+    outputs, cancelled, closed = asyncio.run(scenario())
+    assert outputs[0].tolist() == [[7.0, 7.0]] and cancelled and closed
