@@ -39,6 +39,7 @@ from bench import server_process
 from bench.machine import tree_memory_kib
 from export.config import ViTConfig
 from export.data import FASHION_MNIST_LABELS, get_dataset_spec
+from service.engine.pipeline import ModelPipeline
 from service.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -417,3 +418,13 @@ class HoldFirstCall:
         if first:
             self.release.wait(30)
         return self.run(images)
+
+
+@contextmanager
+def held(pipeline: ModelPipeline) -> Iterator[ModelPipeline]:
+    """A version held for the length of a block, as a call holds it from its arrival to its answer."""
+    pipeline.hold()
+    try:
+        yield pipeline
+    finally:
+        pipeline.release()

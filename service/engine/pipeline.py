@@ -10,10 +10,9 @@ released only once they are answered.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -111,15 +110,6 @@ class ModelPipeline:
         waits for these. Each hold is given back once, by :meth:`release`."""
         self.in_flight += 1
         self._drained.clear()
-
-    @contextlib.contextmanager
-    def lease(self) -> Iterator[ModelPipeline]:
-        """A hold for the length of a block."""
-        self.hold()
-        try:
-            yield self
-        finally:
-            self.release()
 
     def release(self) -> None:
         self.in_flight -= 1

@@ -22,7 +22,7 @@ from service.engine.model_manager import ModelManager
 from service.errors import NotFound, ServiceUnavailable
 from service.observability.metrics import Metrics
 from tests.service.test_model_versions import set_policy
-from tests.support import MODEL_NAME, make_settings
+from tests.support import MODEL_NAME, held, make_settings
 
 OTHER = "other-vit"
 
@@ -212,7 +212,7 @@ def test_a_call_resolved_before_a_swap_goes_to_a_version_that_can_take_it(reposi
         other_key = ("another", "preprocessing")
         assert manager.pipeline_for(MODEL_NAME, 1, 1, key) is v1
         assert manager.pipeline_for(MODEL_NAME, 2, None, other_key) is v2
-        with v1.lease():  # v1 still answering a request when the policy drops it
+        with held(v1):  # v1 still answering a request when the policy drops it
             set_policy(repository, "latest", (1,))
             await manager.poll_once()
             assert (
@@ -370,7 +370,7 @@ def test_a_released_version_is_stopped_after_graceful_shutdown_s_even_if_still_l
         manager = manager_for(repository, graceful_shutdown_s=0.2)
         await manager.start()
         v1 = manager.resolve(MODEL_NAME, 1)
-        with v1.lease():  # a request that never ends
+        with held(v1):  # a request that never ends
             set_policy(repository, "latest", (1,))
             await manager.poll_once()
             loop = asyncio.get_running_loop()

@@ -218,17 +218,16 @@ def test_a_replaced_version_waits_for_its_last_leased_request(repository):
         pipeline = client.app.state.engine.manager.resolve()
 
         async def scenario() -> tuple[bool, bool]:
-            first, second = pipeline.lease(), pipeline.lease()
-            first.__enter__()
-            second.__enter__()
+            pipeline.hold()  # two calls in flight
+            pipeline.hold()
             retiring = asyncio.ensure_future(pipeline.retire(timeout_s=30))
             await asyncio.sleep(0.05)
             before_any = retiring.done()
-            first.__exit__(None, None, None)
+            pipeline.release()  # the first answered
             # a retire woken now would stop an idle batcher in milliseconds: 0.3 s is ample
             done, _ = await asyncio.wait({retiring}, timeout=0.3)
             after_first = bool(done)
-            second.__exit__(None, None, None)
+            pipeline.release()
             await asyncio.wait_for(retiring, 10)
             return before_any, after_first
 

@@ -22,7 +22,7 @@ from service.engine.runtime import Runtime
 from service.engine.statistics import BatchTimes, ModelStatistics
 from service.errors import NotFound, ServiceError
 from service.observability.metrics import Metrics
-from tests.support import MODEL_NAME, make_settings
+from tests.support import MODEL_NAME, held, make_settings
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,7 @@ def test_retiring_waits_for_leases_within_its_timeout_and_sums_the_failed_images
         pipeline.classifier.stop = stub(2)  # type: ignore[method-assign]
         pipeline.attention.stop = stub(3)  # type: ignore[method-assign,union-attr]
         loop = asyncio.get_running_loop()
-        with pipeline.lease():
+        with held(pipeline):
             started = loop.time()
             failed = await asyncio.wait_for(pipeline.retire(0.2), 10)
             waited = loop.time() - started
