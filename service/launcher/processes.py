@@ -2,9 +2,10 @@
 
 Each process dies with the supervisor (``PR_SET_PDEATHSIG``) and sits in its own process group, so a
 terminal's Ctrl-C reaches the supervisor alone, which then stops everything in order. Light to import:
-the supervisor imports it, and each child imports it again (spawn) before anything else, so the web
-stack (service/launcher/http_server.py) and the engine's modules are imported only by the process that
-runs them (they were a second's CPU in every process at start-up, on two cores shared by four).
+the supervisor imports it, and a spawned child imports it again before anything else. The engine's
+modules are imported only by the engine. The web stack (service/launcher/http_server.py) is imported
+by the supervisor once the engine has been spawned (:func:`preload_front_end`), and the front ends
+forked from it start with it (supervisor.py says when a front end is spawned instead).
 """
 
 from __future__ import annotations
@@ -73,12 +74,7 @@ def front_end(
     It serves once the engine has started (loaded its models) for the first time, as a single
     process does; after that it stays up while the engine restarts, answering 503."""
     die_with_parent(parent, f"{FRONT_END_NAME}{slot}")
-    from service.frontend.app import create_app
-    from service.launcher.http_server import serve_http
-    from service.link.arena import block_name
-    from service.link.remote import RemoteEngine
-    from service.observability.metrics import Metrics
-
+    create_app, serve_http, block_name, RemoteEngine, Metrics = _front_end_modules()
     metrics = Metrics()
     engine = RemoteEngine(
         addresses,
@@ -92,6 +88,26 @@ def front_end(
     state = app.state.frontend
     beat = FrontEndBeat(board, slot, lambda: (engine.engine_pid or 0) if state.ready else 0)
     sys.exit(serve_http(app, settings, [listener], beat))
+
+
+def preload_front_end() -> None:
+    """Import, in the supervisor, what every front end runs, so that a front end forked from it
+    starts with them (supervisor.py): two front ends each importing the web stack for about a
+    second of CPU, beside the engine's own imports, was most of start-up on two cores. Frozen: the
+    front ends' collections then never walk (and so copy) the pages they share with the supervisor."""
+    _front_end_modules()
+    freeze_heap()
+
+
+def _front_end_modules() -> tuple:  # type: ignore[type-arg]
+    """What a front end runs, imported: one list for :func:`front_end` and :func:`preload_front_end`."""
+    from service.frontend.app import create_app
+    from service.launcher.http_server import serve_http
+    from service.link.arena import block_name
+    from service.link.remote import RemoteEngine
+    from service.observability.metrics import Metrics
+
+    return create_app, serve_http, block_name, RemoteEngine, Metrics
 
 
 def engine(settings: Settings, addresses: Addresses, parent: int, board: HealthBoard) -> None:

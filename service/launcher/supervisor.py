@@ -1,9 +1,11 @@
 """``python -m service``: one engine process and ``workers`` front-end processes, supervised.
 
 The supervisor binds the HTTP port, one listening socket per front end in a SO_REUSEPORT group, and makes
-sure the gRPC port is free (every front end then binds it with SO_REUSEPORT). It restarts a process that dies: a front end alone
-(only the requests it held are lost), or the engine, with its models loaded again, while the front ends
-answer 503 with Retry-After. An engine that fails before it was ever ready (a model that does not load)
+sure the gRPC port is free (every front end then binds it with SO_REUSEPORT). It spawns the engine, then
+imports the web stack once while the engine loads, and forks the front ends from itself, as gunicorn's
+``preload_app`` does. It restarts a process that dies: a front end alone (only the requests it held
+are lost), or the engine, with its models loaded again, while the front ends answer 503 with
+Retry-After. An engine that fails before it was ever ready (a model that does not load)
 stops the service with exit code 3. On SIGTERM or SIGINT: the front ends stop accepting and finish what
 they hold, the engine runs what was admitted, then everything exits (code 0). Metrics from every process
 are summed by prometheus-client's multiprocess mode, in the supervisor's private directory. With
@@ -21,6 +23,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
@@ -35,6 +38,7 @@ from service.settings import Settings
 
 logger = logging.getLogger("vitserve")
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # the service drains and stops
 RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)  # after 0, 1, 2, ... deaths within STABLE_S
 STABLE_S = 30.0
 KILL_WAIT_S = 5.0
@@ -85,6 +89,7 @@ class Supervisor:
         share = max(1, -(-settings.max_connections // self.count))
         self.settings = settings.model_copy(update={"max_connections": share})
         self.context = multiprocessing.get_context("spawn")
+        self.fork = multiprocessing.get_context("fork")
         self.pid = os.getpid()
         self.stopping = False
         self.engine: BaseProcess | None = None
@@ -106,21 +111,43 @@ class Supervisor:
         self.engine.start()
 
     def _start_front_end(self, slot: int) -> None:
+        """Forked while the supervisor runs no other thread (a lock another thread held would stay
+        held in the child): the front end then starts with the web stack the supervisor imported
+        (processes.preload_front_end). Spawned otherwise: a restart once the probe listener's
+        thread runs (``health_port``)."""
         self.board.front_end_starting(slot)
-        process = self.context.Process(
-            target=processes.front_end,
-            args=(
-                self.settings,
-                slot,
-                self.listeners[slot],
-                self.addresses,
-                self.pid,
-                self.board,
-            ),
-            name=f"vitserve-frontend-{slot}",
-        )
-        process.start()
+        args = (self.settings, slot, self.listeners[slot], self.addresses, self.pid, self.board)
+        name = f"vitserve-frontend-{slot}"
+        if threading.active_count() > 1:
+            process = self.context.Process(target=processes.front_end, args=args, name=name)
+            process.start()
+        else:
+            process = self.fork.Process(target=self._forked_front_end, args=args, name=name)
+            # the supervisor's handlers would run in the child until it drops them: held back
+            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            try:
+                process.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         self.front_ends[slot] = process
+
+    def _forked_front_end(self, settings: Settings, slot: int, *args: object) -> None:
+        """In a forked front end: drop what is the supervisor's own, then run the front end. The
+        supervisor's signal handlers would stop the service from here, its wake-up pipe would wake
+        it, and another front end's listener or the probe port held here would outlive their
+        owner's exit."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        for other, listener in enumerate(self.listeners):
+            if other != slot:
+                listener.close()
+        for fd in self.wake_pipe:
+            os.close(fd)
+        if self.probes is not None:
+            self.probes.server.socket.close()
+        processes.front_end(settings, slot, *args)
 
     def _backoff(self, who: str) -> float:
         now = time.monotonic()
@@ -164,10 +191,10 @@ class Supervisor:
                 listener.close()
             shutil.rmtree(self.run_dir, ignore_errors=True)
             return processes.EXIT_START_FAILED
-        wake_read, wake_write = os.pipe()
+        wake_read, wake_write = self.wake_pipe = os.pipe()
         os.set_blocking(wake_write, False)
         previous_wakeup = signal.set_wakeup_fd(wake_write)
-        handlers = {s: signal.signal(s, self._stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        handlers = {s: signal.signal(s, self._stop) for s in STOP_SIGNALS}
         logger.info(
             "vitserve: %d front-end process(es) on http://%s:%d%s, one engine process%s",
             self.count,
@@ -178,11 +205,12 @@ class Supervisor:
         )
         code = 0
         try:
-            if self.probes is not None:
-                self.probes.start()
             self._start_engine()
+            processes.preload_front_end()  # while the engine imports its own
             for slot in range(self.count):
                 self._start_front_end(slot)
+            if self.probes is not None:  # after the forks: a thread of its own
+                self.probes.start()
             code = self._watch(wake_read)
         finally:
             self._shutdown()

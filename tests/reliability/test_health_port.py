@@ -26,7 +26,15 @@ import pytest
 from bench import server_process
 from bench.reliability.supervision import engine_and_front_ends, wait_for
 from service.frontend.probes import STALL_S
-from tests.support import RELIABILITY, server_env, start_process, stop_process
+from tests.support import (
+    RELIABILITY,
+    command_line,
+    encode,
+    listening_ports,
+    server_env,
+    start_process,
+    stop_process,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -129,6 +137,37 @@ def test_readiness_follows_the_engine_and_sigterm(model_repository, tmp_path):
         # (probe: 0), before the next probe
         assert drain_lives and all(live in (200, 0) for live in drain_lives), drain_lives
         assert server.process.wait(60) == 0
+
+
+def test_front_ends_hold_no_probe_port_and_one_spawned_once_the_probes_run_serves(
+    model_repository, tmp_path, fashion_images
+):
+    """The front ends are forked before the probe listener's thread starts, and drop its port: one
+    that held it would keep it bound past the supervisor. Once that thread runs, a killed front end
+    is spawned, not forked (a lock the thread held would stay held in the child), and serves."""
+    with service(model_repository, tmp_path / "server.log") as (server, health_port):
+        supervisor = server.process.pid
+        _, front_ends = engine_and_front_ends(supervisor)
+        for pid in front_ends:
+            assert command_line(pid) == command_line(supervisor)  # forked
+            assert listening_ports(pid) == [server.port], listening_ports(pid)
+        assert listening_ports(supervisor).count(health_port) == 1
+        os.kill(front_ends[0], signal.SIGKILL)
+        wait_for(
+            lambda: len(set(engine_and_front_ends(supervisor)[1]) - set(front_ends)) == 1,
+            30,
+            "a new front end",
+        )
+        (spawned,) = set(engine_and_front_ends(supervisor)[1]) - set(front_ends)
+        assert "--multiprocessing-fork" in command_line(spawned), command_line(spawned)
+        wait_for(lambda: listening_ports(spawned) == [server.port], 30, "the new one's listener")
+        png = encode(fashion_images[0])
+        answers = {
+            httpx.post(server.url + "/predict", files={"files": ("a.png", png)}).status_code
+            for _ in range(20)  # new connections: the kernel spreads them over both front ends
+        }
+        assert answers == {200}, answers
+        assert probe(health_port, "/health/ready") == 200
 
 
 def test_a_single_process_answers_its_health_port_itself(model_repository, tmp_path):

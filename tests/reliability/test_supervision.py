@@ -27,7 +27,15 @@ from bench.reliability.supervision import (
     state_of,
     wait_for,
 )
-from tests.support import RELIABILITY, encode, free_port, running_server, server_env
+from tests.support import (
+    RELIABILITY,
+    command_line,
+    encode,
+    free_port,
+    listening_ports,
+    running_server,
+    server_env,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,6 +55,7 @@ def test_a_killed_front_end_is_restarted_and_only_its_requests_are_lost(
     with start(model_repository, tmp_path) as server:
         engine, front_ends = engine_and_front_ends(server.process.pid)
         assert len(front_ends) == 2
+        assert_forked_holding_their_own_listener(server, front_ends)
         with Load(server.url, fashion_png, clients=4) as load:
             wait_for(lambda: load.answered >= 20, 30, "answers before the kill")
             os.kill(front_ends[0], signal.SIGKILL)
@@ -64,6 +73,18 @@ def test_a_killed_front_end_is_restarted_and_only_its_requests_are_lost(
         assert load.failed <= 4, load.failures
         assert engine_and_front_ends(server.process.pid)[0] == engine  # the engine was not touched
         assert all(state_of(pid) != "Z" for pid in descendants(server.process.pid))
+        # no other thread in the supervisor (no health port): the new one is forked too
+        assert_forked_holding_their_own_listener(
+            server, engine_and_front_ends(server.process.pid)[1]
+        )
+
+
+def assert_forked_holding_their_own_listener(server, front_ends: list[int]) -> None:
+    """Each front end forked from the supervisor (it runs the supervisor's command line, where a
+    spawned one runs multiprocessing's), holding one listener, its own, of what the supervisor had."""
+    for pid in front_ends:
+        assert command_line(pid) == command_line(server.process.pid), command_line(pid)
+        assert listening_ports(pid) == [server.port], (pid, listening_ports(pid))
 
 
 def test_a_killed_engine_turns_readiness_off_at_once_and_comes_back(
@@ -121,12 +142,15 @@ def test_sigterm_stops_every_process_and_exits_0(model_repository, tmp_path, fas
         assert not [p for p in children if state_of(p)], "a process outlived the supervisor"
 
 
+@pytest.mark.parametrize("signal_sent", [signal.SIGKILL, signal.SIGINT], ids=["kill", "int"])
 def test_a_front_end_killed_while_it_waits_for_the_engine_does_not_stop_the_start(
-    model_repository, tmp_path
+    model_repository, tmp_path, signal_sent
 ):
     """The engine held (SIGSTOP) before it loads, a front end killed while it waits, then the engine
     let go: the service still becomes ready. (With a ``multiprocessing.Event`` to wait on, the engine
-    hung in its ``set()``, waiting for the dead waiter to wake, and the service never was.)"""
+    hung in its ``set()``, waiting for the dead waiter to wake, and the service never was.) A SIGINT
+    stops that front end alone: forked from the supervisor, it must not run the supervisor's
+    handler, which would stop the other front end and the engine."""
     port = free_port(RELIABILITY.ports)
     env = server_env(model_repository, port, RELIABILITY, workers=2)
     log = tmp_path / "server.log"
@@ -141,12 +165,14 @@ def test_a_front_end_killed_while_it_waits_for_the_engine_does_not_stop_the_star
             wait_for(lambda: len(engine_and_front_ends(process.pid)[1]) == 2, 60, "front ends")
             front_ends = engine_and_front_ends(process.pid)[1]
             wait_for(lambda: all(map(waiting, front_ends)), 60, "front ends waiting")
-            os.kill(front_ends[0], signal.SIGKILL)
+            os.kill(front_ends[0], signal_sent)
             wait_for(lambda: state_of(front_ends[0]) in (None, "Z"), 10, "the kill")
         finally:
             os.kill(engine, signal.SIGCONT)
         url = f"http://127.0.0.1:{port}"
         server_process.wait_ready(process, url, log, timeout_s=60, poll_s=0.1)
+        engine_now, front_ends_now = engine_and_front_ends(process.pid)
+        assert engine_now == engine and front_ends[1] in front_ends_now
     finally:
         server_process.stop_process(process, timeout_s=60)
 
