@@ -97,9 +97,8 @@ class ModelManager:
         self.default_name = default
         self._first_load = frozenset(names)
         try:
-            async with self._lock:
-                for name in names:
-                    await self._sync_model(name, initial=True)
+            async with self._lock:  # all at once, each in a thread, as Triton's model-load threads
+                await asyncio.gather(*(self._sync_model(name, initial=True) for name in names))
         finally:
             self._first_load = frozenset()
         required = set(named) | ({default} & set(names))

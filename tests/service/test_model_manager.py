@@ -486,6 +486,33 @@ def test_a_load_is_timed_logged_and_a_version_loading_says_so(repository, record
     asyncio.run(scenario())
 
 
+def test_the_models_of_the_first_load_load_at_once(repository, monkeypatch):
+    """As Triton's model-load threads: each model of the start loads in a thread of its own, so
+    both reach the barrier; one after the other, the first would wait there alone and fail."""
+    import threading
+
+    from service.engine import model_manager as module
+
+    barrier = threading.Barrier(2, timeout=10)
+    load = module.Runtime.load
+
+    def load_beside_the_other(files, settings, serving):
+        barrier.wait()
+        return load(files, settings, serving)
+
+    monkeypatch.setattr(module.Runtime, "load", load_beside_the_other)
+
+    async def scenario() -> None:
+        manager = manager_for(repository, models=f"{MODEL_NAME},{OTHER}")
+        await manager.start()
+        for name in (MODEL_NAME, OTHER):
+            states = {v: s.state for v, s in manager.models[name].versions.items()}
+            assert set(states.values()) == {"READY"}, (name, states)
+        await manager.stop(5)
+
+    asyncio.run(scenario())
+
+
 def test_start_names_every_version_that_failed_or_none(repository):
     async def scenario() -> None:
         set_policy(repository, "all")
