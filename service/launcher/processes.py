@@ -99,7 +99,7 @@ def preload_front_end() -> None:
     freeze_heap()
 
 
-def _front_end_modules() -> tuple:  # type: ignore[type-arg]
+def _front_end_modules() -> tuple:
     """What a front end runs, imported: one list for :func:`front_end` and :func:`preload_front_end`."""
     from service.frontend.app import create_app
     from service.launcher.http_server import serve_http

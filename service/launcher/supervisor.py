@@ -88,14 +88,14 @@ class Supervisor:
         # the connection cap is the service's: each front end holds its share
         share = max(1, -(-settings.max_connections // self.count))
         self.settings = settings.model_copy(update={"max_connections": share})
-        self.context = multiprocessing.get_context("spawn")
+        self.spawn = multiprocessing.get_context("spawn")
         self.fork = multiprocessing.get_context("fork")
         self.pid = os.getpid()
         self.stopping = False
         self.engine: BaseProcess | None = None
         self.front_ends: dict[int, BaseProcess] = {}
         self.deaths: dict[str, list[float]] = {}
-        self.board = HealthBoard(self.context, self.count)
+        self.board = HealthBoard(self.spawn, self.count)
         self.health = SupervisedHealth(self.board)
         self.probes: ProbeListener | None = None
 
@@ -103,7 +103,7 @@ class Supervisor:
 
     def _start_engine(self) -> None:
         self.board.engine_starting()
-        self.engine = self.context.Process(
+        self.engine = self.spawn.Process(
             target=processes.engine,
             args=(self.settings, self.addresses, self.pid, self.board),
             name="vitserve-engine",
@@ -119,7 +119,7 @@ class Supervisor:
         args = (self.settings, slot, self.listeners[slot], self.addresses, self.pid, self.board)
         name = f"vitserve-frontend-{slot}"
         if threading.active_count() > 1:
-            process = self.context.Process(target=processes.front_end, args=args, name=name)
+            process = self.spawn.Process(target=processes.front_end, args=args, name=name)
             process.start()
         else:
             process = self.fork.Process(target=self._forked_front_end, args=args, name=name)
