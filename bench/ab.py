@@ -52,6 +52,11 @@ def summary(results: dict[tuple[int, str], list[hey.HeyResult]]) -> str:
     return table(["c", "tree", "req/s", "p50 ms", "p99 ms", "each round's req/s", "not 200"], rows)
 
 
+def service_argv(tree: Path) -> list[str]:
+    """``python -m service`` with the tree's own virtual environment."""
+    return [str(tree / ".venv" / "bin" / "python"), "-m", "service"]
+
+
 def starts(trees: dict[str, Path], count: int, scratch: Path) -> str:
     """Start each tree's service ``count`` times, alternated, one at a time; a Markdown table of
     their seconds from spawn to ready."""
@@ -59,9 +64,8 @@ def starts(trees: dict[str, Path], count: int, scratch: Path) -> str:
     for round_number in range(count):
         for name in alternated(list(trees), round_number):
             tree = trees[name]
-            argv = [str(tree / ".venv" / "bin" / "python"), "-m", "service"]
             log = scratch / f"{name}-start-{round_number}.log"
-            with running(argv, service_env, log, ports=PORTS, cwd=tree) as server:
+            with running(service_argv(tree), service_env, log, ports=PORTS, cwd=tree) as server:
                 seconds[name].append(server.ready_s)
     rows = []
     for name, values in seconds.items():
@@ -105,7 +109,7 @@ def load(
         servers = {
             name: stack.enter_context(
                 running(
-                    [str(tree / ".venv" / "bin" / "python"), "-m", "service"],
+                    service_argv(tree),
                     service_env,
                     Path(scratch) / f"{name}.log",
                     ports=PORTS,

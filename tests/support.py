@@ -335,6 +335,16 @@ def command_line(pid: int) -> list[str]:
         return raw.read().decode(errors="replace").split("\0")[:-1]
 
 
+def assert_forked_holding_their_own_listener(
+    supervisor: int, port: int, front_ends: list[int]
+) -> None:
+    """Each front end forked from the supervisor (it runs the supervisor's command line, where a
+    spawned one runs multiprocessing's), holding one listener, its own, of what the supervisor had."""
+    for pid in front_ends:
+        assert command_line(pid) == command_line(supervisor), command_line(pid)
+        assert listening_ports(pid) == [port], (pid, listening_ports(pid))
+
+
 def run_python(script: str, env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
     """``python -c script`` from the repository root with ``env``; its output as text."""
     return subprocess.run(

@@ -28,6 +28,7 @@ from bench.reliability.supervision import engine_and_front_ends, wait_for
 from service.frontend.probes import STALL_S
 from tests.support import (
     RELIABILITY,
+    assert_forked_holding_their_own_listener,
     command_line,
     encode,
     listening_ports,
@@ -148,9 +149,7 @@ def test_front_ends_hold_no_probe_port_and_one_spawned_once_the_probes_run_serve
     with service(model_repository, tmp_path / "server.log") as (server, health_port):
         supervisor = server.process.pid
         _, front_ends = engine_and_front_ends(supervisor)
-        for pid in front_ends:
-            assert command_line(pid) == command_line(supervisor)  # forked
-            assert listening_ports(pid) == [server.port], listening_ports(pid)
+        assert_forked_holding_their_own_listener(supervisor, server.port, front_ends)
         assert listening_ports(supervisor).count(health_port) == 1
         os.kill(front_ends[0], signal.SIGKILL)
         wait_for(

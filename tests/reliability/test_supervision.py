@@ -29,10 +29,9 @@ from bench.reliability.supervision import (
 )
 from tests.support import (
     RELIABILITY,
-    command_line,
+    assert_forked_holding_their_own_listener,
     encode,
     free_port,
-    listening_ports,
     running_server,
     server_env,
 )
@@ -55,7 +54,7 @@ def test_a_killed_front_end_is_restarted_and_only_its_requests_are_lost(
     with start(model_repository, tmp_path) as server:
         engine, front_ends = engine_and_front_ends(server.process.pid)
         assert len(front_ends) == 2
-        assert_forked_holding_their_own_listener(server, front_ends)
+        assert_forked_holding_their_own_listener(server.process.pid, server.port, front_ends)
         with Load(server.url, fashion_png, clients=4) as load:
             wait_for(lambda: load.answered >= 20, 30, "answers before the kill")
             os.kill(front_ends[0], signal.SIGKILL)
@@ -75,16 +74,8 @@ def test_a_killed_front_end_is_restarted_and_only_its_requests_are_lost(
         assert all(state_of(pid) != "Z" for pid in descendants(server.process.pid))
         # no other thread in the supervisor (no health port): the new one is forked too
         assert_forked_holding_their_own_listener(
-            server, engine_and_front_ends(server.process.pid)[1]
+            server.process.pid, server.port, engine_and_front_ends(server.process.pid)[1]
         )
-
-
-def assert_forked_holding_their_own_listener(server, front_ends: list[int]) -> None:
-    """Each front end forked from the supervisor (it runs the supervisor's command line, where a
-    spawned one runs multiprocessing's), holding one listener, its own, of what the supervisor had."""
-    for pid in front_ends:
-        assert command_line(pid) == command_line(server.process.pid), command_line(pid)
-        assert listening_ports(pid) == [server.port], (pid, listening_ports(pid))
 
 
 def test_a_killed_engine_turns_readiness_off_at_once_and_comes_back(
