@@ -50,10 +50,25 @@ class InputSpec(_Meta):
         return self
 
 
+Resample = Literal["nearest", "bilinear", "bicubic", "lanczos", "box"]
+
+
 class Preprocessing(_Meta):
+    """How an image becomes the model's input.
+
+    ``resize`` is the geometry: ``fit-pad`` fits the image inside the input's H x W keeping its aspect
+    ratio and pads it centred with ``pad_value`` (vitserve's own runs); ``resize-crop`` resizes the
+    shorter side to ``shorter_side`` and crops the centre H x W (timm's ``crop_pct``: ``shorter_side =
+    floor(size / crop_pct)``; Hugging Face's ``size.shortest_edge`` with ``crop_size``); ``resize``
+    scales straight to H x W (Hugging Face's ``size.height`` and ``size.width``). ``resample`` names the
+    filter of that resize.
+    """
+
     color: Literal["grayscale", "rgb"]
-    resize: Literal["fit-pad"]
-    pad_value: float = Field(ge=0, le=255)
+    resize: Literal["fit-pad", "resize-crop", "resize"]
+    resample: Resample = "bilinear"
+    shorter_side: int | None = Field(default=None, ge=1)
+    pad_value: float = Field(default=0.0, ge=0, le=255)
     polarity: Literal["light-on-dark", "dark-on-light", "natural"]
     scale: float = Field(gt=0)
     mean: list[float] = Field(min_length=1)
@@ -126,6 +141,13 @@ class ModelMetadata(_Meta):
                 )
         if any(s <= 0 for s in pre.std):
             raise ValueError("preprocessing.std values must be positive")
+        if (pre.resize == "resize-crop") != (pre.shorter_side is not None):
+            raise ValueError("preprocessing.shorter_side is given with resize-crop, and only then")
+        if pre.shorter_side is not None and pre.shorter_side < max(spec.height, spec.width):
+            raise ValueError(
+                f"preprocessing.shorter_side {pre.shorter_side} is smaller than the centre crop "
+                f"{spec.height}x{spec.width}"
+            )
         if len(set(self.labels)) != len(self.labels):
             raise ValueError("labels are not unique")
         if self.patch is not None:

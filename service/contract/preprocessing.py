@@ -18,7 +18,7 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image, ImageOps
 
-from service.contract.model_repository import ModelMetadata, Preprocessing
+from service.contract.model_repository import ModelLoadError, ModelMetadata, Preprocessing
 from service.errors import InvalidInput, UnsupportedMediaType
 
 Invert = Literal["auto", "always", "never"]
@@ -376,6 +376,10 @@ class Preprocessor:
         self.max_pixels = max_pixels
         spec = metadata.input
         self.channels, self.height, self.width = spec.channels, spec.height, spec.width
+        if metadata.preprocessing.resize != "fit-pad":
+            raise ModelLoadError(
+                f"preprocessing.resize {metadata.preprocessing.resize!r} is not served yet"
+            )
 
     def from_bytes(self, data: bytes, field: str, invert: Invert = "auto") -> Prepared:
         draft = max(self.height, self.width)
