@@ -58,16 +58,22 @@ class Preprocessing(_Meta):
 
     ``resize`` is the geometry: ``fit-pad`` fits the image inside the input's H x W keeping its aspect
     ratio and pads it centred with ``pad_value`` (vitserve's own runs); ``resize-crop`` resizes the
-    shorter side to ``shorter_side`` and crops the centre H x W (timm's ``crop_pct``: ``shorter_side =
-    floor(size / crop_pct)``; Hugging Face's ``size.shortest_edge`` with ``crop_size``); ``resize``
-    scales straight to H x W (Hugging Face's ``size.height`` and ``size.width``). ``resample`` names the
-    filter of that resize.
+    shorter side to ``shorter_side`` (the longer side to ``int(shorter_side * long / short)``) and crops
+    the centre H x W (timm's ``crop_pct``: ``shorter_side = floor(size / crop_pct)``; Hugging Face's
+    ``size.shortest_edge`` with ``crop_size``); ``resize`` scales straight to ``resize_to`` (height,
+    width; the input's H x W when absent: Hugging Face's ``size.height`` and ``size.width``) and crops
+    the centre H x W of it (Hugging Face's DeiT: 256 x 256, then 224 x 224). ``resample`` names the
+    filter of that resize. ``crop_offset`` splits an odd margin of a centre crop: ``floor`` starts the
+    crop at ``(h - H) // 2`` (Hugging Face's ``center_crop``), ``round`` at ``round((h - H) / 2)``,
+    ties to even (torchvision's ``CenterCrop``, which timm's transforms use).
     """
 
     color: Literal["grayscale", "rgb"]
     resize: Literal["fit-pad", "resize-crop", "resize"]
     resample: Resample = "bilinear"
     shorter_side: int | None = Field(default=None, ge=1)
+    resize_to: tuple[int, int] | None = None
+    crop_offset: Literal["floor", "round"] = "floor"
     pad_value: float = Field(default=0.0, ge=0, le=255)
     polarity: Literal["light-on-dark", "dark-on-light", "natural"]
     scale: float = Field(gt=0)
@@ -148,6 +154,16 @@ class ModelMetadata(_Meta):
                 f"preprocessing.shorter_side {pre.shorter_side} is smaller than the centre crop "
                 f"{spec.height}x{spec.width}"
             )
+        if pre.resize_to is not None:
+            if pre.resize != "resize":
+                raise ValueError("preprocessing.resize_to is given with resize, and only then")
+            if pre.resize_to[0] < spec.height or pre.resize_to[1] < spec.width:
+                raise ValueError(
+                    f"preprocessing.resize_to {list(pre.resize_to)} is smaller than the centre crop "
+                    f"{spec.height}x{spec.width}"
+                )
+        if pre.resize == "fit-pad" and pre.crop_offset != "floor":
+            raise ValueError("preprocessing.crop_offset is for the centre crop, not fit-pad")
         if len(set(self.labels)) != len(self.labels):
             raise ValueError("labels are not unique")
         if self.patch is not None:

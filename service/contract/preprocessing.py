@@ -1,10 +1,18 @@
 """Turn any accepted image into exactly what the model was trained on.
 
 Steps, in order: identify the format from its magic bytes (PNG, JPEG, WebP, BMP, GIF only), check the
-pixel count from the header before decoding (decompression bombs), decode the first frame, apply the EXIF
-orientation, box-filter a large image down to a few times its size in the model's frame, bring any mode (palette, alpha, 16-bit, CMYK, ...) to 0-255 floats, reduce or expand to the
-model's channels, decide the polarity, fit the image inside the model's H x W keeping its aspect ratio,
-pad it centred, scale and normalise with the metadata's mean and std. Everything after decoding is numpy.
+pixel count from the header before decoding (decompression bombs), decode the first frame (a JPEG at
+the smallest DCT scale that still covers the resize), apply the EXIF orientation, reduce a large image
+to a few times its size after the resize, bring any mode (palette, alpha, 16-bit, CMYK, ...) to 0-255,
+reduce or expand to the model's channels, then the metadata's geometry (``geometry.py``):
+
+- ``fit-pad``: in float32, decide the polarity, fit the image inside the model's H x W keeping its
+  aspect ratio, pad it centred;
+- ``resize-crop`` and ``resize``: in 8-bit Pillow, as the sources' own processors do (Hugging Face
+  resizes uint8 images, then rescales; timm's transforms resize Pillow images), resize with the named
+  filter, crop the centre H x W, then decide the polarity on that crop.
+
+Last, scale and normalise with the metadata's mean and std.
 """
 
 from __future__ import annotations
@@ -18,7 +26,15 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image, ImageOps
 
-from service.contract.model_repository import ModelLoadError, ModelMetadata, Preprocessing
+from service.contract.geometry import (
+    RESAMPLE,
+    draft_side,
+    fit_size,
+    reducible,
+    resize_and_crop,
+    shrink,
+)
+from service.contract.model_repository import ModelMetadata, Preprocessing
 from service.errors import InvalidInput, UnsupportedMediaType
 
 Invert = Literal["auto", "always", "never"]
@@ -165,35 +181,6 @@ def _composite_on_white(rgb: np.ndarray, alpha: np.ndarray) -> np.ndarray:
     return rgb * weight + 255.0 * (1.0 - weight)
 
 
-# How much larger than its place in the model's frame an image stays before it becomes floats.
-SHRINK_MARGIN = 4
-
-
-def shrink(image: Image.Image, height: int, width: int) -> Image.Image:
-    """A large image, box-filtered in Pillow (C, 8/32-bit) to ``SHRINK_MARGIN`` times the size it
-    takes in the model's H x W, so that no full-size float copy is ever made: a 65 kB PNG of
-    4096 x 4096 RGBA pixels would otherwise cost about 0.8 GB and seconds of CPU. Modes are first
-    brought where :func:`image_to_array` brings them; the fit-pad geometry that follows is unchanged."""
-    w, h = image.size
-    scale = min(height / h, width / w)
-    if scale * SHRINK_MARGIN >= 1:
-        return image
-    fit_w = min(width, max(1, round(w * scale)))
-    fit_h = min(height, max(1, round(h * scale)))
-    mode = image.mode
-    if mode == "1":
-        image = image.convert("L")
-    elif mode in ("P", "PA"):
-        has_alpha = mode == "PA" or "transparency" in image.info
-        image = image.convert("RGBA" if has_alpha else "RGB")
-    elif mode.startswith("I;16"):
-        image = image.convert("I")
-    elif mode not in ("L", "LA", "La", "RGB", "RGBA", "RGBa", "I", "F"):
-        image = image.convert("RGB")
-    size = (min(w, SHRINK_MARGIN * fit_w), min(h, SHRINK_MARGIN * fit_h))
-    return image.resize(size, Image.Resampling.BOX)
-
-
 def image_to_array(image: Image.Image) -> np.ndarray:
     """Any Pillow mode -> float32 ``[H, W, 1 or 3]`` in 0-255; transparency is composited on white."""
     mode = image.mode
@@ -308,13 +295,13 @@ def should_invert(array: np.ndarray, polarity: str, invert: Invert) -> bool:
     return border > 127.5 if polarity == "light-on-dark" else border < 127.5
 
 
-def _resize(array: np.ndarray, height: int, width: int) -> np.ndarray:
+def _resize(array: np.ndarray, height: int, width: int, resample: str) -> np.ndarray:
     if array.shape[:2] == (height, width):
         return array
     channels = [
         np.asarray(
             Image.fromarray(np.ascontiguousarray(array[..., c])).resize(
-                (width, height), Image.Resampling.BILINEAR
+                (width, height), RESAMPLE[resample]
             ),
             dtype=np.float32,
         )
@@ -343,14 +330,16 @@ class Prepared:
 
     tensor: np.ndarray  # float32 [C, H, W], normalised
     inverted: bool
-    content: np.ndarray  # float32 [h, w, C] in 0-255, fitted, original polarity, before padding
+    # float32 [h, w, C] in 0-255, original polarity: fit-pad's fitted image before padding, or the
+    # centre crop the model sees (then h x w = H x W)
+    content: np.ndarray
     offset: tuple[int, int]  # (top, left) of the content in the model's frame
     pad_value: float
 
     @cached_property
     def display(self) -> np.ndarray:
-        """uint8 ``[H, W, C]``, fit-padded, not inverted (the attention overlay's background); made
-        only when asked for: /predict never needs it."""
+        """uint8 ``[H, W, C]``, what the model sees but not inverted (the attention overlay's
+        background); made only when asked for: /predict never needs it."""
         _, height, width = self.tensor.shape
         pad = 255.0 - self.pad_value if self.inverted else self.pad_value
         return np.rint(_framed(self.content, height, width, self.offset, pad)).astype(np.uint8)
@@ -376,43 +365,76 @@ class Preprocessor:
         self.max_pixels = max_pixels
         spec = metadata.input
         self.channels, self.height, self.width = spec.channels, spec.height, spec.width
-        if metadata.preprocessing.resize != "fit-pad":
-            raise ModelLoadError(
-                f"preprocessing.resize {metadata.preprocessing.resize!r} is not served yet"
-            )
+        self.draft_side = draft_side(metadata.preprocessing, self.height, self.width)
+        self._mode = "L" if self.channels == 1 else "RGB"
+        self._size = (self.height, self.width)
+
+    def decode(self, data: bytes, field: str) -> Image.Image:
+        """The image ``data`` holds, upright, decoded no larger than the geometry needs."""
+        return decode_image(data, field, self.max_pixels, self.draft_side)
 
     def from_bytes(self, data: bytes, field: str, invert: Invert = "auto") -> Prepared:
-        draft = max(self.height, self.width)
-        image = decode_image(data, field, self.max_pixels, draft)
-        return self.from_image(shrink(image, self.height, self.width), invert)
+        return self.from_image(self.decode(data, field), invert)
 
     def from_image(self, image: Image.Image, invert: Invert = "auto") -> Prepared:
-        return self.from_array(image_to_array(image), invert)
+        """A decoded image of any size and mode -> the model's input."""
+        if self.metadata.preprocessing.resize == "fit-pad":
+            return self.from_array(image_to_array(shrink(image, self.height, self.width)), invert)
+        image = reducible(image)
+        if image.mode in ("L", "RGB") and image.mode != self._mode:
+            image = image.convert(self._mode)  # Pillow's luma, or the grey repeated
+        # Any other mode is resized and cropped as it is (alpha premultiplied, 16-bit as 32-bit),
+        # then brought to the model's 8-bit mode: compositing on white commutes with the resize.
+        image = resize_and_crop(image, self.metadata.preprocessing, *self._size)
+        if image.mode != self._mode:
+            image = self._eight_bit(image_to_array(image))
+        return self._cropped(image, invert)
 
     def from_pixels(self, pixels: Any, field: str, invert: Invert = "auto") -> Prepared:
         return self.from_array(pixels_to_array(pixels, field, self.max_pixels), invert)
 
     def from_array(self, array: np.ndarray, invert: Invert = "auto") -> Prepared:
-        """float32 ``[h, w, 1 or 3]`` in 0-255 -> the model's input."""
-        if array.shape[2] != self.channels:
-            array = array @ _LUMA[:, None] if self.channels == 1 else np.repeat(array, 3, axis=2)
+        """float32 ``[h, w, 1 or 3]`` in 0-255 -> the model's input (rounded to 8 bits first for the
+        geometries that resize in 8 bits)."""
         pre = self.metadata.preprocessing
+        if pre.resize != "fit-pad":
+            image = resize_and_crop(self._eight_bit(array), pre, *self._size)
+            return self._cropped(image, invert)
+        array = self._channels(array)
         inverted = should_invert(array, pre.polarity, invert)
         h, w = array.shape[:2]
-        scale = min(self.height / h, self.width / w)
-        new_h = min(self.height, max(1, round(h * scale)))
-        new_w = min(self.width, max(1, round(w * scale)))
-        array = np.clip(_resize(array, new_h, new_w), 0.0, 255.0)
+        new_h, new_w = fit_size(h, w, self.height, self.width)
+        array = np.clip(_resize(array, new_h, new_w, pre.resample), 0.0, 255.0)
         offset = ((self.height - new_h) // 2, (self.width - new_w) // 2)
+        return self._prepared(array, inverted, offset)
+
+    def _channels(self, array: np.ndarray) -> np.ndarray:
+        if array.shape[2] == self.channels:
+            return array
+        return array @ _LUMA[:, None] if self.channels == 1 else np.repeat(array, 3, axis=2)
+
+    def _eight_bit(self, array: np.ndarray) -> Image.Image:
+        """float32 ``[h, w, 1 or 3]`` in 0-255 -> an 8-bit image in the model's mode."""
+        pixels = np.rint(np.clip(self._channels(array), 0.0, 255.0)).astype(np.uint8)
+        return Image.fromarray(pixels[..., 0] if self.channels == 1 else pixels)
+
+    def _cropped(self, image: Image.Image, invert: Invert) -> Prepared:
+        """The H x W crop, 8-bit in the model's mode -> the model's input."""
+        array = np.asarray(image, dtype=np.float32).reshape(self.height, self.width, self.channels)
+        inverted = should_invert(array, self.metadata.preprocessing.polarity, invert)
+        return self._prepared(array, inverted, (0, 0))
+
+    def _prepared(self, content: np.ndarray, inverted: bool, offset: tuple[int, int]) -> Prepared:
+        pre = self.metadata.preprocessing
         pad_value = float(pre.pad_value)
         model_view = _framed(
-            255.0 - array if inverted else array, self.height, self.width, offset, pad_value
+            255.0 - content if inverted else content, self.height, self.width, offset, pad_value
         )
         tensor = normalise(model_view.transpose(2, 0, 1), pre)
         return Prepared(
             tensor=np.ascontiguousarray(tensor, dtype=np.float32),
             inverted=inverted,
-            content=array,
+            content=content,
             offset=offset,
             pad_value=pad_value,
         )

@@ -13,14 +13,7 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
-from service.contract.preprocessing import (
-    Invert,
-    Prepared,
-    Preprocessor,
-    decode_image,
-    pixels_to_decode,
-    shrink,
-)
+from service.contract.preprocessing import Invert, Prepared, Preprocessor, pixels_to_decode
 from service.errors import InvalidInput, ServiceUnavailable
 from service.frontend.inputs import RawImage
 from service.observability.metrics import Metrics
@@ -115,12 +108,7 @@ def prepare_batch(
         if image.data is None:
             prepared.append(preprocessor.from_pixels(image.pixels, image.field, invert))
             continue
-        decoded = decode_image(
-            image.data,
-            image.field,
-            preprocessor.max_pixels,
-            max(preprocessor.height, preprocessor.width),
-        )
+        decoded = preprocessor.decode(image.data, image.field)
         pixels += decoded.size[0] * decoded.size[1]
         if pixels > pixel_budget:
             raise InvalidInput(
@@ -129,9 +117,5 @@ def prepare_batch(
                 field=image.field,
                 code="too_many_pixels",
             )
-        prepared.append(
-            preprocessor.from_image(
-                shrink(decoded, preprocessor.height, preprocessor.width), invert
-            )
-        )
+        prepared.append(preprocessor.from_image(decoded, invert))
     return prepared

@@ -1,0 +1,210 @@
+"""resize-crop and resize: the served tensor against references built here from Pillow's own resize
+of the 8-bit image (what Hugging Face's and timm's processors call), with the resized sizes and crop
+offsets worked out by hand in each test, never through ``service.contract.geometry``."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from PIL import Image
+from pydantic import ValidationError
+
+from service.contract.model_repository import ModelMetadata
+from service.contract.preprocessing import Preprocessor
+from tests.support import encode
+
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+FILTERS = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC}
+
+
+def photo_metadata(size: int = 224, channels: int = 3, **preprocessing: object) -> ModelMetadata:
+    """A 16-pixel-patch RGB (or grey) model of ``size`` x ``size`` with ImageNet's mean and std."""
+    return ModelMetadata.model_validate(
+        {
+            "format": 1,
+            "graph": "classifier",
+            "name": "photo",
+            "version": 1,
+            "labels": ["a", "b"],
+            "input": {
+                "name": "images",
+                "layout": "NCHW",
+                "dtype": "float32",
+                "channels": channels,
+                "height": size,
+                "width": size,
+            },
+            "preprocessing": {
+                "color": "rgb" if channels == 3 else "grayscale",
+                "polarity": "natural",
+                "scale": 1 / 255,
+                "mean": list(MEAN[:channels]),
+                "std": list(STD[:channels]),
+                **preprocessing,
+            },
+            "patch": {"size": 16, "grid": [size // 16, size // 16]},
+            "pooling": "token",
+            "class_token": True,
+            "tokens": (size // 16) ** 2 + 1,
+            "depth": 1,
+            "heads": 1,
+        }
+    )
+
+
+def preprocessor(**preprocessing: object) -> Preprocessor:
+    return Preprocessor(photo_metadata(**preprocessing), max_pixels=50_000_000)
+
+
+def photo(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """Smooth gradients plus noise: every shift of a crop or change of filter shows."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 / width, y * 255 / height, (x + y) * 127 / (height + width)], -1)
+    return np.clip(base + rng.normal(0, 30, base.shape), 0, 255).astype(np.uint8)
+
+
+def reference(
+    image: np.ndarray, resized_hw: tuple[int, int], top: int, left: int, resample: str
+) -> np.ndarray:
+    """Pillow's resize of the uint8 image, the crop at (top, left), x / 255, (x - mean) / std."""
+    resized = Image.fromarray(image).resize((resized_hw[1], resized_hw[0]), FILTERS[resample])
+    crop = np.asarray(resized, dtype=np.float64)[top : top + 224, left : left + 224]
+    return ((crop / 255.0 - np.array(MEAN)) / np.array(STD)).transpose(2, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("shape", "resized", "offset"),
+    [
+        # 256 * 451 / 300 = 384.85, truncated; margins 32 and 160 split evenly
+        ((300, 451), (256, 384), (16, 80)),
+        ((451, 300), (384, 256), (80, 16)),
+        # 256 * 640 / 427 = 383.7 -> 383; the odd margin 159 leaves its extra pixel after the crop
+        ((427, 640), (256, 383), (16, 79)),
+    ],
+    ids=["landscape", "portrait", "odd-margin"],
+)
+@pytest.mark.parametrize("resample", ["bicubic", "bilinear"])
+def test_resize_crop_resizes_the_shorter_side_and_crops_the_centre(
+    shape, resized, offset, resample
+):
+    image = photo(*shape)
+    served = preprocessor(resize="resize-crop", shorter_side=256, resample=resample)
+    prepared = served.from_bytes(encode(image), "image")
+    expected = reference(image, resized, *offset, resample)
+    assert prepared.tensor.shape == (3, 224, 224) and prepared.tensor.dtype == np.float32
+    np.testing.assert_allclose(prepared.tensor, expected, atol=1e-5)
+
+
+def test_a_round_crop_offset_rounds_half_the_margin_to_even():
+    """torchvision's CenterCrop (timm): round(159 / 2) = 80, where Hugging Face's floor gives 79;
+    round(32 / 2) = 16 either way."""
+    image = photo(427, 640, seed=1)
+    served = preprocessor(
+        resize="resize-crop", shorter_side=256, resample="bicubic", crop_offset="round"
+    )
+    prepared = served.from_bytes(encode(image), "image")
+    np.testing.assert_allclose(
+        prepared.tensor, reference(image, (256, 383), 16, 80, "bicubic"), atol=1e-5
+    )
+
+
+def test_resize_scales_straight_to_the_input():
+    image = photo(300, 451, seed=2)
+    prepared = preprocessor(resize="resize").from_bytes(encode(image), "image")
+    np.testing.assert_allclose(
+        prepared.tensor, reference(image, (224, 224), 0, 0, "bilinear"), atol=1e-5
+    )
+
+
+def test_resize_to_a_larger_square_then_crops_its_centre():
+    """Hugging Face's DeiT: 256 x 256 whatever the aspect ratio, then the centre 224 x 224."""
+    image = photo(300, 451, seed=3)
+    served = preprocessor(resize="resize", resize_to=[256, 256], resample="bicubic")
+    prepared = served.from_bytes(encode(image), "image")
+    np.testing.assert_allclose(
+        prepared.tensor, reference(image, (256, 256), 16, 16, "bicubic"), atol=1e-5
+    )
+
+
+def test_the_display_is_the_crop_the_model_saw():
+    image = photo(300, 451, seed=4)
+    served = preprocessor(resize="resize-crop", shorter_side=256, resample="bicubic")
+    prepared = served.from_bytes(encode(image), "image")
+    resized = Image.fromarray(image).resize((384, 256), Image.Resampling.BICUBIC)
+    expected = np.asarray(resized)[16:240, 80:304]
+    assert prepared.display.dtype == np.uint8
+    np.testing.assert_array_equal(prepared.display, expected)
+
+
+def test_a_pixel_list_is_prepared_as_the_same_image_sent_as_a_file():
+    image = photo(120, 90, seed=5)
+    served = preprocessor(resize="resize-crop", shorter_side=224, resample="bicubic")
+    from_file = served.from_bytes(encode(image), "image").tensor
+    np.testing.assert_array_equal(
+        served.from_pixels(image.transpose(2, 0, 1).tolist(), "pixels").tensor, from_file
+    )
+
+
+def test_a_grey_model_takes_the_luma_of_a_colour_photo():
+    image = photo(300, 451, seed=6)
+    metadata = photo_metadata(channels=1, resize="resize-crop", shorter_side=256)
+    prepared = Preprocessor(metadata, 10**7).from_bytes(encode(image), "image")
+    luma = np.rint(image @ np.array([0.299, 0.587, 0.114])).astype(np.uint8)
+    grey = Image.fromarray(luma).resize((384, 256), Image.Resampling.BILINEAR)
+    crop = np.asarray(grey, dtype=np.float64)[16:240, 80:304]
+    expected = (crop / 255.0 - MEAN[0]) / STD[0]
+    # ITU-R 601-2 luma, as Pillow rounds it (integer weights): at most a level from the float one
+    np.testing.assert_allclose(prepared.tensor[0], expected, atol=1.01 / 255 / STD[0])
+
+
+def test_transparency_is_composited_on_white_before_the_resize():
+    rgba = np.zeros((240, 320, 4), np.uint8)
+    rgba[..., 0], rgba[..., 3] = 255, 0  # fully transparent red
+    served = preprocessor(resize="resize-crop", shorter_side=224)
+    prepared = served.from_bytes(encode(rgba), "image")
+    np.testing.assert_array_equal(prepared.display, np.full((224, 224, 3), 255, np.uint8))
+
+
+def test_a_jpeg_is_decoded_at_the_smallest_scale_that_keeps_the_shorter_side():
+    """2048 x 1536 for a shorter side of 400: 1/2 scale (768 >= 400), not 1/4 (384 < 400), which
+    is what the crop's 224 alone would allow."""
+    data = encode(photo(1536, 2048, seed=7), "JPEG", quality=90)
+    cropping = preprocessor(resize="resize-crop", shorter_side=400)
+    assert cropping.decode(data, "image").size == (1024, 768)
+    assert preprocessor(resize="resize").decode(data, "image").size == (512, 384)
+
+
+def test_a_large_image_is_reduced_before_the_exact_resize_with_little_change():
+    """6000 x 4000 to 384 x 256: 3 x 3 block averages over the exact source box first (Pillow's
+    reducing_gap), then the bicubic resize; the input stays within a few levels of the single
+    full-size resize, and the geometry is the full image's (256 * 6000 / 4000 = 384 wide)."""
+    image = photo(4000, 6000, seed=8)
+    served = preprocessor(resize="resize-crop", shorter_side=256, resample="bicubic")
+    prepared = served.from_image(Image.fromarray(image))
+    expected = reference(image, (256, 384), 16, 80, "bicubic")
+    levels = np.abs(prepared.tensor - expected) * np.array(STD)[:, None, None] * 255
+    assert levels.mean() < 0.5 and levels.max() <= 3.01
+
+
+@pytest.mark.parametrize(
+    ("preprocessing", "fragment"),
+    [
+        ({"resize": "resize-crop"}, "shorter_side is given with resize-crop"),
+        ({"resize": "resize", "shorter_side": 256}, "shorter_side is given with resize-crop"),
+        ({"resize": "resize-crop", "shorter_side": 200}, "smaller than the centre crop"),
+        ({"resize": "resize", "resize_to": [256, 200]}, "resize_to [256, 200] is smaller"),
+        (
+            {"resize": "resize-crop", "shorter_side": 256, "resize_to": [256, 256]},
+            "resize_to is given with resize",
+        ),
+        ({"resize": "fit-pad", "crop_offset": "round"}, "crop_offset is for the centre crop"),
+        ({"resize": "resize", "resample": "hamming"}, "resample"),
+    ],
+)
+def test_inconsistent_geometries_are_refused_with_the_field(preprocessing, fragment):
+    with pytest.raises(ValidationError, match=re.escape(fragment)):
+        photo_metadata(**preprocessing)
