@@ -139,3 +139,23 @@ def test_attention_answers_the_prediction_onnxruntime_gives(client, fashion_imag
         prediction = answer.json()["prediction"]
         assert_matches(prediction, expected)
         assert prediction["score"] == pytest.approx(float(expected.max()), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("shape", "fitted"),
+    [
+        ((10, 29), (10, 28)),  # 10 * 28 / 29 = 9.66: rounds to 10 rows, truncates to 9
+        ((29, 10), (28, 10)),
+        ((20, 57), (10, 28)),  # 9.82
+        ((7, 40), (5, 28)),  # 4.9
+        ((10, 31), (9, 28)),  # 9.03: rounds down, as truncation does (a ceiling would give 10)
+    ],
+    ids=["10x29", "29x10", "20x57", "7x40", "10x31"],
+)
+def test_the_fitted_size_is_rounded_to_the_nearest_pixel(preprocessor, shape, fitted):
+    """The rounding edge of fit-and-pad: a flat image fills exactly the fitted rows and columns,
+    rounded (not truncated), placed at margin // 2; the rest is the pad value."""
+    rows, cols = fitted
+    top, left = (SIZE - rows) // 2, (SIZE - cols) // 2
+    expected = framed(np.full(fitted, 200.0), top, left)
+    np.testing.assert_allclose(served(preprocessor, np.full(shape, 200)), expected, atol=1e-4)

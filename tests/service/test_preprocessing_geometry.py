@@ -140,13 +140,13 @@ def test_the_display_is_the_crop_the_model_saw():
     np.testing.assert_array_equal(prepared.display, expected)
 
 
-def test_a_pixel_list_is_prepared_as_the_same_image_sent_as_a_file():
-    image = photo(120, 90, seed=5)
+def test_a_pixel_list_is_rounded_to_8_bits_as_the_same_image_sent_as_a_file():
+    """Values 0.4 below whole levels round up to them, then resize as the file's pixels do."""
+    image = np.maximum(photo(120, 90, seed=5), 1)
     served = preprocessor(resize="resize-crop", shorter_side=224, resample="bicubic")
     from_file = served.from_bytes(encode(image), "image").tensor
-    np.testing.assert_array_equal(
-        served.from_pixels(image.transpose(2, 0, 1).tolist(), "pixels").tensor, from_file
-    )
+    pixels = (image.astype(np.float64) - 0.4).transpose(2, 0, 1).tolist()
+    np.testing.assert_array_equal(served.from_pixels(pixels, "pixels").tensor, from_file)
 
 
 def test_a_grey_model_takes_the_luma_of_a_colour_photo():
