@@ -194,8 +194,8 @@ class DecodeBench:
 
 
 def random_vit_s(classes: int = 1000) -> Callable[[np.ndarray], np.ndarray]:
-    """A ViT-S/16 at 224 with random weights (seed 0), as the export writes its classifier graph,
-    run by onnxruntime: [N, 3, 224, 224] -> top-1 indices."""
+    """A ViT-S/16 at 224 with random weights (seed 0; the head drawn from N(0, 1)), as the export
+    writes its classifier graph, run by onnxruntime: [N, 3, 224, 224] -> top-1 indices."""
     import onnxruntime as ort
     import torch
 
@@ -216,7 +216,10 @@ def random_vit_s(classes: int = 1000) -> Callable[[np.ndarray], np.ndarray]:
         mlp_dim=1536,
         pooling="token",
     )
-    graph = classifier_graph(VisionTransformer(config).eval())
+    model = VisionTransformer(config).eval()
+    with torch.no_grad():  # the head starts at zero: every image would be class 0
+        torch.nn.init.normal_(model.head.weight, std=1.0)
+    graph = classifier_graph(model)
     session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
     return lambda batch: session.run(None, {name: batch.astype(np.float32)})[0].argmax(axis=1)
