@@ -41,4 +41,7 @@ def test_a_run_times_every_path_and_compares_every_photo():
     assert photo.name == "chelsea" and photo.top1 is None
     assert 0 < photo.mean_difference < photo.max_difference < 1
     text = result.markdown()
+    assert text.startswith("## A phone photo to the model's input\n")
     assert "| chelsea |" in text and "| service |" in text and "top-1" not in text
+    share = result.ms_per_photo["service"].median / result.ms_per_photo["full"].median
+    assert result.share == share and f"**{'PASS' if share <= 0.25 else 'FAIL'}**" in text
