@@ -24,6 +24,13 @@ RESAMPLE = {
 }
 
 
+# A resize that would make more than this many times the crop's pixels computes only the crop
+# (Pillow resizes the source box that maps onto it, with the same filter): a 1 x 4000 strip would
+# otherwise become a 256 x 1024000 image. Below it the whole image is resized, then cropped, as the
+# sources do, pixel for pixel: the box's own arithmetic moves about one value in 10^4 by a level.
+CROP_ONLY_BEYOND = 16
+
+
 def fit_size(h: int, w: int, height: int, width: int) -> tuple[int, int]:
     """The largest size of ``h x w``'s aspect ratio inside ``height x width``, rounded to the nearest
     pixel, at least one pixel across."""
@@ -110,17 +117,20 @@ def reducible(image: Image.Image) -> Image.Image:
 
 
 def resize_and_crop(image: Image.Image, pre: Preprocessing, height: int, width: int) -> Image.Image:
-    """``resize-crop`` and ``resize``: the exact resize with the named filter, then the centre
-    ``height x width`` (the whole image when the resize made exactly that). A large image is first
-    averaged over whole blocks of pixels (Pillow's ``reducing_gap``: ``Image.reduce`` over the exact
-    source box) down to ``SHRINK_MARGIN`` times the resized size, so that a 12 MP image costs
-    little more than the resize."""
+    """``resize-crop`` and ``resize``: the centre ``height x width`` of the image resized with the
+    named filter. A large image is first averaged over whole blocks of pixels (Pillow's
+    ``reducing_gap``: ``Image.reduce``) while each side stays at least ``SHRINK_MARGIN`` times its
+    resized length."""
     w, h = image.size
     resized = resized_size(pre, h, w, height, width)
-    if resized != (h, w):
-        filter_ = RESAMPLE[pre.resample]
-        gap = None if filter_ == Image.Resampling.NEAREST else SHRINK_MARGIN
+    crop = crop_box(pre, resized, height, width)
+    if resized == (h, w):
+        return image if resized == (height, width) else image.crop(crop)
+    filter_ = RESAMPLE[pre.resample]
+    gap = None if filter_ == Image.Resampling.NEAREST else SHRINK_MARGIN
+    if resized[0] * resized[1] <= CROP_ONLY_BEYOND * height * width:
         image = image.resize((resized[1], resized[0]), filter_, reducing_gap=gap)
-    if resized == (height, width):
-        return image
-    return image.crop(crop_box(pre, resized, height, width))
+        return image if resized == (height, width) else image.crop(crop)
+    x, y = w / resized[1], h / resized[0]
+    box = (crop[0] * x, crop[1] * y, crop[2] * x, crop[3] * y)
+    return image.resize((width, height), filter_, box=box, reducing_gap=gap)

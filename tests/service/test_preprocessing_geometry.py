@@ -190,6 +190,27 @@ def test_a_large_image_is_reduced_before_the_exact_resize_with_little_change():
     assert levels.mean() < 0.5 and levels.max() <= 3.01
 
 
+def test_a_thin_strip_resizes_only_its_crop(monkeypatch):
+    """3 x 300 to a shorter side of 256 would be 256 x 25600 pixels: only the 224 x 224 crop is
+    made, and it is the full resize's crop to within a level (rows 16-240, columns 12688-12912)."""
+    strip = photo(3, 300, seed=9)
+    made = []
+    resize = Image.Image.resize
+
+    def recorded(self, size, *args, **kwargs):
+        made.append(size)
+        return resize(self, size, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "resize", recorded)
+    served = preprocessor(resize="resize-crop", shorter_side=256, resample="bicubic")
+    prepared = served.from_bytes(encode(strip), "image")
+    assert made == [(224, 224)]
+    monkeypatch.undo()
+    expected = reference(strip, (256, 25600), 16, 12688, "bicubic")
+    levels = np.abs(prepared.tensor - expected) * np.array(STD)[:, None, None] * 255
+    assert levels.max() <= 1.01
+
+
 @pytest.mark.parametrize(
     ("preprocessing", "fragment"),
     [
