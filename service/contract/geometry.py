@@ -3,10 +3,10 @@ the Pillow steps that put it there.
 
 The preprocessing resizes to :func:`resized_size`, then places the result (fit-pad) or crops it
 (:func:`crop_box`); the decoder asks JPEG for :func:`draft_side`, and a large image is reduced first
-(:func:`shrink` for fit-pad, within :func:`resize_and_crop` for the others). The rounding is the sources' own, since
-a one-pixel shift of a crop changes every input value of a photo: fit-pad rounds the fitted size to
-the nearest pixel; a shorter-side resize truncates the longer side, as Hugging Face's
-``get_resize_output_image_size`` and torchvision's ``Resize`` do.
+(:func:`shrink` for fit-pad, within :func:`resize_and_crop` for the others). The rounding is the
+sources' own, since a one-pixel shift of a crop changes every input value of a photo: fit-pad rounds
+the fitted size to the nearest pixel; a shorter-side resize truncates the longer side, as Hugging
+Face's ``get_resize_output_image_size`` and torchvision's ``Resize`` do.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ RESAMPLE = {
     "box": Image.Resampling.BOX,
 }
 
-
+# How much larger than its resized size an image stays after the reduction before the exact resize.
+SHRINK_MARGIN = 4
 # A resize that would make more than this many times the crop's pixels computes only the crop
 # (Pillow resizes the source box that maps onto it, with the same filter): a 1 x 4000 strip would
 # otherwise become a 256 x 1024000 image. Below it the whole image is resized, then cropped, as the
@@ -82,15 +83,12 @@ def draft_side(pre: Preprocessing, height: int, width: int) -> int:
     return max(height, width)
 
 
-# How much larger than its place in the model's frame an image stays before it becomes floats.
-SHRINK_MARGIN = 4
-
-
 def shrink(image: Image.Image, height: int, width: int) -> Image.Image:
     """A large image, box-filtered in Pillow (C, 8/32-bit) to ``SHRINK_MARGIN`` times the size it
     takes in the model's H x W, so that no full-size float copy is ever made: a 65 kB PNG of
     4096 x 4096 RGBA pixels would otherwise cost about 0.8 GB and seconds of CPU. Modes are first
-    brought where ``preprocessing.image_to_array`` brings them; the fit-pad geometry that follows is unchanged."""
+    brought where ``preprocessing.image_to_array`` brings them; the fit-pad geometry that follows is
+    unchanged."""
     w, h = image.size
     if min(height / h, width / w) * SHRINK_MARGIN >= 1:
         return image
@@ -101,8 +99,8 @@ def shrink(image: Image.Image, height: int, width: int) -> Image.Image:
 
 
 def reducible(image: Image.Image) -> Image.Image:
-    """``image`` in a mode Pillow can reduce and ``preprocessing.image_to_array`` reads as it would the
-    original (palette, 1-bit and 16-bit modes converted; alpha kept)."""
+    """``image`` in a mode Pillow can reduce and ``preprocessing.image_to_array`` reads as it would
+    the original (palette, 1-bit and 16-bit modes converted; alpha kept)."""
     mode = image.mode
     if mode == "1":
         image = image.convert("L")
