@@ -171,11 +171,13 @@ def test_transparency_is_composited_on_white_before_the_resize():
 
 def test_a_jpeg_is_decoded_at_the_smallest_scale_that_keeps_the_shorter_side():
     """2048 x 1536 for a shorter side of 400: 1/2 scale (768 >= 400), not 1/4 (384 < 400), which
-    is what the crop's 224 alone would allow."""
+    is what the crop's 224 alone would allow; the same for a resize to 400 x 300."""
     data = encode(photo(1536, 2048, seed=7), "JPEG", quality=90)
     cropping = preprocessor(resize="resize-crop", shorter_side=400)
     assert cropping.decode(data, "image").size == (1024, 768)
     assert preprocessor(resize="resize").decode(data, "image").size == (512, 384)
+    squashing = preprocessor(resize="resize", resize_to=[400, 300])  # its larger side counts
+    assert squashing.decode(data, "image").size == (1024, 768)
 
 
 def test_a_large_image_is_reduced_before_the_exact_resize_with_little_change():
