@@ -169,6 +169,34 @@ def test_transparency_is_composited_on_white_before_the_resize():
     np.testing.assert_array_equal(prepared.display, np.full((224, 224, 3), 255, np.uint8))
 
 
+def modes_of(rgb: Image.Image) -> dict[str, tuple[Image.Image, Image.Image]]:
+    """Each mode a decoder can give, with the 8-bit RGB or grey image it stands for."""
+    grey = rgb.convert("L")
+    sixteen = Image.fromarray(np.asarray(grey).astype(np.uint16) * 257)  # I;16: 0-65535
+    palette = rgb.quantize(64)
+    opaque = rgb.copy()
+    opaque.putalpha(255)
+    return {
+        "1": (rgb.convert("1"), rgb.convert("1").convert("L")),
+        "P": (palette, palette.convert("RGB")),
+        "LA": (grey.convert("LA"), grey),
+        "RGBA": (opaque, rgb),
+        "CMYK": (rgb.convert("CMYK"), rgb.convert("CMYK").convert("RGB")),
+        "I;16": (sixteen, grey),
+        "F": (grey.convert("F"), grey),
+    }
+
+
+@pytest.mark.parametrize("mode", ["1", "P", "LA", "RGBA", "CMYK", "I;16", "F"])
+def test_every_decoded_mode_is_resized_as_the_image_it_stands_for(mode):
+    """A palette image keeps its filter (Pillow resizes "P" with nearest unless converted first);
+    16-bit and float images are resized at their depth, then rounded: within a level."""
+    image, meaning = modes_of(Image.fromarray(photo(300, 451, seed=10)))[mode]
+    served = preprocessor(resize="resize-crop", shorter_side=256, resample="bicubic")
+    levels = (served.from_image(image).tensor - served.from_image(meaning).tensor) * 255
+    assert np.abs(levels * np.array(STD)[:, None, None]).max() <= 1.01
+
+
 def test_a_jpeg_is_decoded_at_the_smallest_scale_that_keeps_the_shorter_side():
     """2048 x 1536 for a shorter side of 400: 1/2 scale (768 >= 400), not 1/4 (384 < 400), which
     is what the crop's 224 alone would allow; the same for a resize to 400 x 300."""
