@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.engine.statistics import BatchTimes
-from service.engine.table import Outputs
+from service.link.protocol import Outputs
 from service.observability import tracing
 
 

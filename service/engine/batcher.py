@@ -34,8 +34,8 @@ import numpy as np
 from service.engine.batch_request import BatchRequest, ClientGone, QueueItem, TimedOut
 from service.engine.output_checks import finite_rows, require_finite
 from service.engine.statistics import BatchTimes, ModelStatistics
-from service.engine.table import Outputs
 from service.errors import ClientDisconnected, InferenceFailed, ServiceUnavailable
+from service.link.protocol import Outputs
 from service.observability import tracing
 from service.observability.metrics import Metrics
 

@@ -22,8 +22,8 @@ from service.engine.batch_request import BatchRequest
 from service.engine.batcher import DynamicBatcher
 from service.engine.runtime import Runtime
 from service.engine.statistics import ModelStatistics
-from service.engine.table import Graph, Outputs, VersionView
-from service.errors import NotFound
+from service.errors import InvalidInput, NotFound
+from service.link.protocol import Graph, Outputs, Serving, VersionView
 from service.observability.metrics import Metrics
 from service.settings import Settings
 
@@ -80,7 +80,7 @@ class ModelPipeline:
             name=name,
             version=self.version,
             metadata=self.metadata,
-            serving=serving,
+            serving=Serving.of(serving),
             provider=runtime.provider,
             attention=self.attention is not None,
         )
@@ -131,9 +131,11 @@ class ModelPipeline:
     def call(
         self, graph: Graph, rows: np.ndarray, request_id: str | None = None, alone: bool = False
     ) -> Call:
-        """Queue ``rows`` on ``graph``'s batcher (``alone``: its ``enqueue``'s), or raise why not."""
+        """Queue ``rows`` on ``graph``'s batcher (``alone``: its ``enqueue``'s), or raise why not:
+        rows that are not float32 images of this version's input shape never join a batch."""
         entered = time.perf_counter_ns()
         try:
+            self.check_rows(rows)
             batcher = self.batcher(graph)
             request = batcher.enqueue(rows, request_id, alone)
         except BaseException:
@@ -142,16 +144,16 @@ class ModelPipeline:
         self.hold()
         return Call(self, batcher, request, entered)
 
-    async def run(
-        self,
-        graph: Graph,
-        rows: np.ndarray,
-        request_id: str | None,
-        disconnected: Awaitable[object] | None,
-        alone: bool = False,
-    ) -> Outputs:
-        """Every output, stacked over the rows in order, once they have run."""
-        return await self.call(graph, rows, request_id, alone).wait(disconnected)
+    def check_rows(self, rows: np.ndarray) -> None:
+        """One bad call must not fail the batch it would join: 422 for rows that are not at least
+        one float32 image of this version's ``(channels, height, width)``."""
+        if rows.dtype != np.float32 or rows.shape[1:] != self.view.row_shape or not len(rows):
+            raise InvalidInput(
+                f"rows of {rows.dtype} {list(rows.shape)} for {self.name!r} version "
+                f"{self.version}, which takes float32 [N, {', '.join(map(str, self.view.row_shape))}]",
+                field="rows",
+                code="invalid_rows",
+            )
 
     def flush(self) -> None:
         """Run what is queued without waiting for the queue delay (shutdown has begun)."""

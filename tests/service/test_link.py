@@ -10,17 +10,25 @@ import os
 import random
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from msgspec.structs import replace
 
-from service.engine.table import ModelTable
-from service.link import wire
-from service.link.arena import PAGE, Arena
+from service.link import protocol, wire
+from service.link.arena import PAGE, Arena, block_name
 from service.link.engine_server import EngineServer
+from service.link.protocol import (
+    Answer,
+    Cancel,
+    Failed,
+    Hello,
+    Infer,
+    ModelTable,
+    TableUpdate,
+)
 from service.link.remote import RemoteEngine
 from service.observability.metrics import Metrics
 
@@ -29,24 +37,34 @@ def raw_bytes(raw: list) -> list[bytes]:
     return [bytes(frame) for frame in raw]
 
 
+def infer(call_id: int, rows: np.ndarray, offset: int | None = None) -> Infer:
+    """A call for model "m" version 1, its rows inline (``offset`` None) or in the arena."""
+    return Infer(
+        call_id, "m", 1, None, ("k", "k"), "classifier", rows.shape, rows.dtype.str, offset
+    )
+
+
+ROWS = np.arange(4, dtype=np.float32).reshape(1, 1, 2, 2)
 ITEMS = [
-    ((wire.INFER, (1, "m")), [b"rows-1"]),
-    ((wire.CANCEL, 7), []),
-    ((wire.INFER, (2, "m")), [b"rows-2a", np.arange(6, dtype=np.float32).reshape(2, 3).data]),
-    ((wire.FAILED, ("m", 1, 5)), []),
+    (infer(1, ROWS), [b"rows-1"]),
+    (Cancel(7), []),
+    (infer(2, ROWS), [b"rows-2a", np.arange(6, dtype=np.float32).reshape(2, 3).data]),
+    (Failed("m", 1, 5), []),
 ]
 EXPECTED = [
-    ((wire.INFER, (1, "m")), [b"rows-1"]),
-    ((wire.CANCEL, 7), []),
-    ((wire.INFER, (2, "m")), [b"rows-2a", np.arange(6, dtype=np.float32).tobytes()]),
-    ((wire.FAILED, ("m", 1, 5)), []),
+    (infer(1, ROWS), [b"rows-1"]),
+    (Cancel(7), []),
+    (infer(2, ROWS), [b"rows-2a", np.arange(6, dtype=np.float32).tobytes()]),
+    (Failed("m", 1, 5), []),
 ]
+
+
+def unpacked(message: bytes, decoder=protocol.to_engine) -> list:
+    return [(item, raw_bytes(raw)) for item, raw in wire.unpack(memoryview(message), decoder)]
 
 
 def test_items_come_out_in_order_with_their_own_raw_frames():
-    message = memoryview(wire.pack(ITEMS))
-    out = [(header, raw_bytes(raw)) for header, raw in wire.unpack(message)]
-    assert out == EXPECTED
+    assert unpacked(wire.pack(ITEMS)) == EXPECTED
 
 
 @pytest.mark.parametrize("pieces", ["whole", "bytes", "random"])
@@ -66,8 +84,11 @@ def test_messages_come_out_whole_however_their_bytes_arrive(pieces):
             at += size
     seen: list = []
 
+    def take(_: wire.Link, items: list) -> None:
+        seen.extend((item, raw_bytes(raw)) for item, raw in items)
+
     async def scenario():
-        link = wire.Link(lambda _, header, raw: seen.append((header, raw_bytes(raw))))
+        link = wire.Link(protocol.to_engine, take)
         for chunk in chunks:
             link.data_received(chunk)
 
@@ -75,21 +96,22 @@ def test_messages_come_out_whole_however_their_bytes_arrive(pieces):
     assert seen == [item for n in range(len(EXPECTED)) for item in EXPECTED[: n + 1]]
 
 
-def test_an_item_its_handler_refuses_does_not_stop_the_link(caplog):
+def test_a_message_its_handler_fails_on_does_not_stop_the_link(caplog):
     seen: list = []
 
-    def take(_: wire.Link, header: tuple, raw: list) -> None:
-        if header == "bad":
-            raise ValueError("an item its handler cannot take")
-        seen.append(header)
+    def take(_: wire.Link, items: list) -> None:
+        if any(isinstance(item, Cancel) for item, _ in items):
+            raise RuntimeError("a fault of this side")
+        seen.extend(item for item, _ in items)
 
     async def scenario():
-        link = wire.Link(take)
-        link.data_received(wire.pack([("one", []), ("bad", []), ("two", [])]))
-        link.data_received(wire.pack([("three", [])]))
+        link = wire.Link(protocol.to_engine, take)
+        link.data_received(wire.pack([(Failed("m", 1, 1), [])]))
+        link.data_received(wire.pack([(Cancel(3), [])]))
+        link.data_received(wire.pack([(Failed("m", 1, 2), [])]))
 
     asyncio.run(scenario())
-    assert seen == ["one", "two", "three"]
+    assert seen == [Failed("m", 1, 1), Failed("m", 1, 2)]
     assert "could not be handled" in caplog.text
 
 
@@ -98,20 +120,20 @@ def test_what_one_loop_turn_puts_goes_as_one_message():
 
     async def scenario():
         outbox = wire.Outbox(sent.append)
-        outbox.put(("a", 1), b"x")
-        outbox.put(("b", 2))
-        outbox.put(("c", 3), b"y", b"z")
+        outbox.put(Cancel(1), b"x")
+        outbox.put(Cancel(2))
+        outbox.put(Cancel(3), b"y", b"z")
         assert sent == []  # nothing leaves before the loop has run what was ready
         await asyncio.sleep(0)
-        outbox.put(("d", 4))
+        outbox.put(Cancel(4))
         await asyncio.sleep(0)
 
     asyncio.run(scenario())
     assert len(sent) == 2
-    first, second = (list(wire.unpack(memoryview(message))) for message in sent)
-    assert [h for h, _ in first] == [("a", 1), ("b", 2), ("c", 3)]
-    assert raw_bytes(first[2][1]) == [b"y", b"z"]
-    assert [h for h, _ in second] == [("d", 4)]
+    first, second = (unpacked(message) for message in sent)
+    assert [item for item, _ in first] == [Cancel(1), Cancel(2), Cancel(3)]
+    assert first[2][1] == [b"y", b"z"]
+    assert [item for item, _ in second] == [Cancel(4)]
 
 
 def test_a_lone_item_goes_at_once_and_never_ahead_of_one_already_waiting():
@@ -119,28 +141,32 @@ def test_a_lone_item_goes_at_once_and_never_ahead_of_one_already_waiting():
 
     async def scenario():
         outbox = wire.Outbox(sent.append)
-        outbox.put(("lone", 1), b"x", at_once=True)
+        outbox.put(Cancel(1), b"x", at_once=True)
         assert len(sent) == 1  # not held for the loop's next turn
-        outbox.put(("a", 2))
-        outbox.put(("b", 3), at_once=True)  # behind "a": waits with it, order kept
+        outbox.put(Cancel(2))
+        outbox.put(Cancel(3), at_once=True)  # behind 2: waits with it, order kept
         assert len(sent) == 1
         await asyncio.sleep(0)
 
     asyncio.run(scenario())
-    assert [[h for h, _ in wire.unpack(memoryview(message))] for message in sent] == [
-        [("lone", 1)],
-        [("a", 2), ("b", 3)],
+    assert [[item for item, _ in unpacked(message)] for message in sent] == [
+        [Cancel(1)],
+        [Cancel(2), Cancel(3)],
     ]
-    assert raw_bytes(next(wire.unpack(memoryview(sent[0])))[1]) == [b"x"]
-
-
-def infer_header(call_id: int, rows: np.ndarray) -> tuple:
-    """An INFER header (service/link/remote.py's order) for rows sent inline."""
-    return (call_id, "m", 1, None, ("k",), "classifier", None, None, 0, rows.shape, rows.dtype.str,
-            None)  # fmt: skip
+    assert unpacked(sent[0])[0][1] == [b"x"]
 
 
 READY = ModelTable(phase="ready", healthy=True, retry_after_s=1)
+
+
+def hello(server: EngineServer, sent: list | None = None) -> wire.Link:
+    """A front end's link that has said hello to ``server`` without a socket: what the server
+    sends it is appended to ``sent``."""
+    link = wire.Link(protocol.to_front_end, lambda *_: None)
+    if sent is not None:
+        link.outbox = wire.Outbox(sent.append)
+    server.take(link, [(Hello(None), [])])
+    return link
 
 
 class CancelWatchingEngine:
@@ -188,13 +214,12 @@ def test_a_cancel_in_the_same_message_as_its_call_reaches_it(tmp_path, cancelled
 
     async def scenario():
         server = EngineServer(engine, wire.Addresses.in_directory(str(tmp_path)))
-        link = wire.Link(lambda *_: None)  # never connected: its answers go nowhere
-        items = [((wire.INFER, infer_header(5, rows)), [rows.tobytes()])]
+        link = hello(server)  # never connected: its answers go nowhere
+        items = [(infer(5, rows), [rows.tobytes()])]
         if cancelled:
-            items.append(((wire.CANCEL, 5), []))
+            items.append((Cancel(5), []))
         # one message's items, handed over as the server's links hand them
-        for header, raw in wire.unpack(memoryview(wire.pack(items))):
-            server._take(link, header, raw)
+        server.take(link, wire.unpack(memoryview(wire.pack(items)), protocol.to_engine))
         await asyncio.sleep(0)  # the loop's next turn starts them
         await asyncio.gather(*server._running)
         await server.close()
@@ -211,11 +236,10 @@ def test_only_a_call_with_no_other_in_progress_is_run_alone(tmp_path):
 
     async def scenario():
         server = EngineServer(engine, wire.Addresses.in_directory(str(tmp_path)))
-        link = wire.Link(lambda *_: None)
+        link = hello(server)
         for call_ids in ((1,), (2, 3), (4,)):
-            items = [((wire.INFER, infer_header(i, rows)), [rows.tobytes()]) for i in call_ids]
-            for header, raw in wire.unpack(memoryview(wire.pack(items))):
-                server._take(link, header, raw)
+            items = [(infer(i, rows), [rows.tobytes()]) for i in call_ids]
+            server.take(link, wire.unpack(memoryview(wire.pack(items)), protocol.to_engine))
             await asyncio.sleep(0)  # the loop's next turn starts them
             await asyncio.gather(*server._running)
         await server.close()
@@ -235,16 +259,14 @@ def test_calls_from_two_front_ends_in_one_turn_are_not_alone_and_a_lone_one_is_a
 
     async def scenario():
         server = EngineServer(engine, wire.Addresses.in_directory(str(tmp_path)))
-        links = [wire.Link(lambda *_: None) for _ in sent]
-        for link, messages in zip(links, sent, strict=True):
-            link.outbox = wire.Outbox(messages.append)
+        links = [hello(server, messages) for messages in sent]
         for call_id, link in enumerate(links, start=1):  # two front ends, one turn
-            server._take(link, (wire.INFER, infer_header(call_id, rows)), [rows.tobytes()])
+            server.take(link, [(infer(call_id, rows), [rows.tobytes()])])
         await asyncio.sleep(0)
         tasks_for_two = len(server._running)
         await asyncio.gather(*server._running)
         await asyncio.sleep(0)  # the answers' flush
-        server._take(links[0], (wire.INFER, infer_header(3, rows)), [rows.tobytes()])
+        server.take(links[0], [(infer(3, rows), [rows.tobytes()])])
         await asyncio.sleep(0)
         tasks_for_one = len(server._running)
         await server.close()
@@ -254,22 +276,34 @@ def test_calls_from_two_front_ends_in_one_turn_are_not_alone_and_a_lone_one_is_a
     assert engine.alone == [False, False, True]
     assert tasks_for_two == 2 and tasks_for_one == 0 and not gone
     answered = [
-        [header for message in messages for header, _ in wire.unpack(memoryview(message))]
+        [
+            (type(item).__name__, item.call)
+            for message in messages
+            for item, _ in wire.unpack(memoryview(message), protocol.to_front_end)
+            if not isinstance(item, TableUpdate)
+        ]
         for messages in sent
     ]
-    assert [[(call_id, ok) for call_id, ok, _ in got] for got in answered] == [
-        [(1, True), (3, True)],
-        [(2, True)],
-    ]
+    assert answered == [[("Answer", 1), ("Answer", 3)], [("Answer", 2)]]
 
 
-async def connect(path: str, received: list) -> wire.Link:
-    """A front end's connection to the engine server at ``path``, recording every answer."""
+async def connect(path: str, received: list, arena: str | None = None) -> wire.Link:
+    """A front end's connection to the engine server at ``path``, said hello on and recording every
+    answer."""
     loop = asyncio.get_running_loop()
+
+    def take(_: wire.Link, items: list) -> None:
+        received.extend((item, raw_bytes(raw)) for item, raw in items)
+
     _, link = await loop.create_unix_connection(
-        lambda: wire.Link(lambda _, answer, raw: received.append((answer, raw_bytes(raw)))), path
+        lambda: wire.Link(protocol.to_front_end, take), path
     )
+    link.outbox.put(Hello(arena))
     return link
+
+
+def calls_answered(received: list) -> dict[int, tuple]:
+    return {item.call: (item, raw) for item, raw in received if not isinstance(item, TableUpdate)}
 
 
 async def until(condition, seconds: float = 10) -> None:
@@ -290,22 +324,17 @@ def test_answers_and_tables_reach_the_front_end_that_asked(tmp_path):
         answers: dict[str, list] = {"a": [], "b": []}
         links = {key: await connect(addresses.engine, got) for key, got in answers.items()}
         for offset, link in enumerate(links.values()):
-            link.outbox.put((wire.TABLE, None))
             for call_id in (11, 12):
                 rows = np.full((1, 1, 2, 2), call_id + offset * 100, np.float32)
-                link.outbox.put((wire.INFER, infer_header(call_id, rows)), rows.data)
+                link.outbox.put(infer(call_id, rows), rows.data)
 
-        def answered() -> bool:
-            return all(
-                len([a for a in got if a[0][0] != wire.TABLE_CALL]) == 2 for got in answers.values()
-            )
-
-        await until(answered)
+        await until(lambda: all(len(calls_answered(got)) == 2 for got in answers.values()))
         engine.current = replace(READY, phase="shutting_down", generation=READY.generation + 1)
 
         def told(got: list) -> bool:
             return any(
-                c == wire.TABLE_CALL and p[1].phase == "shutting_down" for (c, _, p), _ in got
+                isinstance(item, TableUpdate) and item.table.phase == "shutting_down"
+                for item, _ in got
             )
 
         await until(lambda: all(told(got) for got in answers.values()))
@@ -316,15 +345,14 @@ def test_answers_and_tables_reach_the_front_end_that_asked(tmp_path):
 
     answers = asyncio.run(scenario())
     for offset, key in enumerate(("a", "b")):
-        tables = [
-            payload for (call_id, _, payload), _ in answers[key] if call_id == wire.TABLE_CALL
-        ]
-        assert tables and tables[0][1] == READY
-        calls = {call_id: (ok, raw) for (call_id, ok, _), raw in answers[key] if call_id}
+        tables = [item.table for item, _ in answers[key] if isinstance(item, TableUpdate)]
+        assert tables and tables[0] == READY
+        calls = calls_answered(answers[key])
         assert sorted(calls) == [11, 12]
-        for call_id, (ok, raw) in calls.items():
+        for call_id, (answer, raw) in calls.items():
             sum_of_rows = 4 * (call_id + offset * 100)  # what the engine answers for these rows
-            assert ok and np.frombuffer(raw[0], np.float32).tolist() == [sum_of_rows] * 2
+            assert isinstance(answer, Answer)
+            assert np.frombuffer(raw[0], np.float32).tolist() == [sum_of_rows] * 2
 
 
 def test_a_front_end_that_goes_away_has_its_calls_cancelled(tmp_path):
@@ -340,7 +368,7 @@ def test_a_front_end_that_goes_away_has_its_calls_cancelled(tmp_path):
         leaves = await connect(addresses.engine, leaving)
         rows = np.zeros((1, 1, 2, 2), np.float32)
         for link in (stays, leaves):
-            link.outbox.put((wire.INFER, infer_header(3, rows)), rows.data)
+            link.outbox.put(infer(3, rows), rows.data)
         await until(lambda: len(engine.gone_at_start) == 2)
         leaves.transport.abort()  # as when its process is killed
         await until(lambda: engine.released == 1)
@@ -359,7 +387,7 @@ def test_the_engine_lets_go_of_a_gone_front_end_s_shared_memory(tmp_path):
     one's block instead of holding its pages for the rest of its life."""
     engine = CancelWatchingEngine()
     addresses = wire.Addresses.in_directory(str(tmp_path))
-    arena = Arena(f"vitserve-test-{os.getpid()}-link", 16 * PAGE)
+    arena = Arena(block_name(os.getppid(), 0, os.getpid()), 16 * PAGE)
 
     def mapped() -> bool:
         return arena.name in Path(f"/proc/{os.getpid()}/maps").read_text()
@@ -369,29 +397,35 @@ def test_the_engine_lets_go_of_a_gone_front_end_s_shared_memory(tmp_path):
         server = EngineServer(engine, addresses)
         await server.bind()
         answers: list = []
-        link = await connect(addresses.engine, answers)
+        link = await connect(addresses.engine, answers, arena.name)
         rows = np.ones((1, 1, 2, 2), np.float32)
         region = arena.put(rows)
-        header = list(infer_header(1, rows))
-        header[7:9] = [arena.name, region.offset]  # the rows in the block, not in the message
-        link.outbox.put((wire.INFER, tuple(header)))
-        await until(lambda: answers)
+        link.outbox.put(infer(1, rows, region.offset))  # the rows in the block, not the message
+        await until(lambda: calls_answered(answers))
         arena.close()  # unlinked, and unmapped here: only the engine's mapping is left
         seen.append(mapped())
         link.transport.abort()
         await until(lambda: not mapped())
         seen.append(mapped())
         await server.close()
-        return seen
+        return seen, answers
 
-    assert asyncio.run(scenario()) == [True, False]
+    seen, answers = asyncio.run(scenario())
+    assert seen == [True, False]
+    answer, raw = calls_answered(answers)[1]
+    assert isinstance(answer, Answer) and np.frombuffer(raw[0], np.float32).tolist() == [4.0] * 2
 
 
 def test_a_front_end_connects_again_to_a_restarted_engine(tmp_path):
     """The engine's socket goes away with it: the front end answers 503 meanwhile, connects to the
     next engine when it listens, takes its table and runs calls again."""
     addresses = wire.Addresses.in_directory(str(tmp_path))
-    view = SimpleNamespace(name="m", version=1, preprocessing_key=("k",))  # what infer reads
+    view = SimpleNamespace(  # what infer reads
+        name="m",
+        version=1,
+        preprocessing_key=("k", "k"),
+        serving=SimpleNamespace(request_timeout_s=5),
+    )
 
     async def scenario() -> list:
         seen = []
