@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
 from service.contract.model_config import ServingConfig
-from service.engine.batch_request import BatchRequest
+from service.engine.batch_request import BatchRequest, ClientGone
 from service.engine.batcher import DynamicBatcher
 from service.engine.runtime import Runtime
 from service.engine.statistics import ModelStatistics
@@ -183,8 +183,9 @@ class ModelPipeline:
 
 class Call:
     """One request in a pipeline, from its rows being queued to its answer: it holds the pipeline's
-    lease until then, and its outcome and time go into the pipeline's statistics as it ends. Ended by
-    :meth:`outputs` when it was answered at once, else by :meth:`wait`."""
+    lease until then, and its outcome and time go into the pipeline's statistics as it ends. Ended
+    by :meth:`finish` (its answer handed to a callback: the engine process's way, inline run or
+    batched alike) or by :meth:`wait` (awaited: a front end's own engine)."""
 
     def __init__(
         self, pipeline: ModelPipeline, batcher: DynamicBatcher, request: BatchRequest, entered: int
@@ -198,15 +199,19 @@ class Call:
     def answered(self) -> bool:
         return self._request.future.done()
 
-    def outputs(self) -> Outputs:
-        """The outputs of a call answered already, or its error."""
-        answered = False
-        try:
-            outputs = self._batcher.finished(self._request)
-            answered = True
-            return outputs
-        finally:
-            self._end(answered)
+    def finish(self, answer: Callable[[Outputs | None, Exception | None], None]) -> None:
+        """``answer(outputs, None)`` once every row has run, or ``answer(None, error)``: now when
+        the call is answered already (``DynamicBatcher.finish``)."""
+
+        def ended(outputs: Outputs | None, error: Exception | None) -> None:
+            self._end(error is None)
+            answer(outputs, error)
+
+        self._batcher.finish(self._request, ended)
+
+    def cancel(self) -> None:
+        """Its client has gone: the rows still queued never run, and it ends as a 499."""
+        self._request.fail(ClientGone())
 
     async def wait(self, disconnected: Awaitable[object] | None = None) -> Outputs:
         """The outputs once every row has run (see ``DynamicBatcher.answer``), or the error."""

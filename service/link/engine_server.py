@@ -2,9 +2,10 @@
 
 The calls that arrive in one turn of the engine's event loop, from every front end, are queued together
 in the next, so the batcher fills its batches from all of them. A call that came alone, with nothing
-else in progress, may run there and then and be answered at once (a lone image of a fast model: no
-task, no wait); every other call waits for its answer in a task of its own. The answers a batch
-completes go back to each front end in one message. Each front end gets the table when it connects,
+else in progress, may run there and then and be answered at once (a lone image of a fast model). Every
+call ends the same way, inline or batched: its answer handed to a callback (``Call.finish``) that puts
+it in its front end's outbox; no task and no future per call. The answers a batch completes go back to
+each front end in one message. Each front end gets the table when it connects,
 whenever it changes (looked at every ``TABLE_CHECK_S``) and at least every ``HEARTBEAT_S``. A front end
 whose connection ends (it died) has its calls cancelled: their rows still queued never run.
 
@@ -61,6 +62,9 @@ ROW_DTYPE = np.dtype(np.float32)  # every version's input (the model contract's 
 _PEER = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
+CANCELLED = object()  # a call whose client went away before it started
+
+
 def bad_call(message: str) -> ServiceError:
     return ServiceError(message, status_code=400, code="bad_call", field="rows")
 
@@ -77,9 +81,10 @@ class EngineServer:
         self._links: set[wire.Link] = set()  # one per front end that said hello
         self._reader = ArenaReader()
         self._arenas: dict[wire.Link, str] = {}  # each front end's shared-memory block
-        self._gone: dict[tuple[wire.Link, int], asyncio.Future] = {}  # a call's client-gone signal
-        self._arrived: list[tuple[wire.Link, Infer, list, asyncio.Future]] = []  # calls to start
-        self._running: set[asyncio.Task] = set()
+        # the calls in progress (None: arrived, not started yet; CANCELLED: cancelled before that)
+        self._calls: dict[tuple[wire.Link, int], Call | object | None] = {}
+        self._arrived: list[tuple[wire.Link, Infer, list]] = []  # calls to start
+        self._running: set[asyncio.Task] = set()  # control calls
         self._publish_now = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         # sent with every table: a restarted engine that got its predecessor's pid is still new
@@ -135,9 +140,8 @@ class EngineServer:
         name = self._arenas.pop(link, None)
         if name is not None:
             self._reader.forget(name)
-        for (owner, _), gone in list(self._gone.items()):
-            if owner is link and not gone.done():
-                gone.set_result(None)
+        for key in [key for key in self._calls if key[0] is link]:
+            self._cancel(key)
 
     # --- what arrives -------------------------------------------------------------------------------
 
@@ -148,9 +152,7 @@ class EngineServer:
             if kind is Infer:
                 self._arrive(link, message, raw)
             elif kind is Cancel:
-                gone = self._gone.get((link, message.call))
-                if gone is not None and not gone.done():
-                    gone.set_result(None)
+                self._cancel((link, message.call))
             elif kind is Failed:
                 self.engine.record_failure(message.name, message.version, message.ns)
             elif kind is Remote:
@@ -184,14 +186,21 @@ class EngineServer:
         if link not in self._links:
             raise LinkViolation("a call before the front end said hello")
         key = (link, message.call)
-        if key in self._gone:
+        if key in self._calls:
             raise LinkViolation(f"call id {message.call} is already in progress")
-        # its client-gone signal registered now: a cancel in the same message finds it
-        loop = asyncio.get_running_loop()
-        gone = self._gone[key] = loop.create_future()
-        self._arrived.append((link, message, raw, gone))
+        self._calls[key] = None  # registered now: a cancel in the same message finds it
+        self._arrived.append((link, message, raw))
         if len(self._arrived) == 1:
-            loop.call_soon(self._start_arrived)
+            asyncio.get_running_loop().call_soon(self._start_arrived)
+
+    def _cancel(self, key: tuple[wire.Link, int]) -> None:
+        """The client of a call has gone: its rows still queued never run."""
+        call = self._calls.get(key)
+        if call is None:
+            if key in self._calls:  # not started yet: it is, and then cancelled
+                self._calls[key] = CANCELLED
+        elif call is not CANCELLED:
+            call.cancel()  # type: ignore[union-attr]
 
     def _rows(self, link: wire.Link, message: Infer, raw: list) -> np.ndarray:
         """A call's rows, read where it says they are; a 400 when they are not there."""
@@ -219,11 +228,8 @@ class EngineServer:
 
     def _answer(self, link: wire.Link, message: Any, *frames: Any) -> None:
         # the answer to the only call in progress has no partner to wait for
-        link.outbox.put(message, *frames, at_once=len(self._running) <= 1)
-
-    def _answer_outputs(self, link: wire.Link, call_id: int, outputs: Outputs) -> None:
-        answer, frames = protocol.answer_frames(call_id, outputs)
-        self._answer(link, answer, *frames)
+        alone = len(self._calls) + len(self._running) <= 1
+        link.outbox.put(message, *frames, at_once=alone)
 
     def _answer_error(
         self, link: wire.Link, call_id: int, request_id: str | None, error: Exception
@@ -237,14 +243,12 @@ class EngineServer:
         """Queue the calls that arrived in the last turn of the loop; one that came alone, with
         nothing else in progress, runs at once on an idle model (``Engine.call``)."""
         arrived, self._arrived = self._arrived, []
-        alone = len(arrived) == 1 and not self._running
-        for link, message, raw, gone in arrived:
-            self._start(link, message, raw, gone, alone)
+        alone = len(arrived) == 1 and len(self._calls) == 1 and not self._running
+        for link, message, raw in arrived:
+            self._start(link, message, raw, alone)
 
-    def _start(
-        self, link: wire.Link, message: Infer, raw: list, gone: asyncio.Future, alone: bool
-    ) -> None:
-        call_id = message.call
+    def _start(self, link: wire.Link, message: Infer, raw: list, alone: bool) -> None:
+        key = (link, message.call)
         try:
             rows = self._rows(link, message, raw)
             with tracing.attached(message.trace):
@@ -258,28 +262,24 @@ class EngineServer:
                     message.request_id,
                     alone,
                 )
-            if not call.answered:  # its answer comes when its batch has run
-                self._track(self._wait(link, call_id, message.request_id, call, gone))
-                return
-            self._answer_outputs(link, call_id, call.outputs())
         except Exception as error:
-            self._answer_error(link, call_id, message.request_id, error)
-        del self._gone[(link, call_id)]
+            del self._calls[key]
+            self._answer_error(link, message.call, message.request_id, error)
+            return
+        cancelled = self._calls[key] is CANCELLED
+        self._calls[key] = call
 
-    async def _wait(
-        self,
-        link: wire.Link,
-        call_id: int,
-        request_id: str | None,
-        call: Call,
-        gone: asyncio.Future,
-    ) -> None:
-        try:
-            self._answer_outputs(link, call_id, await call.wait(gone))
-        except Exception as error:
-            self._answer_error(link, call_id, request_id, error)
-        finally:
-            del self._gone[(link, call_id)]
+        def answer(outputs: Outputs | None, error: Exception | None) -> None:
+            if outputs is not None:
+                reply, frames = protocol.answer_frames(message.call, outputs)
+                self._answer(link, reply, *frames)
+            else:
+                self._answer_error(link, message.call, message.request_id, error)  # type: ignore[arg-type]
+            del self._calls[key]
+
+        call.finish(answer)
+        if cancelled and key in self._calls:
+            call.cancel()
 
     async def _control(self, link: wire.Link, message: Remote) -> None:
         try:

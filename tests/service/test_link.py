@@ -170,15 +170,17 @@ def hello(server: EngineServer, sent: list | None = None) -> wire.Link:
 
 
 class CancelWatchingEngine:
-    """An engine whose calls report whether the client-gone signal had completed when they were
-    waited for, and, told to ``hold``, wait for that signal before answering; told to run ``inline``,
-    a call that came alone is answered at once (as an idle fast model's lone image is)."""
+    """An engine whose calls report, as they are answered, whether their client had gone
+    (``gone_at_start``), and, told to ``hold``, are answered only once it has; told to run
+    ``inline``, a call that came alone is answered at once (as an idle fast model's lone image is),
+    else in the loop's next turn (as a batch's calls are)."""
 
     def __init__(self, hold: bool = False, inline: bool = False) -> None:
         self.gone_at_start: list[bool] = []
         self.alone: list[bool] = []
         self.hold = hold
         self.inline = inline
+        self.started = 0
         self.released = 0
         self.current = READY
 
@@ -191,20 +193,36 @@ class CancelWatchingEngine:
 
 
 class WatchedCall:
+    """``service/engine/pipeline.py``'s ``Call`` as the engine server uses it."""
+
     def __init__(self, engine: CancelWatchingEngine, outputs: list, alone: bool) -> None:
         self.engine = engine
         self._outputs = outputs
         self.answered = alone and engine.inline
+        self.cancelled = False
+        self._answer = None
+        self._held = engine.hold
 
-    def outputs(self) -> list:
-        return self._outputs
+    def finish(self, answer) -> None:
+        self.engine.started += 1
+        self._answer = answer
+        if self.answered:
+            self._deliver()
+        elif not self._held:
+            asyncio.get_running_loop().call_soon(self._deliver)
 
-    async def wait(self, gone: asyncio.Future) -> list:
-        self.engine.gone_at_start.append(gone.done())
-        if self.engine.hold:
-            await gone
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self._held and self._answer is not None:
+            self._held = False
             self.engine.released += 1
-        return self._outputs
+            self._deliver()
+
+    def _deliver(self) -> None:
+        answer, self._answer = self._answer, None
+        if answer is not None:
+            self.engine.gone_at_start.append(self.cancelled)
+            answer(self._outputs, None)
 
 
 @pytest.mark.parametrize("cancelled", [False, True])
@@ -220,8 +238,7 @@ def test_a_cancel_in_the_same_message_as_its_call_reaches_it(tmp_path, cancelled
             items.append((Cancel(5), []))
         # one message's items, handed over as the server's links hand them
         server.take(link, wire.unpack(memoryview(wire.pack(items)), protocol.to_engine))
-        await asyncio.sleep(0)  # the loop's next turn starts them
-        await asyncio.gather(*server._running)
+        await until(lambda: engine.gone_at_start)  # started in the next turn, answered after
         await server.close()
 
     asyncio.run(scenario())
@@ -240,8 +257,7 @@ def test_only_a_call_with_no_other_in_progress_is_run_alone(tmp_path):
         for call_ids in ((1,), (2, 3), (4,)):
             items = [(infer(i, rows), [rows.tobytes()]) for i in call_ids]
             server.take(link, wire.unpack(memoryview(wire.pack(items)), protocol.to_engine))
-            await asyncio.sleep(0)  # the loop's next turn starts them
-            await asyncio.gather(*server._running)
+            await until(lambda: not server._calls)  # started and answered
         await server.close()
 
     asyncio.run(scenario())
@@ -252,7 +268,7 @@ def test_calls_from_two_front_ends_in_one_turn_are_not_alone_and_a_lone_one_is_a
     tmp_path,
 ):
     """Calls that arrive in one turn of the loop from different front ends may share a batch, so
-    neither is alone; a lone call the engine answered at once is answered without a task."""
+    neither is alone; no call, answered at once or later, costs a task of its own."""
     engine = CancelWatchingEngine(inline=True)
     rows = np.ones((1, 1, 2, 2), np.float32)
     sent: list[list] = [[], []]
@@ -264,17 +280,17 @@ def test_calls_from_two_front_ends_in_one_turn_are_not_alone_and_a_lone_one_is_a
             server.take(link, [(infer(call_id, rows), [rows.tobytes()])])
         await asyncio.sleep(0)
         tasks_for_two = len(server._running)
-        await asyncio.gather(*server._running)
+        await until(lambda: not server._calls)
         await asyncio.sleep(0)  # the answers' flush
         server.take(links[0], [(infer(3, rows), [rows.tobytes()])])
         await asyncio.sleep(0)
         tasks_for_one = len(server._running)
         await server.close()
-        return tasks_for_two, tasks_for_one, server._gone
+        return tasks_for_two, tasks_for_one, server._calls
 
-    tasks_for_two, tasks_for_one, gone = asyncio.run(scenario())
+    tasks_for_two, tasks_for_one, calls = asyncio.run(scenario())
     assert engine.alone == [False, False, True]
-    assert tasks_for_two == 2 and tasks_for_one == 0 and not gone
+    assert tasks_for_two == 0 and tasks_for_one == 0 and not calls
     answered = [
         [
             (type(item).__name__, item.call)
@@ -369,7 +385,7 @@ def test_a_front_end_that_goes_away_has_its_calls_cancelled(tmp_path):
         rows = np.zeros((1, 1, 2, 2), np.float32)
         for link in (stays, leaves):
             link.outbox.put(infer(3, rows), rows.data)
-        await until(lambda: len(engine.gone_at_start) == 2)
+        await until(lambda: engine.started == 2)
         leaves.transport.abort()  # as when its process is killed
         await until(lambda: engine.released == 1)
         await asyncio.sleep(0.05)

@@ -133,7 +133,7 @@ def test_a_duplicate_call_id_closes_its_sender_and_cancels_its_calls(tmp_path):
         await until(lambda: honest and broken)
         good.outbox.put(infer(5, ROWS), ROWS.data)
         bad.outbox.put(infer(5, ROWS), ROWS.data)
-        await until(lambda: len(engine.gone_at_start) == 2)
+        await until(lambda: engine.started == 2)
         bad.outbox.put(infer(5, ROWS), ROWS.data)  # 5 is still in progress
         await asyncio.wait_for(asyncio.shield(bad.closed), 5)
         await until(lambda: engine.released == 1)  # its held call was cancelled
