@@ -191,8 +191,7 @@ class DynamicBatcher:
         """Queue ``rows`` (one image each), or raise the 503 of :meth:`admit`. ``alone``: the caller
         knows no other request will join this one in this turn of the event loop, so with every
         instance idle its images start here and now, not in the batching loop's next turn; a lone
-        image run inline is answered before this returns (:meth:`finish` then hands its outputs over at once).
-        """
+        image run inline is answered before this returns (:meth:`finish` hands it over at once)."""
         count = len(rows)
         self.admit(count)
         loop = asyncio.get_running_loop()
