@@ -320,3 +320,32 @@ def test_rows_that_are_not_the_version_s_input_never_join_a_batch(loaded, bad):
     for answer, want in zip(answers, expected, strict=True):
         assert not isinstance(answer, BaseException), answer
         np.testing.assert_allclose(answer[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_call_cancelled_before_its_batch_runs_ends_as_a_499_and_never_runs(loaded):
+    """The engine process's cancel (its front end said the client went away): the call is handed
+    its 499 through ``finish``, its row never runs, and its lease is given back."""
+    runtime, settings, serving = loaded
+    rows = np.zeros((1, 1, 28, 28), np.float32)
+
+    async def scenario():
+        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, Metrics())
+        ran: list[int] = []
+        for instance in pipeline.classifier._instances:
+            run = instance.run
+            instance.run = lambda images, run=run: (ran.append(len(images)), run(images))[1]
+        pipeline.start()
+        handed: list = []
+        call = pipeline.call("classifier", rows, "gone")
+        call.finish(lambda outputs, error: handed.append((outputs, error)))
+        call.cancel()
+        await asyncio.sleep(0.05)
+        await pipeline.call("classifier", rows, "stays").wait()
+        in_flight = pipeline.in_flight
+        await pipeline.retire(5)
+        return handed, ran, in_flight
+
+    handed, ran, in_flight = asyncio.run(scenario())
+    ((outputs, error),) = handed
+    assert outputs is None and error.status_code == 499
+    assert ran == [1] and in_flight == 0
