@@ -1,17 +1,14 @@
 """The process link's messages: what one turn of the event loop has ready goes as one message, items come
 out in order with their raw frames however the bytes arrive, a cancel that travels with its call still
-cancels it, answers reach the front end that asked, a front end that goes away has its calls cancelled, and a
-front end connects again to a restarted engine."""
+cancels it, answers reach the front end that asked, and a front end that goes away has its calls cancelled
+and its shared memory let go."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -29,8 +26,6 @@ from service.link.protocol import (
     ModelTable,
     TableUpdate,
 )
-from service.link.remote import RemoteEngine
-from service.observability.metrics import Metrics
 
 
 def raw_bytes(raw: list) -> list[bytes]:
@@ -430,77 +425,3 @@ def test_the_engine_lets_go_of_a_gone_front_end_s_shared_memory(tmp_path):
     assert seen == [True, False]
     answer, raw = calls_answered(answers)[1]
     assert isinstance(answer, Answer) and np.frombuffer(raw[0], np.float32).tolist() == [4.0] * 2
-
-
-def test_a_front_end_connects_again_to_a_restarted_engine(tmp_path):
-    """The engine's socket goes away with it: the front end answers 503 meanwhile, connects to the
-    next engine when it listens, takes its table and runs calls again."""
-    addresses = wire.Addresses.in_directory(str(tmp_path))
-    view = SimpleNamespace(  # what infer reads
-        name="m",
-        version=1,
-        preprocessing_key=("k", "k"),
-        serving=SimpleNamespace(request_timeout_s=5),
-    )
-
-    async def scenario() -> list:
-        seen = []
-        first = EngineServer(CancelWatchingEngine(), addresses)
-        await first.bind()
-        remote = RemoteEngine(addresses, "unused", 0, 1, Metrics())
-        await remote.start()
-        rows = np.ones((1, 1, 2, 2), np.float32)
-        seen.append(await remote.infer(view, None, "classifier", rows, None, None))
-        await first.close()
-        # the lost link says so at once, not the heartbeat (silent for SILENT_ENGINE_S = 3 s)
-        await until(lambda: not remote.connected, seconds=2)
-        try:
-            await remote.infer(view, None, "classifier", rows, None, None)
-        except Exception as error:  # its kind is what is checked
-            seen.append(getattr(error, "code", repr(error)))
-        second = EngineServer(CancelWatchingEngine(), addresses)
-        await second.bind()
-        await until(lambda: remote.connected and remote.table.ready)
-        seen.append(await remote.infer(view, None, "classifier", rows * 2, None, None))
-        await remote.stop()
-        await second.close()
-        return seen
-
-    first_answer, refused, second_answer = asyncio.run(scenario())
-    assert first_answer[0].tolist() == [[4.0, 4.0]]
-    assert refused == "engine_unavailable"
-    assert second_answer[0].tolist() == [[8.0, 8.0]]
-
-
-def test_a_table_its_dead_engine_sent_never_makes_the_front_end_ready(tmp_path):
-    """A table published just before the engine died can be read after its death was seen: it must not
-    make the front end ready again (it would send calls to nobody), nor may the table of an engine
-    already gone when it is read; the next engine's table does, even on the same pid."""
-    ready = ModelTable(phase="ready", healthy=True, retry_after_s=1)
-
-    async def scenario() -> list[bool]:
-        remote = RemoteEngine(wire.Addresses.in_directory(str(tmp_path)), "unused", 0, 1, Metrics())
-        engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        seen = []
-        remote._take_table((engine.pid, 1), ready)
-        seen.append(remote.connected and remote.table.ready)
-        engine.kill()  # not reaped yet, as when the supervisor has not come to it
-        await until(lambda: not remote.connected)  # its death, seen through its pidfd
-        remote._take_table((engine.pid, 1), ready)  # the table it sent before dying
-        seen.append(remote.connected or remote.table.ready)
-        engine.wait()
-        gone = subprocess.Popen([sys.executable, "-c", "pass"])
-        gone.wait()
-        remote._take_table((gone.pid, 2), ready)  # an engine that died before its table was read
-        seen.append(remote.connected or remote.table.ready)
-        again = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        remote._take_table((again.pid, 3), ready)
-        seen.append(remote.connected and remote.table.ready)
-        remote._take_table((engine.pid, 1), ready)  # a stale one read late changes nothing
-        seen.append(remote.engine_pid == again.pid)
-        again.kill()
-        again.wait()
-        remote._unwatch()
-        return seen
-
-    assert asyncio.run(scenario()) == [True, False, False, True, True]

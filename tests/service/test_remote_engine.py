@@ -1,7 +1,8 @@
 """The front end's side of the link (``RemoteEngine``): an answered call is forgotten, a lone call goes at
 once however many came before it, a call the engine never answers is given up at its deadline with a 503
-(its arena region freed, the engine told to drop it), control calls come back typed, and no module a front
-end runs imports the engine."""
+(its arena region freed, the engine told to drop it), control calls come back typed, no module a front
+end runs imports the engine, a front end connects again to a restarted engine, and a table a dead engine
+sent never makes it ready."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from service.link import remote as remote_module
 from service.link import wire
 from service.link.arena import block_name
 from service.link.engine_server import EngineServer
-from service.link.protocol import Infer
+from service.link.protocol import Infer, ModelTable
 from service.link.remote import RemoteEngine
 from service.observability.metrics import Metrics
 from tests.service.test_link import CancelWatchingEngine, until
@@ -147,3 +148,77 @@ print(sorted(m for m in sys.modules if m.startswith("service.engine") or m == "o
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_a_front_end_connects_again_to_a_restarted_engine(tmp_path):
+    """The engine's socket goes away with it: the front end answers 503 meanwhile, connects to the
+    next engine when it listens, takes its table and runs calls again."""
+    addresses = wire.Addresses.in_directory(str(tmp_path))
+    view = SimpleNamespace(  # what infer reads
+        name="m",
+        version=1,
+        preprocessing_key=("k", "k"),
+        serving=SimpleNamespace(request_timeout_s=5),
+    )
+
+    async def scenario() -> list:
+        seen = []
+        first = EngineServer(CancelWatchingEngine(), addresses)
+        await first.bind()
+        remote = RemoteEngine(addresses, "unused", 0, 1, Metrics())
+        await remote.start()
+        rows = np.ones((1, 1, 2, 2), np.float32)
+        seen.append(await remote.infer(view, None, "classifier", rows, None, None))
+        await first.close()
+        # the lost link says so at once, not the heartbeat (silent for SILENT_ENGINE_S = 3 s)
+        await until(lambda: not remote.connected, seconds=2)
+        try:
+            await remote.infer(view, None, "classifier", rows, None, None)
+        except Exception as error:  # its kind is what is checked
+            seen.append(getattr(error, "code", repr(error)))
+        second = EngineServer(CancelWatchingEngine(), addresses)
+        await second.bind()
+        await until(lambda: remote.connected and remote.table.ready)
+        seen.append(await remote.infer(view, None, "classifier", rows * 2, None, None))
+        await remote.stop()
+        await second.close()
+        return seen
+
+    first_answer, refused, second_answer = asyncio.run(scenario())
+    assert first_answer[0].tolist() == [[4.0, 4.0]]
+    assert refused == "engine_unavailable"
+    assert second_answer[0].tolist() == [[8.0, 8.0]]
+
+
+def test_a_table_its_dead_engine_sent_never_makes_the_front_end_ready(tmp_path):
+    """A table published just before the engine died can be read after its death was seen: it must not
+    make the front end ready again (it would send calls to nobody), nor may the table of an engine
+    already gone when it is read; the next engine's table does, even on the same pid."""
+    ready = ModelTable(phase="ready", healthy=True, retry_after_s=1)
+
+    async def scenario() -> list[bool]:
+        remote = RemoteEngine(wire.Addresses.in_directory(str(tmp_path)), "unused", 0, 1, Metrics())
+        engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        seen = []
+        remote._take_table((engine.pid, 1), ready)
+        seen.append(remote.connected and remote.table.ready)
+        engine.kill()  # not reaped yet, as when the supervisor has not come to it
+        await until(lambda: not remote.connected)  # its death, seen through its pidfd
+        remote._take_table((engine.pid, 1), ready)  # the table it sent before dying
+        seen.append(remote.connected or remote.table.ready)
+        engine.wait()
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        remote._take_table((gone.pid, 2), ready)  # an engine that died before its table was read
+        seen.append(remote.connected or remote.table.ready)
+        again = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        remote._take_table((again.pid, 3), ready)
+        seen.append(remote.connected and remote.table.ready)
+        remote._take_table((engine.pid, 1), ready)  # a stale one read late changes nothing
+        seen.append(remote.engine_pid == again.pid)
+        again.kill()
+        again.wait()
+        remote._unwatch()
+        return seen
+
+    assert asyncio.run(scenario()) == [True, False, False, True, True]
