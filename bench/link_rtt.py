@@ -8,7 +8,8 @@
 - ``zmq fd``: plain pyzmq sockets read from the event loop through their file descriptor, as
   ``service/link`` used them next;
 - ``link``: the service's own link (``service/link/wire.py``: a Unix socket, ``wire.Link`` at both
-  ends, each message packed and unpacked as the service does).
+  ends, each message packed and unpacked as the service does: a call's typed header, its rows as a raw
+  frame).
 
 ``--gap-ms`` waits that long, idle, before each trip, as a lone client leaves both processes idle
 between its requests: an idle core takes longer to wake, and ZeroMQ wakes two more threads per trip.
@@ -29,7 +30,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from service.link import wire
+from service.link import protocol, wire
 
 WARM_UP = 200
 KINDS = ("zmq.asyncio", "zmq fd", "link")
@@ -45,11 +46,12 @@ def _echo(kind: str, address: str, ready: multiprocessing.synchronize.Event) -> 
     async def main() -> None:
         if kind == "link":
 
-            def echo(link: wire.Link, header: object, raw: list) -> None:
-                link.outbox.put(header, *raw, at_once=True)
+            def echo(link: wire.Link, items: list[wire.Item]) -> None:
+                for message, raw in items:
+                    link.outbox.put(message, *raw, at_once=True)
 
             server = await asyncio.get_running_loop().create_unix_server(
-                lambda: wire.Link(echo), address
+                lambda: wire.Link(protocol.to_engine, echo), address
             )
             ready.set()
             await server.serve_forever()
@@ -77,15 +79,21 @@ async def _client(kind: str, address: str, size: int) -> Callable[[], Awaitable[
     if kind == "link":
         echoed: list[asyncio.Future] = []
 
-        def answer(_: wire.Link, header: object, raw: list) -> None:
-            echoed.pop().set_result(bytes(raw[0]))
+        def answer(_: wire.Link, items: list[wire.Item]) -> None:
+            for _message, raw in items:
+                echoed.pop().set_result(bytes(raw[0]))
 
-        _, link = await loop.create_unix_connection(lambda: wire.Link(answer), address)
+        _, link = await loop.create_unix_connection(
+            lambda: wire.Link(protocol.to_engine, answer), address
+        )
+        call = protocol.Infer(
+            1, "model", 1, None, ("{}", "{}"), "classifier", (1, size), "|u1", None, "request-id"
+        )
 
         async def trip() -> object:
             echoed.append(loop.create_future())
             future = echoed[-1]
-            link.outbox.put("echo", payload, at_once=True)
+            link.outbox.put(call, payload, at_once=True)
             return await future
 
         return trip

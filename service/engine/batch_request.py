@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.engine.statistics import BatchTimes
-from service.engine.table import Outputs
+from service.link.protocol import Outputs
 from service.observability import tracing
 
 
@@ -111,7 +111,7 @@ class BatchRequest:
         watch = asyncio.ensure_future(disconnected) if disconnected is not None else None
         if watch is not None:
             watch.add_done_callback(client_left)
-        timer = loop.call_at(deadline, self._time_out)
+        timer = loop.call_at(deadline, self.time_out)
         try:
             return await self.future
         finally:
@@ -122,7 +122,8 @@ class BatchRequest:
             if not self.future.done():
                 self.future.cancel()  # the caller itself was cancelled
 
-    def _time_out(self) -> None:
+    def time_out(self) -> None:
+        """Its deadline has passed."""
         self.fail(TimedOut())
 
 

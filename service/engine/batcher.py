@@ -34,8 +34,8 @@ import numpy as np
 from service.engine.batch_request import BatchRequest, ClientGone, QueueItem, TimedOut
 from service.engine.output_checks import finite_rows, require_finite
 from service.engine.statistics import BatchTimes, ModelStatistics
-from service.engine.table import Outputs
 from service.errors import ClientDisconnected, InferenceFailed, ServiceUnavailable
+from service.link.protocol import Outputs
 from service.observability import tracing
 from service.observability.metrics import Metrics
 
@@ -191,8 +191,7 @@ class DynamicBatcher:
         """Queue ``rows`` (one image each), or raise the 503 of :meth:`admit`. ``alone``: the caller
         knows no other request will join this one in this turn of the event loop, so with every
         instance idle its images start here and now, not in the batching loop's next turn; a lone
-        image run inline is answered before this returns (:meth:`finished` then gives its outputs).
-        """
+        image run inline is answered before this returns (:meth:`finish` hands it over at once)."""
         count = len(rows)
         self.admit(count)
         loop = asyncio.get_running_loop()
@@ -214,6 +213,48 @@ class DynamicBatcher:
         run) and :class:`ClientDisconnected` is raised."""
         try:
             await request.wait(request.enqueued + self.timeout_s, disconnected)
+        except Exception:  # the request's error: raised by _ended, as finish() would give it
+            pass
+        except BaseException:  # the caller itself was cancelled
+            self._settle(request)
+            raise
+        return self._ended(request)
+
+    def finish(
+        self, request: BatchRequest, answer: Callable[[Outputs | None, Exception | None], None]
+    ) -> None:
+        """Hand ``answer`` the request's outputs (or its error) once its images have all run, or
+        its deadline has passed: now, for a request answered already (run inline by
+        :meth:`enqueue`). The end of a request that nobody awaits: no task, no future of its own;
+        :meth:`BatchRequest.fail` with :class:`ClientGone` cancels it."""
+        if request.future.done():
+            self._hand(request, answer)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.call_at(request.enqueued + self.timeout_s, request.time_out)
+
+        def ended(_: asyncio.Future) -> None:
+            deadline.cancel()
+            self._hand(request, answer)
+
+        request.future.add_done_callback(ended)
+
+    def _hand(
+        self, request: BatchRequest, answer: Callable[[Outputs | None, Exception | None], None]
+    ) -> None:
+        try:
+            outputs = self._ended(request)
+        except Exception as error:
+            answer(None, error)
+        else:
+            answer(outputs, None)
+
+    def _ended(self, request: BatchRequest) -> Outputs:
+        """An answered request, settled and counted: its outputs, or its error as the service's
+        (a client gone is a 499, a deadline passed a 503)."""
+        self._settle(request)
+        try:
+            return self._counted(request)
         except ClientGone:
             self._metrics.cancelled.labels(*self._labels).inc(request.remaining)
             raise ClientDisconnected(
@@ -228,14 +269,6 @@ class DynamicBatcher:
                 code="timeout",
                 retry_after_s=self.retry_after_s,
             ) from None
-        finally:
-            self._settle(request)
-        return self._counted(request)
-
-    def finished(self, request: BatchRequest) -> Outputs:
-        """The outputs of a request answered already (run inline by :meth:`enqueue`), or its error."""
-        self._settle(request)
-        return self._counted(request)
 
     def _settle(self, request: BatchRequest) -> None:
         """A request answered or given up: nothing of it stays behind."""

@@ -1,7 +1,7 @@
 """The engine: every model version, its batchers and sessions, and the engine's phase. No transport.
 
 Front ends reach it through ``service/link/`` (in their own process, or over the process link): they read
-its :class:`~service.engine.table.ModelTable`, send rows to :meth:`Engine.call` with a request id (the
+its :class:`~service.link.protocol.ModelTable`, send rows to :meth:`Engine.call` with a request id (the
 :class:`~service.engine.pipeline.Call` it returns is answered, or waited for with a signal that completes
 when the client has gone), and call :meth:`Engine.control` for the repository index, explicit load and
 unload, the served configuration and Triton's statistics.
@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
+from msgspec.structs import replace
 
 from service.contract.model_repository import ModelLoadError
 from service.engine import reports
 from service.engine.model_manager import ModelManager
 from service.engine.pipeline import Call
-from service.engine.table import Graph, ModelTable, Phase
 from service.errors import ServiceError
+from service.link.protocol import Graph, ModelTable, Phase
 from service.observability.metrics import Metrics
 from service.settings import Settings
 

@@ -45,8 +45,8 @@ from service.engine.model_versions import (
 )
 from service.engine.pipeline import ModelPipeline
 from service.engine.runtime import Runtime
-from service.engine.table import ModelTable, ModelView
 from service.errors import NotFound, ServiceUnavailable
+from service.link.protocol import ModelTable, ModelView
 from service.observability.metrics import Metrics
 from service.settings import Settings
 
@@ -162,7 +162,7 @@ class ModelManager:
         return self.settings.model_control == "explicit"
 
     def routing(self) -> ModelTable:
-        """The models as requests are resolved against them (service/engine/table.py holds the rules:
+        """The models as requests are resolved against them (service/link/protocol.py holds the rules:
         unknown, not ready, not loaded in explicit mode)."""
         return ModelTable(
             default_name=self.default_name,
@@ -204,7 +204,7 @@ class ModelManager:
         return self.resolve(name, requested)
 
     def views(self) -> dict[str, ModelView]:
-        """Every model as front ends see it (service/engine/table.py)."""
+        """Every model as front ends see it (service/link/protocol.py)."""
         return {name: model.view() for name, model in self.models.items()}
 
     @property

@@ -26,8 +26,8 @@ from service.contract.model_repository import (
     version_files,
 )
 from service.engine.pipeline import ModelPipeline
-from service.engine.table import ModelView
 from service.errors import ServiceUnavailable
+from service.link.protocol import ModelView
 from service.settings import Settings
 
 State = Literal["LOADING", "READY", "UNAVAILABLE", "UNLOADING"]
@@ -58,10 +58,9 @@ class ManagedModel:
         return sorted(v for v, s in self.versions.items() if s.state == "READY" and s.pipeline)
 
     def view(self) -> ModelView:
-        """This model as front ends see it (service/engine/table.py)."""
+        """This model as front ends see it (service/link/protocol.py)."""
         return ModelView(
             name=self.name,
-            serving=self.serving,
             versions={v: (s.state, s.reason) for v, s in self.versions.items()},
             ready={v: self.versions[v].pipeline.view for v in self.ready_versions()},  # type: ignore[union-attr]
             unloaded=self.unloaded,

@@ -12,18 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
 from service.contract.model_config import ServingConfig
-from service.engine.batch_request import BatchRequest
+from service.engine.batch_request import BatchRequest, ClientGone
 from service.engine.batcher import DynamicBatcher
 from service.engine.runtime import Runtime
 from service.engine.statistics import ModelStatistics
-from service.engine.table import Graph, Outputs, VersionView
-from service.errors import NotFound
+from service.errors import InvalidInput, NotFound
+from service.link.protocol import Graph, Outputs, Serving, VersionView
 from service.observability.metrics import Metrics
 from service.settings import Settings
 
@@ -80,7 +80,7 @@ class ModelPipeline:
             name=name,
             version=self.version,
             metadata=self.metadata,
-            serving=serving,
+            serving=Serving.of(serving),
             provider=runtime.provider,
             attention=self.attention is not None,
         )
@@ -131,9 +131,11 @@ class ModelPipeline:
     def call(
         self, graph: Graph, rows: np.ndarray, request_id: str | None = None, alone: bool = False
     ) -> Call:
-        """Queue ``rows`` on ``graph``'s batcher (``alone``: its ``enqueue``'s), or raise why not."""
+        """Queue ``rows`` on ``graph``'s batcher (``alone``: its ``enqueue``'s), or raise why not:
+        rows that are not float32 images of this version's input shape never join a batch."""
         entered = time.perf_counter_ns()
         try:
+            self.check_rows(rows)
             batcher = self.batcher(graph)
             request = batcher.enqueue(rows, request_id, alone)
         except BaseException:
@@ -142,16 +144,16 @@ class ModelPipeline:
         self.hold()
         return Call(self, batcher, request, entered)
 
-    async def run(
-        self,
-        graph: Graph,
-        rows: np.ndarray,
-        request_id: str | None,
-        disconnected: Awaitable[object] | None,
-        alone: bool = False,
-    ) -> Outputs:
-        """Every output, stacked over the rows in order, once they have run."""
-        return await self.call(graph, rows, request_id, alone).wait(disconnected)
+    def check_rows(self, rows: np.ndarray) -> None:
+        """One bad call must not fail the batch it would join: 422 for rows that are not at least
+        one float32 image of this version's ``(channels, height, width)``."""
+        if rows.dtype != np.float32 or rows.shape[1:] != self.view.row_shape or not len(rows):
+            raise InvalidInput(
+                f"rows of {rows.dtype} {list(rows.shape)} for {self.name!r} version "
+                f"{self.version}, which takes float32 [N, {', '.join(map(str, self.view.row_shape))}]",
+                field="rows",
+                code="invalid_rows",
+            )
 
     def flush(self) -> None:
         """Run what is queued without waiting for the queue delay (shutdown has begun)."""
@@ -181,8 +183,9 @@ class ModelPipeline:
 
 class Call:
     """One request in a pipeline, from its rows being queued to its answer: it holds the pipeline's
-    lease until then, and its outcome and time go into the pipeline's statistics as it ends. Ended by
-    :meth:`outputs` when it was answered at once, else by :meth:`wait`."""
+    lease until then, and its outcome and time go into the pipeline's statistics as it ends. Ended
+    by :meth:`finish` (its answer handed to a callback: the engine process's way, inline run or
+    batched alike) or by :meth:`wait` (awaited: a front end's own engine)."""
 
     def __init__(
         self, pipeline: ModelPipeline, batcher: DynamicBatcher, request: BatchRequest, entered: int
@@ -196,15 +199,19 @@ class Call:
     def answered(self) -> bool:
         return self._request.future.done()
 
-    def outputs(self) -> Outputs:
-        """The outputs of a call answered already, or its error."""
-        answered = False
-        try:
-            outputs = self._batcher.finished(self._request)
-            answered = True
-            return outputs
-        finally:
-            self._end(answered)
+    def finish(self, answer: Callable[[Outputs | None, Exception | None], None]) -> None:
+        """``answer(outputs, None)`` once every row has run, or ``answer(None, error)``: now when
+        the call is answered already (``DynamicBatcher.finish``)."""
+
+        def ended(outputs: Outputs | None, error: Exception | None) -> None:
+            self._end(error is None)
+            answer(outputs, error)
+
+        self._batcher.finish(self._request, ended)
+
+    def cancel(self) -> None:
+        """Its client has gone: the rows still queued never run, and it ends as a 499."""
+        self._request.fail(ClientGone())
 
     async def wait(self, disconnected: Awaitable[object] | None = None) -> Outputs:
         """The outputs once every row has run (see ``DynamicBatcher.answer``), or the error."""

@@ -19,7 +19,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from service.contract.preprocessing import Invert, Prepared, Preprocessor
-from service.engine.table import Graph, Outputs, VersionView
 from service.errors import NotFound, ServiceError
 from service.frontend.decode import (
     INLINE_TENSOR_BYTES,
@@ -30,6 +29,7 @@ from service.frontend.decode import (
 from service.frontend.error_responses import request_id_of
 from service.frontend.inputs import RawImage
 from service.frontend.state import FrontendState
+from service.link.protocol import Graph, Outputs, VersionView
 from service.observability import tracing
 from service.settings import Settings
 

@@ -7,6 +7,10 @@ of it (first fit over a free list, in pages), the engine reads them in place by 
 and the region is freed when the engine's answer arrives. A request whose rows do not fit travels inline
 in its message instead. The front end unlinks its block when it stops; the supervisor unlinks the blocks
 of a front end that died (their names carry the supervisor's pid).
+
+The engine maps only the blocks it expects: a name (never a path) of this service's front ends, whose
+last part is the pid of the process on the other end of the link (``expected_block``), a regular file
+of this user's in /dev/shm, and reads only rows that lie inside it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import contextlib
 import math
 import mmap
 import os
+import re
+import stat
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,11 +35,19 @@ def block_name(supervisor_pid: int, slot: int, pid: int) -> str:
     return f"{PREFIX}-{supervisor_pid}-{slot}-{pid}"
 
 
+def expected_block(name: str, supervisor_pid: int, pid: int) -> bool:
+    """``name`` is the block a front end of this supervisor's, in process ``pid``, would own."""
+    return re.fullmatch(rf"{PREFIX}-{supervisor_pid}-[0-9]{{1,6}}-{pid}", name) is not None
+
+
 def _map(name: str, size: int = 0, create: bool = False) -> mmap.mmap:
     """Map a block; a new one is reserved in full (posix_fallocate), so that a /dev/shm too small
-    (containers get 64 MiB by default) fails here with ENOSPC, not later with SIGBUS on a write."""
+    (containers get 64 MiB by default) fails here with ENOSPC, not later with SIGBUS on a write. An
+    existing one must be a regular file of this user's, never reached through a link."""
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"{name!r} is not the name of a shared-memory block")
     path = os.path.join(SHM, name)
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if create:
@@ -42,6 +56,10 @@ def _map(name: str, size: int = 0, create: bool = False) -> mmap.mmap:
             except OSError:
                 os.unlink(path)
                 raise
+        else:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+                raise ValueError(f"{name!r} is not a shared-memory block of this service's")
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)
@@ -108,14 +126,28 @@ class ArenaReader:
     def __init__(self) -> None:
         self._blocks: dict[str, mmap.mmap] = {}
 
-    def rows(self, name: str, offset: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
-        block = self._blocks.get(name)
-        if block is None:
-            block = self._blocks[name] = _map(name)
+    def open(self, name: str) -> None:
+        """Map the block ``name`` (checked by the caller to be one it expects); OSError or
+        ValueError when it is not a block that can be mapped."""
+        if name not in self._blocks:
+            self._blocks[name] = _map(name)
+
+    def rows(
+        self, name: str, offset: int, shape: tuple[int, ...], dtype: np.dtype | str
+    ) -> np.ndarray:
+        """The rows at ``offset`` of the block ``name`` (opened); ValueError when they do not lie
+        inside its pages."""
+        block = self._blocks[name]
+        dtype = np.dtype(dtype)
+        count = math.prod(shape)  # numpy's prod costs 40 times as much on a tuple
+        if offset % PAGE or offset + count * dtype.itemsize > len(block):
+            raise ValueError(
+                f"rows of {count * dtype.itemsize} bytes at {offset} do not lie in the "
+                f"{len(block)}-byte arena's pages"
+            )
         # frombuffer holds the mapping's buffer while the rows live, so forget() cannot unmap rows
         # still queued (np.ndarray(buffer=...) held nothing: reading them after crashed the engine)
-        count = math.prod(shape)  # numpy's prod costs 40 times as much on a tuple
-        return np.frombuffer(block, np.dtype(dtype), count, offset).reshape(shape)
+        return np.frombuffer(block, dtype, count, offset).reshape(shape)
 
     def forget(self, name: str) -> None:
         block = self._blocks.pop(name, None)

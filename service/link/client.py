@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from service.engine.table import Graph, ModelTable, Outputs, VersionView
+from service.link.protocol import ControlOp, Graph, ModelTable, Outputs, Remote, VersionView
 
 if TYPE_CHECKING:  # front-end processes never import the engine (nor onnxruntime)
     from service.engine.core import Engine
@@ -53,8 +53,34 @@ class EngineClient(ABC):
         """Every output, stacked over the rows in order (service/engine/core.py's ``Engine.call``)."""
 
     @abstractmethod
-    async def control(self, op: str, **arguments: Any) -> Any:
-        """``Engine.control``: index, load, unload, config, statistics."""
+    async def control(
+        self, op: ControlOp, name: str | None = None, version: int | None = None
+    ) -> Any:
+        """``Engine.control``, the one remote call the operations below are made of."""
+
+    async def index(self) -> list[tuple[str, int | None, str, str]]:
+        """Triton's repository index: (name, version, state, reason) of every model version."""
+        return await self.control("index")
+
+    async def load(self, name: str) -> None:
+        await self.control("load", name)
+
+    async def unload(self, name: str) -> None:
+        await self.control("unload", name)
+
+    async def config(self, name: str, version: int | None = None) -> dict[str, Any]:
+        """The ModelConfig ``name`` is served with, as JSON."""
+        return await self.control("config", name, version)
+
+    async def statistics(
+        self, name: str | None = None, version: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Triton's ``model_stats`` entries."""
+        return await self.control("statistics", name, version)
+
+    async def publish_metrics(self) -> None:
+        """The engine's statistics written to their Prometheus series, before a scrape."""
+        await self.control("metrics")
 
     @abstractmethod
     def record_failure(self, view: VersionView, ns: int) -> None:
@@ -101,8 +127,10 @@ class LocalEngine(EngineClient):
         )
         return await call.wait(disconnected)
 
-    async def control(self, op: str, **arguments: Any) -> Any:
-        return await self.engine.control(op, **arguments)
+    async def control(
+        self, op: ControlOp, name: str | None = None, version: int | None = None
+    ) -> Any:
+        return await self.engine.control(op, **Remote(1, op, name, version).arguments())
 
     def record_failure(self, view: VersionView, ns: int) -> None:
         self.engine.record_failure(view.name, view.version, ns)

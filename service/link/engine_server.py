@@ -2,11 +2,20 @@
 
 The calls that arrive in one turn of the engine's event loop, from every front end, are queued together
 in the next, so the batcher fills its batches from all of them. A call that came alone, with nothing
-else in progress, may run there and then and be answered at once (a lone image of a fast model: no
-task, no wait); every other call waits for its answer in a task of its own. The answers a batch
-completes go back to each front end in one message. Each front end gets the table when it connects,
+else in progress, may run there and then and be answered at once (a lone image of a fast model). Every
+call ends the same way, inline or batched: its answer handed to a callback (``Call.finish``) that puts
+it in its front end's outbox; no task and no future per call. The answers a batch completes go back to
+each front end in one message. Each front end gets the table when it connects,
 whenever it changes (looked at every ``TABLE_CHECK_S``) and at least every ``HEARTBEAT_S``. A front end
 whose connection ends (it died) has its calls cancelled: their rows still queued never run.
+
+What a front end sends is checked before it is used (``service/link/protocol.py`` checks each field's
+type and range as it decodes): its arena must be the block the process on the other end of the socket
+would own; a call's rows must lie inside that block, or fill its one raw frame, and be float32 of the
+version's input shape (``ModelPipeline.call``). A call that fails a check is refused on its own (an
+error answer); a message that breaks the protocol (undecodable, a duplicate call id, a call before
+the front end said hello) closes its sender's link. Either way nothing of another call, or of another
+front end, is touched.
 """
 
 from __future__ import annotations
@@ -14,38 +23,68 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
+import socket
+import struct
 import time
 from collections.abc import Coroutine
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from service.engine.core import Engine
 from service.engine.pipeline import Call
-from service.engine.table import Outputs
 from service.errors import InferenceFailed, ServiceError
-from service.link import wire
-from service.link.arena import ArenaReader
+from service.link import protocol, wire
+from service.link.arena import ArenaReader, expected_block
+from service.link.protocol import (
+    Cancel,
+    ErrorInfo,
+    Failed,
+    Hello,
+    Infer,
+    LinkViolation,
+    Outputs,
+    Refusal,
+    Remote,
+    Result,
+    TableUpdate,
+)
 from service.observability import tracing
 
 logger = logging.getLogger("vitserve")
 
 TABLE_CHECK_S = 0.02
 HEARTBEAT_S = 0.5
+ROW_DTYPE = np.dtype(np.float32)  # every version's input (the model contract's InputSpec)
+_PEER = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+
+
+CANCELLED = object()  # a call whose client went away before it started
+
+
+def bad_call(message: str) -> ServiceError:
+    return ServiceError(message, status_code=400, code="bad_call", field="rows")
 
 
 class EngineServer:
-    def __init__(self, engine: Engine, addresses: wire.Addresses) -> None:
+    def __init__(
+        self, engine: Engine, addresses: wire.Addresses, supervisor_pid: int | None = None
+    ) -> None:
         self.engine = engine
         self.addresses = addresses
+        # the front ends' arenas carry the supervisor's pid (the engine's parent)
+        self._supervisor_pid = os.getppid() if supervisor_pid is None else supervisor_pid
         self._server: asyncio.AbstractServer | None = None
-        self._links: set[wire.Link] = set()  # one per front end connected
+        self._links: set[wire.Link] = set()  # one per front end that said hello
         self._reader = ArenaReader()
-        self._arenas: dict[wire.Link, set[str]] = {}  # the shared-memory blocks each front end used
-        self._gone: dict[tuple[wire.Link, int], asyncio.Future] = {}  # a call's client-gone signal
-        self._arrived: list[tuple[wire.Link, tuple, list, asyncio.Future]] = []  # calls to start
-        self._running: set[asyncio.Task] = set()
+        self._arenas: dict[wire.Link, str] = {}  # each front end's shared-memory block
+        # the calls in progress (None: arrived, not started yet; CANCELLED: cancelled before that)
+        self._calls: dict[tuple[wire.Link, int], Call | object | None] = {}
+        self._arrived: list[tuple[wire.Link, Infer, list]] = []  # calls to start
+        self._running: set[asyncio.Task] = set()  # control calls
         self._publish_now = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         # sent with every table: a restarted engine that got its predecessor's pid is still new
@@ -57,7 +96,7 @@ class EngineServer:
             os.unlink(path)  # the socket of an engine that died
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(
-            lambda: wire.Link(self._take, self._lost), path
+            lambda: wire.Link(protocol.to_engine, self.take, self._lost), path
         )
         self._tasks = [loop.create_task(self._publish(), name="engine-tables")]
 
@@ -75,16 +114,19 @@ class EngineServer:
             link.close()
         self._reader.close()
 
+    def _table_update(self) -> TableUpdate:
+        return TableUpdate(*self._process, self.engine.table())
+
     async def _publish(self) -> None:
         published, last = -1, 0.0
         loop = asyncio.get_running_loop()
         while True:
-            table = self.engine.table()
+            update = self._table_update()
             now = loop.time()
-            if table.generation != published or now - last >= HEARTBEAT_S:
+            if update.table.generation != published or now - last >= HEARTBEAT_S:
                 for link in self._links:
-                    link.outbox.put((wire.TABLE_CALL, True, (self._process, table)))
-                published, last = table.generation, now
+                    link.outbox.put(update)
+                published, last = update.table.generation, now
             self._publish_now.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._publish_now.wait(), TABLE_CHECK_S)
@@ -95,45 +137,99 @@ class EngineServer:
         """A front end went away: nobody will read its answers, so its calls need not run, and its
         shared memory is let go (a block still holding queued rows goes with them)."""
         self._links.discard(link)
-        for name in self._arenas.pop(link, ()):
+        name = self._arenas.pop(link, None)
+        if name is not None:
             self._reader.forget(name)
-        for (owner, _), gone in list(self._gone.items()):
-            if owner is link and not gone.done():
-                gone.set_result(None)
+        for key in [key for key in self._calls if key[0] is link]:
+            self._cancel(key)
 
-    def _take(self, link: wire.Link, item: tuple[bytes, Any], raw: list) -> None:
-        kind, header = item
-        if kind == wire.TABLE:  # a front end connecting: the table to it now, and from now on
-            self._links.add(link)
-            link.outbox.put((wire.TABLE_CALL, True, (self._process, self.engine.table())))
-        elif kind == wire.FAILED:
-            self.engine.record_failure(*header)
-        elif kind == wire.CANCEL:
-            gone = self._gone.get((link, header))
-            if gone is not None and not gone.done():
-                gone.set_result(None)
-        elif kind == wire.INFER:
-            # its client-gone signal registered now: a cancel in the same message finds it
-            loop = asyncio.get_running_loop()
-            gone = self._gone[(link, header[0])] = loop.create_future()
-            self._arrived.append((link, header, raw, gone))
-            if len(self._arrived) == 1:
-                loop.call_soon(self._start_arrived)
-        else:
-            self._track(self._control(link, header))
+    # --- what arrives -------------------------------------------------------------------------------
+
+    def take(self, link: wire.Link, items: list[wire.Item]) -> None:
+        """The items of one message from a front end, in order."""
+        for message, raw in items:
+            kind = type(message)
+            if kind is Infer:
+                self._arrive(link, message, raw)
+            elif kind is Cancel:
+                self._cancel((link, message.call))
+            elif kind is Failed:
+                self.engine.record_failure(message.name, message.version, message.ns)
+            elif kind is Remote:
+                self._track(self._control(link, message))
+            elif kind is Hello:
+                self._hello(link, message)
+
+    def _hello(self, link: wire.Link, hello: Hello) -> None:
+        """A front end connecting: its arena, checked and mapped; the table to it now, and from now
+        on."""
+        if link in self._links:
+            raise LinkViolation("a second hello on one link")
+        if hello.arena is not None:
+            pid = _peer_pid(link)
+            if pid is None or not expected_block(hello.arena, self._supervisor_pid, pid):
+                raise LinkViolation(
+                    f"the arena {hello.arena!r} is not the block of this service's front end in "
+                    f"process {pid}"
+                )
+            try:
+                self._reader.open(hello.arena)
+            except (OSError, ValueError) as error:
+                raise LinkViolation(
+                    f"the arena {hello.arena!r} cannot be mapped: {error}"
+                ) from None
+            self._arenas[link] = hello.arena
+        self._links.add(link)
+        link.outbox.put(self._table_update())
+
+    def _arrive(self, link: wire.Link, message: Infer, raw: list) -> None:
+        if link not in self._links:
+            raise LinkViolation("a call before the front end said hello")
+        key = (link, message.call)
+        if key in self._calls:
+            raise LinkViolation(f"call id {message.call} is already in progress")
+        self._calls[key] = None  # registered now: a cancel in the same message finds it
+        self._arrived.append((link, message, raw))
+        if len(self._arrived) == 1:
+            asyncio.get_running_loop().call_soon(self._start_arrived)
+
+    def _cancel(self, key: tuple[wire.Link, int]) -> None:
+        """The client of a call has gone: its rows still queued never run."""
+        call = self._calls.get(key)
+        if call is None:
+            if key in self._calls:  # not started yet: it is, and then cancelled
+                self._calls[key] = CANCELLED
+        elif call is not CANCELLED:
+            call.cancel()  # type: ignore[union-attr]
+
+    def _rows(self, link: wire.Link, message: Infer, raw: list) -> np.ndarray:
+        """A call's rows, read where it says they are; a 400 when they are not there."""
+        if message.dtype != ROW_DTYPE.str:
+            raise bad_call(f"rows of dtype {message.dtype!r}; the engine takes float32 rows")
+        if message.offset is None:
+            nbytes = math.prod(message.shape) * ROW_DTYPE.itemsize
+            if len(raw) != 1 or len(raw[0]) != nbytes:
+                raise bad_call(f"rows of shape {message.shape} need one frame of {nbytes} bytes")
+            return np.frombuffer(raw[0], ROW_DTYPE).reshape(message.shape)
+        name = self._arenas.get(link)
+        if name is None:
+            raise bad_call("rows in an arena, from a front end that has none")
+        try:
+            return self._reader.rows(name, message.offset, message.shape, ROW_DTYPE)
+        except ValueError as error:
+            raise bad_call(str(error)) from None
+
+    # --- calls and answers --------------------------------------------------------------------------
 
     def _track(self, call: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(call)
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    def _answer(self, link: wire.Link, call_id: int, ok: bool, payload: Any, *frames: Any) -> None:
+    def _answer(self, link: wire.Link, message: Any, *frames: Any) -> None:
         # the answer to the only call in progress has no partner to wait for
-        link.outbox.put((call_id, ok, payload), *frames, at_once=len(self._running) <= 1)
-
-    def _answer_outputs(self, link: wire.Link, call_id: int, outputs: Outputs) -> None:
-        specs, frames = wire.output_frames(outputs)
-        self._answer(link, call_id, True, specs, *frames)
+        alone = len(self._calls) + len(self._running) <= 1
+        link.outbox.put(message, *frames, at_once=alone)
 
     def _answer_error(
         self, link: wire.Link, call_id: int, request_id: str | None, error: Exception
@@ -141,64 +237,71 @@ class EngineServer:
         if not isinstance(error, ServiceError):
             logger.error("engine call %s [request %s] failed", call_id, request_id, exc_info=error)
             error = InferenceFailed(f"the engine failed on this request ({type(error).__name__})")
-        self._answer(link, call_id, False, wire.error_payload(error))
+        self._answer(link, Refusal(call_id, ErrorInfo.of(error)))
 
     def _start_arrived(self) -> None:
         """Queue the calls that arrived in the last turn of the loop; one that came alone, with
         nothing else in progress, runs at once on an idle model (``Engine.call``)."""
         arrived, self._arrived = self._arrived, []
-        alone = len(arrived) == 1 and not self._running
-        for link, header, raw, gone in arrived:
-            self._start(link, header, raw, gone, alone)
+        alone = len(arrived) == 1 and len(self._calls) == 1 and not self._running
+        for link, message, raw in arrived:
+            self._start(link, message, raw, alone)
 
-    def _start(
-        self, link: wire.Link, header: tuple, inline: list, gone: asyncio.Future, alone: bool
-    ) -> None:
-        (call_id, name, version, requested, key, graph, request_id, arena, offset, shape, dtype,
-         trace) = header  # fmt: skip
+    def _start(self, link: wire.Link, message: Infer, raw: list, alone: bool) -> None:
+        key = (link, message.call)
         try:
-            if arena is None:
-                rows = np.frombuffer(inline[0], dtype=np.dtype(dtype)).reshape(shape)
-            else:
-                rows = self._reader.rows(arena, offset, shape, dtype)
-                self._arenas.setdefault(link, set()).add(arena)
-            with tracing.attached(trace):
+            rows = self._rows(link, message, raw)
+            with tracing.attached(message.trace):
                 call = self.engine.call(
-                    name, version, requested, key, graph, rows, request_id, alone
+                    message.name,
+                    message.version,
+                    message.requested,
+                    message.key,
+                    message.graph,
+                    rows,
+                    message.request_id,
+                    alone,
                 )
-            if not call.answered:  # its answer comes when its batch has run
-                self._track(self._wait(link, call_id, request_id, call, gone))
-                return
-            self._answer_outputs(link, call_id, call.outputs())
         except Exception as error:
-            self._answer_error(link, call_id, request_id, error)
-        del self._gone[(link, call_id)]
+            del self._calls[key]
+            self._answer_error(link, message.call, message.request_id, error)
+            return
+        cancelled = self._calls[key] is CANCELLED
+        self._calls[key] = call
 
-    async def _wait(
-        self,
-        link: wire.Link,
-        call_id: int,
-        request_id: str | None,
-        call: Call,
-        gone: asyncio.Future,
-    ) -> None:
-        try:
-            self._answer_outputs(link, call_id, await call.wait(gone))
-        except Exception as error:
-            self._answer_error(link, call_id, request_id, error)
-        finally:
-            del self._gone[(link, call_id)]
+        def answer(outputs: Outputs | None, error: Exception | None) -> None:
+            if outputs is not None:
+                reply, frames = protocol.answer_frames(message.call, outputs)
+                self._answer(link, reply, *frames)
+            else:
+                self._answer_error(link, message.call, message.request_id, error)  # type: ignore[arg-type]
+            del self._calls[key]
 
-    async def _control(self, link: wire.Link, header: tuple) -> None:
-        call_id, op, arguments = header
+        call.finish(answer)
+        if cancelled and key in self._calls:
+            call.cancel()
+
+    async def _control(self, link: wire.Link, message: Remote) -> None:
         try:
-            result = await self.engine.control(op, **arguments)
+            value = await self.engine.control(message.op, **message.arguments())
+            answer: Any = Result(message.call, msgspec.Raw(protocol.encoder.encode(value)))
         except ServiceError as error:
-            self._answer(link, call_id, False, wire.error_payload(error))
+            answer = Refusal(message.call, ErrorInfo.of(error))
         except Exception as error:
-            logger.exception("engine control %s failed", op)
-            failure = ServiceError(f"the engine failed on {op} ({type(error).__name__})")
-            self._answer(link, call_id, False, wire.error_payload(failure))
-        else:
-            self._answer(link, call_id, True, result)
+            logger.exception("engine control %s failed", message.op)
+            failure = ServiceError(f"the engine failed on {message.op} ({type(error).__name__})")
+            answer = Refusal(message.call, ErrorInfo.of(failure))
+        self._answer(link, answer)
         self._publish_now.set()  # a load or unload changes the table
+
+
+def _peer_pid(link: wire.Link) -> int | None:
+    """The pid of the process on the other end of ``link``'s Unix socket (the kernel's word)."""
+    sock = link.transport.get_extra_info("socket") if link.transport is not None else None
+    if sock is None:
+        return None
+    try:
+        pid, _, _ = _PEER.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER.size))
+    except OSError:
+        return None
+    return pid

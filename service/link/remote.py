@@ -2,7 +2,10 @@
 
 The rows of a call go into the front end's shared-memory arena (or inline when they do not fit) and only
 their place travels; the answer's outputs come back as raw frames. A client that goes away sends a cancel,
-so its rows still queued never run. The engine's pid comes with every table: the front end watches it
+so its rows still queued never run. Every call has a deadline here too (the version's request timeout,
+and ``DEADLINE_GRACE_S`` for the engine's own 503 to arrive first): past it, a call the engine never
+answered (a lost message, a stalled engine) is answered 503 and its arena region freed, so neither the
+call nor its rows are held for ever. The engine's pid comes with every table: the front end watches it
 (``pidfd``), so when the engine dies the front end is not ready at once, and every call it had in flight is
 answered 503 with Retry-After. The front end connects again every ``RECONNECT_S`` until a restarted engine
 listens; its first table makes the front end ready again.
@@ -21,11 +24,24 @@ from typing import Any
 
 import numpy as np
 
-from service.engine.table import Graph, ModelTable, Outputs, VersionView
 from service.errors import ServiceUnavailable
-from service.link import wire
+from service.link import protocol, wire
 from service.link.arena import Arena, Region
 from service.link.client import EngineClient
+from service.link.protocol import (
+    Answer,
+    Cancel,
+    Failed,
+    Graph,
+    Hello,
+    Infer,
+    ModelTable,
+    Outputs,
+    Remote,
+    Result,
+    TableUpdate,
+    VersionView,
+)
 from service.observability import tracing
 from service.observability.metrics import Metrics
 
@@ -41,6 +57,10 @@ FIRST_TABLE_WAIT_S = 2.0
 # where its pid cannot be watched
 SILENT_ENGINE_S = 3.0
 RECONNECT_S = 0.05
+# a call's deadline: its version's request timeout (the engine answers 503 at it), and this for that
+# answer to arrive; a version with none, and a control call, wait at most CALL_DEADLINE_S
+DEADLINE_GRACE_S = 1.0
+CALL_DEADLINE_S = 600.0
 
 
 class RemoteEngine(EngineClient):
@@ -62,8 +82,10 @@ class RemoteEngine(EngineClient):
         self._pidfd: int | None = None
         self._dead_engines: set[tuple[int, int]] = set()  # one per engine restart
         self._ids = itertools.count(1)
-        # a call's answer, its rows' region, and what a queue-full answer would mark full
-        self._pending: dict[int, tuple[asyncio.Future, Region | None, tuple | None]] = {}
+        # a call's answer, its rows' region, what a queue-full answer would mark full, its deadline
+        self._pending: dict[
+            int, tuple[asyncio.Future, Region | None, tuple | None, asyncio.TimerHandle]
+        ] = {}
         self._tasks: list[asyncio.Task] = []
         self._link: wire.Link | None = None  # the connection to the engine, while there is one
         self._first_table = asyncio.Event()
@@ -115,7 +137,7 @@ class RemoteEngine(EngineClient):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(STOP_WAIT_S):
                     await asyncio.gather(
-                        *(f for f, _, _ in self._pending.values()), return_exceptions=True
+                        *(entry[0] for entry in self._pending.values()), return_exceptions=True
                     )
         for task in self._tasks:
             task.cancel()
@@ -137,13 +159,13 @@ class RemoteEngine(EngineClient):
         while True:
             try:
                 _, link = await loop.create_unix_connection(
-                    lambda: wire.Link(self._answered), self.addresses.engine
+                    lambda: wire.Link(protocol.to_front_end, self._take), self.addresses.engine
                 )
             except OSError:  # not listening (yet, or again)
                 await asyncio.sleep(RECONNECT_S)
                 continue
             self._link = link
-            link.outbox.put((wire.TABLE, None), at_once=True)
+            link.outbox.put(Hello(None if self.arena is None else self.arena.name), at_once=True)
             await link.closed
             self._link = None
             self._engine_gone("the link to the engine process was lost")
@@ -201,7 +223,8 @@ class RemoteEngine(EngineClient):
         self._engine = None
         self._table = ModelTable(phase="starting", retry_after_s=self._retry_after_s)
         pending, self._pending = self._pending, {}
-        for future, _, _ in pending.values():
+        for future, _, _, deadline in pending.values():
+            deadline.cancel()
             if not future.done():
                 future.set_exception(self._unavailable(why))
         if self.arena is not None:
@@ -216,28 +239,30 @@ class RemoteEngine(EngineClient):
 
     # --- calls --------------------------------------------------------------------------------------
 
-    def _answered(self, link: wire.Link, answer: tuple[int, bool, Any], raw: list) -> None:
-        call_id, ok, payload = answer
-        if call_id == wire.TABLE_CALL:
-            self._take_table(*payload)
-            return
-        entry = self._pending.pop(call_id, None)
-        if entry is None:
-            return  # answered already (the engine restarted meanwhile)
-        future, region, full_key = entry
-        if region is not None and self.arena is not None:
-            self.arena.free(region)
-        if future.done():
-            return
-        if not ok:
-            error = wire.error_from(payload)
-            if error.code == "queue_full" and full_key is not None:
-                self._full[full_key] = (time.monotonic() + FULL_MEMORY_S, error)
-            future.set_exception(error)
-        elif raw:
-            future.set_result(wire.outputs_from(payload, raw))
-        else:
-            future.set_result(payload)
+    def _take(self, link: wire.Link, items: list[wire.Item]) -> None:
+        """The items of one message from the engine, in order."""
+        for message, raw in items:
+            if type(message) is TableUpdate:
+                self._take_table((message.pid, message.started), message.table)
+                continue
+            entry = self._pending.pop(message.call, None)
+            if entry is None:
+                continue  # answered already (past its deadline, or the engine restarted meanwhile)
+            future, region, full_key, deadline = entry
+            deadline.cancel()
+            if region is not None and self.arena is not None:
+                self.arena.free(region)
+            if future.done():
+                continue
+            if type(message) is Answer:
+                future.set_result(protocol.answer_outputs(message, raw))
+            elif type(message) is Result:
+                future.set_result(message.value)
+            else:
+                error = message.error.error()
+                if error.code == "queue_full" and full_key is not None:
+                    self._full[full_key] = (time.monotonic() + FULL_MEMORY_S, error)
+                future.set_exception(error)
 
     def admit(self, view: VersionView, requested: int | None, graph: Graph, count: int) -> None:
         if not self.connected:
@@ -251,21 +276,25 @@ class RemoteEngine(EngineClient):
 
     async def _call(
         self,
-        item: tuple[bytes, tuple],
+        message: Infer | Remote,
         raw: tuple,
         region: Region | None,
+        deadline_s: float,
         disconnected: Awaitable[object] | None = None,
         full_key: tuple[str, int, str] | None = None,
     ) -> Any:
+        """Send ``message`` and wait for its answer, at most ``deadline_s``."""
         link = self._link
         if not self.connected or link is None or not link.open:
             if region is not None and self.arena is not None:
                 self.arena.free(region)
             raise self._unavailable("the engine process is not running")
-        call_id = item[1][0]
-        future = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = (future, region, full_key)
-        link.outbox.put(item, *raw, at_once=len(self._pending) == 1)
+        call_id = message.call
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        deadline = loop.call_later(deadline_s, self._expire, call_id, deadline_s)
+        self._pending[call_id] = (future, region, full_key, deadline)
+        link.outbox.put(message, *raw, at_once=len(self._pending) == 1)
         watch = asyncio.ensure_future(disconnected) if disconnected is not None else None
         if watch is not None:
             watch.add_done_callback(lambda _: self._cancel(call_id))
@@ -279,7 +308,28 @@ class RemoteEngine(EngineClient):
 
     def _cancel(self, call_id: int) -> None:
         if call_id in self._pending and self._link is not None:
-            self._link.outbox.put((wire.CANCEL, call_id))
+            self._link.outbox.put(Cancel(call_id))
+
+    def _expire(self, call_id: int, deadline_s: float) -> None:
+        """A call the engine has not answered by its deadline: answered 503 here and forgotten (its
+        rows' region freed, the engine told to drop it); a late answer finds nothing."""
+        entry = self._pending.get(call_id)
+        if entry is None:
+            return
+        self._cancel(call_id)
+        del self._pending[call_id]
+        future, region, _, _ = entry
+        if region is not None and self.arena is not None:
+            self.arena.free(region)
+        if not future.done():
+            future.set_exception(
+                ServiceUnavailable(
+                    f"the engine did not answer within {deadline_s:g} s; retry after "
+                    f"{self._retry_after_s} s",
+                    code="engine_timeout",
+                    retry_after_s=self._retry_after_s,
+                )
+            )
 
     async def infer(
         self,
@@ -292,27 +342,32 @@ class RemoteEngine(EngineClient):
     ) -> Outputs:
         rows = np.ascontiguousarray(rows)
         region = self.arena.put(rows) if self.arena is not None else None
-        header = (
+        message = Infer(
             next(self._ids),
             view.name,
             view.version,
             requested,
             view.preprocessing_key,
             graph,
-            request_id,
-            None if region is None or self.arena is None else self.arena.name,
-            0 if region is None else region.offset,
             rows.shape,
             rows.dtype.str,
+            None if region is None else region.offset,
+            request_id,
             tracing.carrier(),
         )
         raw = (rows.data,) if region is None else ()
+        timeout = view.serving.request_timeout_s
+        deadline_s = CALL_DEADLINE_S if timeout is None else timeout + DEADLINE_GRACE_S
         full_key = (view.name, view.version, graph)
-        return await self._call((wire.INFER, header), raw, region, disconnected, full_key)
+        return await self._call(message, raw, region, deadline_s, disconnected, full_key)
 
     def record_failure(self, view: VersionView, ns: int) -> None:
         if self.connected and self._link is not None:
-            self._link.outbox.put((wire.FAILED, (view.name, view.version, ns)))
+            self._link.outbox.put(Failed(view.name, view.version, ns))
 
-    async def control(self, op: str, **arguments: Any) -> Any:
-        return await self._call((wire.CONTROL, (next(self._ids), op, arguments)), (), None)
+    async def control(
+        self, op: protocol.ControlOp, name: str | None = None, version: int | None = None
+    ) -> Any:
+        message = Remote(next(self._ids), op, name, version)
+        value = await self._call(message, (), None, CALL_DEADLINE_S)
+        return protocol.result_value(op, value)

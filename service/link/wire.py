@@ -1,18 +1,14 @@
-"""The messages between front ends and the engine, over one Unix socket per front end.
+"""The framing of the link between front ends and the engine: one Unix socket per front end.
 
 A message carries every item one side had ready in one turn of its event loop (:class:`Outbox`): a
-prefix of two lengths, the pickled list of the items' headers (plain values, each with its raw frames'
-lengths), then the items' raw frames for tensors (never pickled). One message for many items matters:
-under load each write and each wake-up of the other side, not the copy, is the link's cost.
+prefix of two lengths, the msgpack list of the items (each a typed struct of ``protocol``, with its raw
+frames' lengths), then the items' raw frames for tensors (never encoded). One message for many items
+matters: under load each write and each wake-up of the other side, not the copy, is the link's cost.
 
-Front end to engine, an item's header is ``(kind, header)``: ``INFER`` (the rows are in the front end's
-shared-memory arena, or inline in one raw frame when they did not fit), ``CANCEL`` (the client has gone),
-``CONTROL`` (index, load, unload, config, statistics), ``TABLE`` (sent on connecting: the table now,
-and every table from then on) and ``FAILED`` (a request refused while decoding, for the version's
-statistics; no answer). Engine to front end: one item per call, ``(call_id, ok, payload)`` plus a raw
-frame per output; and, as the answers to call ``TABLE_CALL``, the engine's pid and its
-:class:`~service.engine.table.ModelTable` at once, whenever it changes, and as a heartbeat. Both ends
-are processes of one service started by one supervisor, over a socket in its private directory.
+Whatever arrives is checked before it is used: a prefix claiming more than the link's ``max_bytes`` is
+refused before anything is allocated for it, and a message whose items do not decode as the protocol's
+structs, or whose frames do not add up, is refused whole. Either way the link it came on is closed
+(:class:`~service.link.protocol.LinkViolation`); the other links, and what they carry, go on.
 
 The sockets are asyncio's own Unix-socket transports (:class:`Link`), not ZeroMQ's: ZeroMQ hands every
 message to an I/O thread on each side, and between processes left idle by a lone client those wake-ups
@@ -24,27 +20,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import pickle
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
+import msgspec
 
-from service import errors
-from service.errors import ServiceError
-
-if TYPE_CHECKING:
-    from service.engine.table import Outputs
+from service.link.protocol import LinkViolation, encoder
 
 logger = logging.getLogger("vitserve")
 
-INFER, CANCEL, CONTROL, TABLE, FAILED = b"I", b"X", b"C", b"T", b"F"
-TABLE_CALL = 0  # the call id the engine's tables come under (calls count from 1)
-
-# a message's first bytes: its headers' length, then its raw frames' length
+# a message's first bytes: its items' length, then its raw frames' length
 _PREFIX = struct.Struct("<QQ")
+# the largest message a link takes: far above a request's rows (max_body_bytes decoded), far below
+# what would hurt the process reading it
+MAX_MESSAGE_BYTES = 256 * 2**20
+
+Item = tuple[Any, list]  # a protocol struct and its raw frames
+OnMessage = Callable[["Link", list[Item]], None]
 
 
 @dataclass(frozen=True)
@@ -58,44 +52,50 @@ class Addresses:
         return cls(os.path.join(directory, "engine"))
 
 
-def dumps(value: Any) -> bytes:
-    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-loads = pickle.loads
-
-
-def pack(items: list[tuple[Any, list]]) -> bytes:
-    """Items ``(header, raw frames)`` as one message, to be written in one go (uvloop's
+def pack(items: list[Item]) -> bytes:
+    """Items ``(struct, raw frames)`` as one message, to be written in one go (uvloop's
     ``writelines`` wrote each buffer apart and woke the reader for each: a round trip took twice as
     long)."""
     headers, raw = [], []
-    for header, frames in items:
+    for message, frames in items:
         views = [memoryview(frame).cast("B") for frame in frames]
-        headers.append((header, [len(view) for view in views]))
+        headers.append((message, [len(view) for view in views]))
         raw.extend(views)
-    packed = dumps(headers)
+    packed = encoder.encode(headers)
     return b"".join([_PREFIX.pack(len(packed), sum(len(view) for view in raw)), packed, *raw])
 
 
-def unpack(message: memoryview) -> Iterator[tuple[Any, list[memoryview]]]:
+def unpack(message: memoryview, decoder: msgspec.msgpack.Decoder) -> list[Item]:
     """The items of one whole message (prefix included), in order, each with its raw frames as views
-    of ``message``."""
-    header_bytes, _ = _PREFIX.unpack_from(message)
+    of ``message``; :class:`LinkViolation` when it breaks the protocol."""
+    header_bytes, raw_bytes = _PREFIX.unpack_from(message)
     at = _PREFIX.size + header_bytes
-    for header, lengths in loads(message[_PREFIX.size : at]):
+    try:
+        headers = decoder.decode(message[_PREFIX.size : at])
+    except (msgspec.DecodeError, NotImplementedError, ValueError) as error:
+        raise LinkViolation(f"a message that is not the protocol's: {error}") from None
+    if sum(length for _, lengths in headers for length in lengths) != raw_bytes:
+        raise LinkViolation("a message whose frames do not add up to its length")
+    items = []
+    for header, lengths in headers:
         raw = []
         for length in lengths:
             raw.append(message[at : at + length])
             at += length
-        yield header, raw
+        items.append((header, raw))
+    return items
 
 
-def split(data: memoryview) -> tuple[list[memoryview], int]:
-    """The whole messages at the start of ``data``, and how many of its bytes they take."""
+def split(data: memoryview, max_bytes: int) -> tuple[list[memoryview], int]:
+    """The whole messages at the start of ``data``, and how many of its bytes they take;
+    :class:`LinkViolation` for a prefix that claims more than ``max_bytes``."""
     messages, at = [], 0
     while len(data) - at >= _PREFIX.size:
         header_bytes, raw_bytes = _PREFIX.unpack_from(data, at)
+        if header_bytes + raw_bytes > max_bytes:
+            raise LinkViolation(
+                f"a message of {header_bytes + raw_bytes} bytes, above the link's {max_bytes}"
+            )
         end = at + _PREFIX.size + header_bytes + raw_bytes
         if end > len(data):
             break
@@ -105,17 +105,22 @@ def split(data: memoryview) -> tuple[list[memoryview], int]:
 
 
 class Link(asyncio.Protocol):
-    """One end of a front end's connection to the engine: each item of each message that arrives goes
-    to ``on_item(link, header, raw)`` in order; ``outbox`` sends. ``on_lost(link)`` runs once, when the
-    connection has ended (the other process closed it, or died)."""
+    """One end of a front end's connection to the engine: each message that arrives, decoded with
+    ``decoder``, goes to ``on_message(link, items)`` in order; ``outbox`` sends. A message that breaks
+    the protocol, or an ``on_message`` that raises :class:`LinkViolation`, closes the link.
+    ``on_lost(link)`` runs once, when the connection has ended (either side closed it, or died)."""
 
     def __init__(
         self,
-        on_item: Callable[[Link, Any, list[memoryview]], None],
+        decoder: msgspec.msgpack.Decoder,
+        on_message: OnMessage,
         on_lost: Callable[[Link], None] | None = None,
+        max_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
-        self._on_item = on_item
+        self._decoder = decoder
+        self._on_message = on_message
         self._on_lost = on_lost
+        self._max_bytes = max_bytes
         self._partial = bytearray()  # the start of a message still arriving
         self.transport: Any = None  # an asyncio.Transport (uvloop's are not its subclasses)
         self.outbox = Outbox(self._write)
@@ -139,32 +144,44 @@ class Link(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def refuse(self, violation: LinkViolation) -> None:
+        """The other side broke the protocol: say so and drop the connection, unread data too."""
+        logger.error("the link to another process broke the protocol and is closed: %s", violation)
+        self._partial = bytearray()
+        self._on_message = _ignore
+        if self.transport is not None:
+            self.transport.abort()
+
     def _write(self, message: bytes) -> None:
         if self.open:
             self.transport.write(message)
 
     def data_received(self, data: bytes) -> None:
-        if self._partial:  # the rest of a message: whole ones are copied out of the buffer
-            self._partial += data
-            with memoryview(self._partial) as view:
-                messages, used = split(view)
-                messages = [memoryview(bytes(message)) for message in messages]
-            del self._partial[:used]
-        else:  # the usual case: whole messages, read in place
-            messages, used = split(memoryview(data))
-            if used < len(data):
-                self._partial += data[used:]
-        for message in messages:
-            try:
-                items = list(unpack(message))
-            except Exception:  # the lengths were read, so the next message still starts right
-                logger.exception("a message from the other process could not be read")
-                continue
-            for header, raw in items:
+        try:
+            if self._partial:  # the rest of a message: whole ones are copied out of the buffer
+                self._partial += data
+                with memoryview(self._partial) as view:
+                    messages, used = split(view, self._max_bytes)
+                    messages = [memoryview(bytes(message)) for message in messages]
+                del self._partial[:used]
+            else:  # the usual case: whole messages, read in place
+                messages, used = split(memoryview(data), self._max_bytes)
+                if used < len(data):
+                    self._partial += data[used:]
+            for message in messages:
+                items = unpack(message, self._decoder)
                 try:
-                    self._on_item(self, header, raw)
-                except Exception:  # one bad item must not stop the link
+                    self._on_message(self, items)
+                except LinkViolation:
+                    raise
+                except Exception:  # a fault of this side must not stop the link
                     logger.exception("a message from the other process could not be handled")
+        except LinkViolation as violation:
+            self.refuse(violation)
+
+
+def _ignore(link: Link, items: list[Item]) -> None:
+    """What a refused link does with what still arrives before it is gone."""
 
 
 class Outbox:
@@ -175,11 +192,11 @@ class Outbox:
 
     def __init__(self, send: Callable[[bytes], None]) -> None:
         self._send = send
-        self._items: list[tuple[Any, list]] = []
+        self._items: list[Item] = []
 
-    def put(self, header: Any, *raw: Any, at_once: bool = False) -> None:
+    def put(self, message: Any, *raw: Any, at_once: bool = False) -> None:
         first = not self._items  # else a flush is due this turn, and this item goes with it
-        self._items.append((header, list(raw)))
+        self._items.append((message, list(raw)))
         if first and at_once:
             self.flush()
         elif first:
@@ -193,47 +210,3 @@ class Outbox:
             self._send(pack(items))
         except Exception as error:
             logger.error("a message to the other process was not sent: %r", error)
-
-
-def error_payload(error: ServiceError) -> dict[str, Any]:
-    return {
-        "class": type(error).__name__,
-        "message": error.message,
-        "field": error.field,
-        "code": error.code,
-        "status_code": error.status_code,
-        "headers": error.headers,
-        "details": error.details,
-    }
-
-
-def error_from(payload: dict[str, Any]) -> ServiceError:
-    """The engine's error, as the same class with the same fields."""
-    cls = getattr(errors, payload["class"], ServiceError)
-    if not (isinstance(cls, type) and issubclass(cls, ServiceError)):
-        cls = ServiceError
-    error = cls.__new__(cls)
-    ServiceError.__init__(
-        error,
-        payload["message"],
-        field=payload["field"],
-        code=payload["code"],
-        status_code=payload["status_code"],
-        headers=payload["headers"],
-        details=payload["details"],
-    )
-    return error
-
-
-def output_frames(outputs: Outputs) -> tuple[list[tuple[str, tuple]], list]:
-    """Each output's (dtype, shape) and its raw bytes (a request's rows of a batch's outputs are
-    contiguous already: no copy)."""
-    arrays = [np.ascontiguousarray(output) for output in outputs]
-    return [(array.dtype.str, array.shape) for array in arrays], [array.data for array in arrays]
-
-
-def outputs_from(specs: list[tuple[str, tuple]], frames: list) -> Outputs:
-    return [
-        np.frombuffer(frame, dtype=np.dtype(dtype)).reshape(shape)
-        for (dtype, shape), frame in zip(specs, frames, strict=True)
-    ]

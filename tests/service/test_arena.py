@@ -14,7 +14,15 @@ import sys
 import numpy as np
 import pytest
 
-from service.link.arena import PAGE, SHM, Arena, ArenaReader, block_name, unlink_blocks
+from service.link.arena import (
+    PAGE,
+    SHM,
+    Arena,
+    ArenaReader,
+    block_name,
+    expected_block,
+    unlink_blocks,
+)
 from tests.support import REPO
 
 
@@ -30,6 +38,7 @@ def test_rows_are_read_in_place_by_name_offset_and_shape(arena):
     rows = np.random.default_rng(0).random((3, 1, 28, 28), dtype=np.float32)
     region = arena.put(rows)
     reader = ArenaReader()
+    reader.open(arena.name)
     seen = reader.rows(arena.name, region.offset, rows.shape, rows.dtype.str)
     np.testing.assert_array_equal(seen, rows)
     reader.close()
@@ -86,6 +95,7 @@ def test_each_region_is_read_at_its_own_offset(arena):
     regions = [arena.put(first), arena.put(second)]
     assert regions[1].offset == PAGE
     reader = ArenaReader()
+    reader.open(arena.name)
     np.testing.assert_array_equal(reader.rows(arena.name, PAGE, (7,), "<i8"), second)
     np.testing.assert_array_equal(reader.rows(arena.name, 0, (2, 5), "<f4"), first)
     reader.close()
@@ -121,6 +131,7 @@ from service.link.arena import PAGE, Arena, ArenaReader
 arena = Arena(f"vitserve-test-{os.getpid()}-{random.randrange(1 << 30)}", 4 * PAGE)
 region = arena.put(np.arange(8, dtype=np.uint8))
 reader = ArenaReader()
+reader.open(arena.name)
 rows = reader.rows(arena.name, region.offset, (8,), "|u1")  # queued in the engine, say
 reader.forget(arena.name)  # the front end went away
 arena.close()
@@ -136,14 +147,18 @@ def test_a_reader_maps_a_block_once_and_forgets_it_when_told(arena):
     rows = np.arange(4, dtype=np.uint8)
     region = arena.put(rows)
     reader = ArenaReader()
+    reader.open(arena.name)
     seen = reader.rows(arena.name, region.offset, (4,), "|u1")
     mapping = seen.base
     os.unlink(os.path.join(SHM, arena.name))  # gone from /dev/shm: only the mapping is left
+    reader.open(arena.name)  # mapped already: not opened again
     np.testing.assert_array_equal(reader.rows(arena.name, region.offset, (4,), "|u1"), rows)
     reader.forget(arena.name)  # rows still referenced: the mapping goes when they do
     del seen
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(KeyError):
         reader.rows(arena.name, region.offset, (4,), "|u1")
+    with pytest.raises(FileNotFoundError):
+        reader.open(arena.name)
     reader.forget("never-mapped")
     assert mapping is not None
 
@@ -157,12 +172,14 @@ def mapping_of(rows: np.ndarray) -> mmap.mmap:
 
 def test_forgetting_a_block_closes_its_mapping(arena):
     reader = ArenaReader()
+    reader.open(arena.name)
     seen = reader.rows(arena.name, 0, (4,), "|u1")
     mapping = mapping_of(seen)
     del seen
     reader.forget(arena.name)
     assert mapping.closed
     other = ArenaReader()
+    other.open(arena.name)
     seen = other.rows(arena.name, 0, (4,), "|u1")
     mapping = mapping_of(seen)
     del seen
@@ -191,3 +208,33 @@ def test_unlink_blocks_removes_one_slot_or_every_slot_of_one_supervisor():
     finally:
         for block in blocks:
             block.close()
+
+
+def test_the_reader_maps_only_shared_memory_blocks_and_reads_only_inside_them(arena, tmp_path):
+    """A name is never a path: a name that leads out of /dev/shm, a link in it (to a system file the
+    engine could read), or a file not of this user's is not mapped; rows said to lie past the
+    block's end, or off a page boundary, are not read."""
+    reader = ArenaReader()
+    for name in ("../../etc/ld.so.cache", "/etc/ld.so.cache", "", ".", ".."):
+        with pytest.raises((OSError, ValueError)):
+            reader.open(name)
+    link = f"vitserve-test-{os.getpid()}-{random.randrange(1 << 30)}-link"
+    os.symlink("/etc/hostname", os.path.join(SHM, link))
+    try:
+        with pytest.raises(OSError, match="symbolic links"):
+            reader.open(link)
+    finally:
+        os.unlink(os.path.join(SHM, link))
+    reader.open(arena.name)
+    with pytest.raises(ValueError, match="do not lie"):
+        reader.rows(arena.name, arena.size - PAGE, (2, PAGE // 4), "<f4")  # past its end
+    with pytest.raises(ValueError, match="do not lie"):
+        reader.rows(arena.name, 4, (1,), "<f4")  # not where a region starts
+    assert reader.rows(arena.name, arena.size - PAGE, (PAGE // 4,), "<f4").size == PAGE // 4
+    reader.close()
+
+
+def test_a_block_s_expected_name_carries_the_supervisor_and_the_front_end_s_pid():
+    assert expected_block(block_name(10, 3, 77), 10, 77)
+    for name in (block_name(11, 3, 77), block_name(10, 3, 78), "vitserve-10-3-77/../x", "x"):
+        assert not expected_block(name, 10, 77)

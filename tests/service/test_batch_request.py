@@ -2,7 +2,8 @@
 
 Written against `make mutation`'s survivors in ``BatchRequest.wait``: a client that goes away answers
 the request with ClientGone at once (not at its deadline), and a caller that is cancelled leaves the
-request answered, so that its queued images are abandoned rather than run.
+request answered, so that its queued images are abandoned rather than run. A request handed over by
+``DynamicBatcher.finish`` (a callback, not awaited) ends as an awaited one does.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 
 from service.engine.batch_request import BatchRequest, ClientGone, QueueItem, TimedOut
+from service.errors import ServiceUnavailable
+from tests.service.test_batcher import Model, batcher, rows, run
 
 
 def item(request: BatchRequest, index: int = 0) -> QueueItem:
@@ -93,3 +96,46 @@ def test_a_request_answered_before_it_waits_lets_its_client_gone_signal_go():
 
     outputs, cancelled, closed = asyncio.run(scenario())
     assert outputs[0].tolist() == [[7.0, 7.0]] and cancelled and closed
+
+
+def test_a_request_handed_over_by_finish_is_answered_timed_out_or_cancelled_like_an_awaited_one():
+    """``finish`` (the engine process's way: a callback, no task) ends a request as ``answer``
+    does: its own rows' outputs once its batch ran, a 503 timeout at its deadline, a 499 when its
+    client went away (its rows then never run); each callback once."""
+    model = Model()
+
+    async def scenario() -> dict[str, list]:
+        b = batcher(model, timeout_s=0.2, max_queue_delay_s=0.0)
+        b.start()
+        handed: dict[str, list] = {"ran": [], "late": [], "gone": []}
+
+        def to(name: str):
+            return lambda outputs, error: handed[name].append((outputs, error))
+
+        b.finish(b.enqueue(rows(1, 2)), to("ran"))
+        await until_handed(handed["ran"])
+        model.gate.clear()  # the next batch holds its instance past the deadline
+        b.finish(b.enqueue(rows(3)), to("late"))
+        await until_handed(handed["late"], 5)
+        gone = b.enqueue(rows(4))  # queued behind the held batch
+        b.finish(gone, to("gone"))
+        gone.fail(ClientGone())
+        await asyncio.sleep(0.05)
+        model.gate.set()
+        await b.stop(5)
+        return handed
+
+    handed = run(scenario())
+    ((outputs, error),) = handed["ran"]
+    assert error is None and outputs[0].tolist() == [1.0, 2.0]
+    ((outputs, error),) = handed["late"]
+    assert outputs is None and isinstance(error, ServiceUnavailable) and error.code == "timeout"
+    ((outputs, error),) = handed["gone"]
+    assert outputs is None and error.status_code == 499
+    assert model.batches == [2, 1]  # the gone request's row never ran
+
+
+async def until_handed(handed: list, seconds: float = 5) -> None:
+    async with asyncio.timeout(seconds):
+        while not handed:
+            await asyncio.sleep(0.005)

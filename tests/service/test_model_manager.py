@@ -296,7 +296,7 @@ def test_the_drains_deadline_fails_what_is_queued_with_its_message(repository):
         await manager.start()
         pipeline = manager.resolve()
         run = asyncio.ensure_future(
-            pipeline.run("classifier", np.zeros((3, 1, 28, 28), np.float32), None, None)
+            pipeline.call("classifier", np.zeros((3, 1, 28, 28), np.float32)).wait()
         )
         await asyncio.sleep(0.05)  # queued behind the 10 s delay
         assert manager.fail_unanswered() == 3

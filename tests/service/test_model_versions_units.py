@@ -71,9 +71,6 @@ def test_only_ready_versions_with_a_pipeline_answer_the_newest_first():
     assert view.name == "m" and view.ready == {1: "view of 1", 3: "view of 3", 10: "view of 10"}
     assert view.versions[4] == ("UNAVAILABLE", "") and view.versions[7] == ("LOADING", "")
     assert view.unloaded is False
-    assert view.serving is None
-    model.serving = serving_config(default_config("m"))
-    assert model.view().serving is model.serving
     model.unloaded = True
     assert model.view().unloaded is True
     assert managed(v2=("LOADING", pipeline("2"))).pipeline() is None

@@ -65,7 +65,7 @@ def test_a_pipeline_runs_its_version_and_counts_its_requests(loaded, model_repos
     async def scenario() -> tuple[ModelPipeline, list]:
         pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, metrics)
         pipeline.start()
-        answers = await pipeline.run("classifier", rows, "req-1", None)
+        answers = await pipeline.call("classifier", rows, "req-1").wait()
         await pipeline.retire(5)
         return pipeline, answers
 
@@ -107,15 +107,22 @@ def test_published_statistics_add_up_across_publishes_and_a_version_loaded_again
     assert series(metrics, "nv_inference_request_duration_us", **labels) == pytest.approx(3.0)
 
 
+def failing(images: np.ndarray) -> list[np.ndarray]:
+    """An instance's run that fails, as a model that cannot run a batch does."""
+    raise RuntimeError("the model cannot run")
+
+
 def test_a_failed_request_is_counted_failed_and_logged_with_its_id(loaded, records):
     runtime, settings, serving = loaded
     metrics = Metrics()
 
     async def scenario() -> ModelPipeline:
         pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, metrics)
+        for instance in pipeline.classifier._instances:
+            instance.run = failing
         pipeline.start()
         with pytest.raises(ServiceError):
-            await pipeline.run("classifier", np.zeros((1, 1, 5, 5), np.float32), "req-9", None)
+            await pipeline.call("classifier", np.zeros((1, 1, 28, 28), np.float32), "req-9").wait()
         await pipeline.retire(5)
         return pipeline
 
@@ -135,7 +142,7 @@ def test_attention_runs_on_its_own_batcher(loaded):
     async def scenario() -> list:
         pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, metrics)
         pipeline.start()
-        answers = await pipeline.run("attention", np.zeros((1, 1, 28, 28), np.float32), None, None)
+        answers = await pipeline.call("attention", np.zeros((1, 1, 28, 28), np.float32)).wait()
         await pipeline.retire(5)
         return answers
 
@@ -154,7 +161,7 @@ def test_a_client_gone_while_queued_ends_the_run_at_once(loaded):
         pipeline.start()
         gone = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().call_later(0.05, gone.set_result, None)
-        run = pipeline.run("classifier", np.zeros((1, 1, 28, 28), np.float32), "r", gone)
+        run = pipeline.call("classifier", np.zeros((1, 1, 28, 28), np.float32), "r").wait(gone)
         with pytest.raises((ClientGone, ServiceError)):
             await asyncio.wait_for(run, 5)  # the queue delay would hold it for 10 s
         await pipeline.retire(5)
@@ -226,7 +233,7 @@ def test_the_classifier_dispatches_at_a_preferred_batch_size_without_waiting(loa
     async def scenario() -> int:
         pipeline = ModelPipeline(MODEL_NAME, runtime, preferring, waiting, Metrics())
         pipeline.start()
-        run = pipeline.run("classifier", np.zeros((2, 1, 28, 28), np.float32), None, None)
+        run = pipeline.call("classifier", np.zeros((2, 1, 28, 28), np.float32)).wait()
         answers = await asyncio.wait_for(run, 5)  # not the 10 s queue delay
         await pipeline.retire(5)
         return len(answers[0])
@@ -249,17 +256,20 @@ def test_a_lone_call_on_an_idle_fast_model_is_answered_before_it_is_waited_for(
     async def scenario():
         pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, Metrics())
         pipeline.start()
-        await pipeline.run("classifier", rows, None, None, alone=True)  # measures the lone run
+        await pipeline.call("classifier", rows, alone=True).wait()  # measures the lone run
         call = pipeline.call("classifier", rows, "req-2", alone=True)
         answered, held = call.answered, pipeline.in_flight
-        outputs = call.outputs()
-        released = pipeline.in_flight
-        broken = pipeline.call("classifier", rows[:, :, :5, :5], "req-3", alone=True)
-        with pytest.raises(ServiceError) as failure:
-            broken.outputs()
+        handed: list = []
+        call.finish(lambda outputs, error: handed.append((outputs, error)))
+        (outputs, _), released = handed[0], pipeline.in_flight  # handed over before finish returned
+        for instance in pipeline.classifier._instances:
+            instance.run = failing
+        broken = pipeline.call("classifier", rows, "req-3", alone=True)
+        broken.finish(lambda outputs, error: handed.append((outputs, error)))
+        failure = handed[1][1]
         stats = pipeline.statistics.as_dict(MODEL_NAME, "1")["inference_stats"]
         await pipeline.retire(5)
-        return answered, held, outputs, released, broken.answered, failure.value, stats
+        return answered, held, outputs, released, broken.answered, failure, stats
 
     answered, held, outputs, released, broken_answered, failure, stats = asyncio.run(scenario())
     assert answered and held == 1 and released == 0
@@ -267,3 +277,75 @@ def test_a_lone_call_on_an_idle_fast_model_is_answered_before_it_is_waited_for(
     assert broken_answered and failure.code == "inference_failed"
     assert stats["success"]["count"] == 2 and stats["fail"]["count"] == 1
     assert stats["queue"]["count"] == 2 and stats["compute_infer"]["count"] == 2
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.zeros((1, 1, 27, 28), np.float32),  # another height
+        np.zeros((1, 3, 28, 28), np.float32),  # another number of channels
+        np.zeros((1, 1, 28, 28), np.float64),  # another dtype
+        np.zeros((0, 1, 28, 28), np.float32),  # no image
+        np.zeros((1, 784), np.float32),  # not an image
+    ],
+    ids=["height", "channels", "dtype", "empty", "flat"],
+)
+def test_rows_that_are_not_the_version_s_input_never_join_a_batch(loaded, bad):
+    """Rows of the wrong shape or dtype (from a broken or hostile front end) are refused 422 on their
+    own; the honest calls queued in the same turn, which they would have joined, are answered, each
+    with the logits onnxruntime gives for its own rows."""
+    runtime, settings, serving = loaded
+    honest = [np.random.default_rng(i).random((1, 1, 28, 28), np.float32) for i in range(3)]
+    session = ort.InferenceSession(str(runtime.files.classifier_path))
+    name = session.get_inputs()[0].name
+    expected = [session.run(None, {name: rows})[0] for rows in honest]
+
+    async def scenario() -> tuple[list, BaseException | None]:
+        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, Metrics())
+        pipeline.start()
+        calls = [pipeline.call("classifier", rows) for rows in honest[:2]]
+        refused = None
+        try:
+            calls.append(pipeline.call("classifier", bad))
+        except ServiceError as error:
+            refused = error
+        calls.append(pipeline.call("classifier", honest[2]))
+        answers = await asyncio.gather(*(call.wait() for call in calls), return_exceptions=True)
+        await pipeline.retire(5)
+        return answers, refused
+
+    answers, refused = asyncio.run(scenario())
+    assert refused is not None and refused.status_code == 422 and refused.field == "rows"
+    assert len(answers) == 3
+    for answer, want in zip(answers, expected, strict=True):
+        assert not isinstance(answer, BaseException), answer
+        np.testing.assert_allclose(answer[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_call_cancelled_before_its_batch_runs_ends_as_a_499_and_never_runs(loaded):
+    """The engine process's cancel (its front end said the client went away): the call is handed
+    its 499 through ``finish``, its row never runs, and its lease is given back."""
+    runtime, settings, serving = loaded
+    rows = np.zeros((1, 1, 28, 28), np.float32)
+
+    async def scenario():
+        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, Metrics())
+        ran: list[int] = []
+        for instance in pipeline.classifier._instances:
+            run = instance.run
+            instance.run = lambda images, run=run: (ran.append(len(images)), run(images))[1]
+        pipeline.start()
+        handed: list = []
+        call = pipeline.call("classifier", rows, "gone")
+        call.finish(lambda outputs, error: handed.append((outputs, error)))
+        call.cancel()
+        await asyncio.sleep(0.05)
+        await pipeline.call("classifier", rows, "stays").wait()
+        in_flight = pipeline.in_flight
+        await pipeline.retire(5)
+        return handed, ran, in_flight
+
+    handed, ran, in_flight = asyncio.run(scenario())
+    ((outputs, error),) = handed
+    assert outputs is None and error.status_code == 499
+    assert ran == [1] and in_flight == 0

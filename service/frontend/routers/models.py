@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from service.contract.preprocessing import ACCEPTED_FORMATS
-from service.engine.table import ModelTable, ModelView
 from service.frontend.routers._openapi import ERROR_RESPONSES
 from service.frontend.schemas import (
     BatchingInfo,
@@ -17,6 +16,7 @@ from service.frontend.schemas import (
 )
 from service.frontend.security import require_api_key
 from service.frontend.state import frontend_state
+from service.link.protocol import ModelTable, ModelView
 from service.settings import Settings
 
 router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key)])
