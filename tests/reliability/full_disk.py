@@ -27,9 +27,8 @@ def full_tmpfs(size_kib: int = 512, room_bytes: int = 0) -> Iterator[Path]:
         mount_point.rmdir()
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
-        with open(mount_point / "filler", "wb") as filler:
-            with contextlib.suppress(OSError):  # ENOSPC: full
-                filler.write(b"\0" * (size_kib * 1024 - room_bytes))
+        with open(mount_point / "filler", "wb") as filler, contextlib.suppress(OSError):
+            filler.write(b"\0" * (size_kib * 1024 - room_bytes))  # ENOSPC at the brim
         free = os.statvfs(mount_point)
         assert free.f_bavail * free.f_frsize <= room_bytes + free.f_frsize
         yield mount_point
