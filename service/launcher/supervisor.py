@@ -6,8 +6,8 @@ binds it beside the supervisor's socket with SO_REUSEPORT) and the health port. 
 then imports the web stack once while the engine loads, and forks the front ends from itself, as
 gunicorn's ``preload_app`` does. It restarts a process that dies: a front end alone (only the requests
 it held are lost), or the engine, with its models loaded again, while the front ends answer 503 with
-Retry-After; a front end whose event loop has stopped ticking for ``STALL_S`` (stopped, or stuck) is
-killed and replaced. The service stops (exit code 3) only when an engine fails before any engine was
+Retry-After; a front end whose event loop has stopped ticking for ``KILL_STALLED_S`` (stopped, or
+stuck) is killed and replaced. The service stops (exit code 3) only when an engine fails before any engine was
 ever ready (a model that does not load); an engine killed while it reloads is restarted again. On SIGTERM or SIGINT: the front ends stop accepting and finish what
 they hold, the engine runs what was admitted, then everything exits (code 0). Metrics from every process
 are summed by prometheus-client's multiprocess mode, in the supervisor's private directory. With
@@ -44,6 +44,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # the service drains and stops
 RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)  # after 0, 1, 2, ... deaths within STABLE_S
 STABLE_S = 30.0
 KILL_WAIT_S = 5.0
+# a front end whose loop has not ticked for this long is killed and replaced: 5 s after the health
+# port began to report it not live (STALL_S), so that probes see the stall before it is mended
+KILL_STALLED_S = STALL_S + 5.0
 
 
 class Supervisor:
@@ -130,13 +133,13 @@ class Supervisor:
             retire_process(process.pid, self.metrics_dir)
 
     def _kill_stalled(self) -> None:
-        """Kill each front end whose event loop has ticked, then not for ``STALL_S`` (SIGSTOPped,
-        or stuck in a call that never returns): its listener's connections would wait for it
-        forever. Its death is then seen as any other, and it is replaced."""
+        """Kill each front end whose event loop has ticked, then not for ``KILL_STALLED_S``
+        (SIGSTOPped, or stuck in a call that never returns): its listener's connections would wait
+        for it forever. Its death is then seen as any other, and it is replaced."""
         now = time.monotonic()
         for slot, process in self.front_ends.items():
             beat, _ = self.board.front_end(slot)
-            if beat > STARTING and now - beat >= STALL_S and process.is_alive():
+            if beat > STARTING and now - beat >= KILL_STALLED_S and process.is_alive():
                 logger.error(
                     "front end %d (pid %s): its event loop has not ticked for %.0f s; killing it",
                     slot,

@@ -63,13 +63,13 @@ def test_an_engine_killed_while_it_reloads_is_restarted_again(
 
 def test_a_stalled_front_end_is_killed_and_replaced(model_repository, tmp_path, fashion_png):
     """A SIGSTOPped front end never answers what its listener holds: its heartbeat stops, and the
-    supervisor kills it (STALL_S, 10 s) and starts another."""
+    supervisor kills it (KILL_STALLED_S, 15 s) and starts another."""
     with start(model_repository, tmp_path) as server:
         supervisor = server.process.pid
         _, front_ends = engine_and_front_ends(supervisor)
         os.kill(front_ends[0], signal.SIGSTOP)
         try:
-            wait_for(lambda: state_of(front_ends[0]) in (None, "Z"), 30, "the stalled one's end")
+            wait_for(lambda: state_of(front_ends[0]) in (None, "Z"), 40, "the stalled one's end")
             wait_for(lambda: len(engine_and_front_ends(supervisor)[1]) == 2, 30, "a new front end")
         finally:
             if state_of(front_ends[0]) not in (None, "Z"):
