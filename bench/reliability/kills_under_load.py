@@ -96,7 +96,7 @@ def measure(clients: int, duration_s: float, workers: int) -> dict:
     png = png_bytes(load_images(1)[0][0])
     result: dict = {"clients": clients, "duration_s": duration_s, "workers": workers}
     log = Path("bench/results/kills_under_load.log")
-    with service(log, workers=workers) as server:
+    with service(log, workers=workers, log_level="info") as server:
         supervisor = server.process.pid
         (run_dir,) = (p for p in os.listdir(tmpdir) if p.startswith(f"vitserve-{supervisor}-"))
         probe = Probe(supervisor, server.url, os.path.join(tmpdir, run_dir, "engine"), workers)
