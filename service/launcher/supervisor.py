@@ -7,10 +7,11 @@ then imports the web stack once while the engine loads, and forks the front ends
 gunicorn's ``preload_app`` does. It restarts a process that dies: a front end alone (only the requests
 it held are lost), or the engine, with its models loaded again, while the front ends answer 503 with
 Retry-After; a front end whose event loop has stopped ticking for ``KILL_STALLED_S`` (stopped, or
-stuck) is killed and replaced. The service stops (exit code 3) only when an engine fails before any engine was
-ever ready (a model that does not load); an engine killed while it reloads is restarted again. On SIGTERM or SIGINT: the front ends stop accepting and finish what
-they hold, the engine runs what was admitted, then everything exits (code 0). Metrics from every process
-are summed by prometheus-client's multiprocess mode, in the supervisor's private directory. With
+stuck) is killed and replaced. The service stops (exit code 3) only when an engine fails before any
+engine was ever ready (a model that does not load); an engine killed while it reloads is restarted
+again. On SIGTERM or SIGINT: the front ends stop accepting and finish what they hold, the engine runs
+what was admitted, then everything exits (code 0). Metrics from every process are summed by
+prometheus-client's multiprocess mode, in the supervisor's private directory. With
 ``health_port`` set, the supervisor answers the probes there itself, from a thread, reading what its
 children write on a shared page (service/launcher/health.py).
 """
