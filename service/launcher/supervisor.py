@@ -42,7 +42,8 @@ from service.settings import Settings
 logger = logging.getLogger("vitserve")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # the service drains and stops
-RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)  # after 0, 1, 2, ... deaths within STABLE_S
+# after 0, 1, 2, ... deaths within STABLE_S; an engine that was ready forgets the deaths before it
+RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)
 STABLE_S = 30.0
 KILL_WAIT_S = 5.0
 # a front end whose loop has not ticked for this long is killed and replaced: 5 s after the health
@@ -246,30 +247,39 @@ class Supervisor:
                     break
                 self._retire(process)
                 if process is self.engine:
+                    _, was_ready, ready_pid = self.board.engine()
                     self.board.engine_starting()  # not ready from now, not after its silence
                     if not self.board.engine_ever_started:
                         logger.error(
                             "cannot start: the engine process exited (code %s)", process.exitcode
                         )
                         return processes.EXIT_START_FAILED
+                    if was_ready and ready_pid == process.pid:
+                        # it had loaded its models and served: not an engine that cannot start,
+                        # so no backoff for the deaths before it
+                        self.deaths.pop("engine", None)
+                    delay = self._backoff("engine")
                     logger.error(
-                        "the engine process (pid %s) died (exit code %s); restarting it",
+                        "the engine process (pid %s) died (exit code %s); restarting it%s",
                         process.pid,
                         process.exitcode,
+                        _after(delay),
                     )
-                    time.sleep(self._backoff("engine"))
+                    time.sleep(delay)
                     self._start_engine()
                 else:
                     slot = next(s for s, p in self.front_ends.items() if p is process)
+                    delay = self._backoff(f"front end {slot}")
                     logger.error(
-                        "front end %d (pid %s) died (exit code %s); restarting it",
+                        "front end %d (pid %s) died (exit code %s); restarting it%s",
                         slot,
                         process.pid,
                         process.exitcode,
+                        _after(delay),
                     )
                     self.board.front_end_starting(slot)
                     unlink_blocks(self.pid, slot)
-                    time.sleep(self._backoff(f"front end {slot}"))
+                    time.sleep(delay)
                     self._start_front_end(slot)
         return 0
 
@@ -290,6 +300,11 @@ class Supervisor:
             self.grpc_hold.close()
         unlink_blocks(self.pid)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _after(delay_s: float) -> str:
+    """How a restart's log line ends: when the restart comes."""
+    return f" in {delay_s:g} s" if delay_s else ""
 
 
 def _signal(process: BaseProcess, sig: int) -> None:

@@ -59,6 +59,13 @@ def test_an_engine_killed_while_it_reloads_is_restarted_again(
         assert third not in (first, second) and front_ends_now == front_ends
         answer = httpx.post(server.url + "/predict", files={"files": ("a.png", fashion_png)})
         assert answer.status_code == 200, answer.text
+        # the restarts' backoff: the replacement that died loading waits 0.5 s; the third engine,
+        # ready when killed, is restarted at once (its death is the third within 30 s, not a loop)
+        os.kill(third, signal.SIGKILL)
+        wait_for(lambda: engine_and_front_ends(supervisor)[0] not in (None, third), 30, "engine")
+        wait_for(lambda: ready(server.url), 60, "ready again")
+        restarts = [line for line in server.output().splitlines() if "restarting it" in line]
+        assert [line.split("restarting it")[1] for line in restarts] == ["", " in 0.5 s", ""]
 
 
 def test_a_stalled_front_end_is_killed_and_replaced(model_repository, tmp_path, fashion_png):
