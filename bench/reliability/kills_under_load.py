@@ -29,6 +29,7 @@ from bench.reliability.common import dump, service
 from bench.reliability.supervision import Load, engine_and_front_ends, wait_for
 
 BACK_WITHIN_S = 60.0  # how long a kill may take to recover before the probe gives up
+LOG = Path("bench/results/kills_under_load.log")
 
 
 def engine_connections(engine_socket: str) -> int:
@@ -90,13 +91,13 @@ class Probe:
         return result
 
 
-def measure(clients: int, duration_s: float, workers: int) -> dict:
-    tmpdir = tempfile.mkdtemp(prefix="kills-under-load-")
-    os.environ["TMPDIR"] = tmpdir  # the service's: what it leaves there is counted after
+def measure(clients: int, duration_s: float, workers: int, log: Path = LOG) -> dict:
+    tmpdir = tempfile.mkdtemp(
+        prefix="kills-under-load-"
+    )  # the service's: what it leaves is counted
     png = png_bytes(load_images(1)[0][0])
     result: dict = {"clients": clients, "duration_s": duration_s, "workers": workers}
-    log = Path("bench/results/kills_under_load.log")
-    with service(log, workers=workers, log_level="info") as server:
+    with service(log, tmpdir, workers=workers, log_level="info") as server:
         supervisor = server.process.pid
         (run_dir,) = (p for p in os.listdir(tmpdir) if p.startswith(f"vitserve-{supervisor}-"))
         probe = Probe(supervisor, server.url, os.path.join(tmpdir, run_dir, "engine"), workers)
