@@ -19,6 +19,7 @@ trace or read the service: the user is the boundary, so run the service as a use
 
 from __future__ import annotations
 
+import errno
 import socket
 
 WILDCARDS = ("0.0.0.0", "::", "")
@@ -55,22 +56,32 @@ def listen(host: str, port: int, count: int) -> list[socket.socket]:
     return listeners
 
 
-def hold_grpc(host: str, port: int) -> socket.socket:
+def hold_grpc(host: str, port: int) -> list[socket.socket]:
     """The gRPC port, bound with SO_REUSEPORT and not listening, for as long as it stays open.
 
     Not listening: the kernel hands connections to listening sockets only, so none wait in the
     supervisor's while the front ends' gRPC servers take them. Without SO_REUSEADDR: beside a bound
     socket that does not listen, the kernel lets any socket with SO_REUSEADDR bind, whatever its
-    user (measured). grpc serves a wildcard host on IPv6's ``::`` with IPv4 mapped onto it: so the
-    wildcard is held the same way, or as IPv4's alone where the machine has no IPv6.
+    user (measured). Every address grpc serves for ``host`` is held: a wildcard on IPv6's ``::``
+    with IPv4 mapped onto it (IPv4's alone where the machine has no IPv6), ``localhost`` on both
+    loopback addresses.
     """
     check_free(host, port)
     if host in WILDCARDS:
         try:
-            return _bound(socket.AF_INET6, "::", port, dual_stack=True)
+            return [_bound(socket.AF_INET6, "::", port, dual_stack=True)]
         except OSError:  # no IPv6 here: grpc serves IPv4 alone too
-            return _bound(socket.AF_INET, "0.0.0.0", port)
-    return _bound(_family(host), host, port)
+            return [_bound(socket.AF_INET, "0.0.0.0", port)]
+    if host == "localhost":
+        held = [_bound(socket.AF_INET, "127.0.0.1", port)]
+        try:
+            held.append(_bound(socket.AF_INET6, "::1", port))
+        except OSError as error:
+            if error.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):  # IPv6 is there: held
+                held[0].close()
+                raise
+        return held
+    return [_bound(_family(host), host, port)]
 
 
 def _bound(

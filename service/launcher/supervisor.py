@@ -67,7 +67,7 @@ class Supervisor:
         self.board = HealthBoard(self.spawn, self.count)
         self.health = SupervisedHealth(self.board)
         self.probes: ProbeListener | None = None
-        self.grpc_hold: socket.socket | None = None  # the gRPC port, held (ports.py)
+        self.grpc_hold: list[socket.socket] = []  # the gRPC port, held (ports.py)
 
     # --- processes --------------------------------------------------------------------------------
 
@@ -113,8 +113,8 @@ class Supervisor:
         for other, listener in enumerate(self.listeners):
             if other != slot:
                 listener.close()
-        if self.grpc_hold is not None:
-            self.grpc_hold.close()
+        for held in self.grpc_hold:
+            held.close()
         for fd in self.wake_pipe:
             os.close(fd)
         if self.probes is not None:
@@ -179,8 +179,8 @@ class Supervisor:
             )
             for listener in getattr(self, "listeners", []):
                 listener.close()
-            if self.grpc_hold is not None:
-                self.grpc_hold.close()
+            for held in self.grpc_hold:
+                held.close()
             shutil.rmtree(self.run_dir, ignore_errors=True)
             return processes.EXIT_START_FAILED
         wake_read, wake_write = self.wake_pipe = os.pipe()
@@ -296,8 +296,8 @@ class Supervisor:
         if self.engine is not None:
             _signal(self.engine, signal.SIGTERM)
             _join([self.engine], self.settings.graceful_shutdown_s + KILL_WAIT_S)
-        if self.grpc_hold is not None:  # held until no front end serves gRPC any more
-            self.grpc_hold.close()
+        for held in self.grpc_hold:  # held until no front end serves gRPC any more
+            held.close()
         unlink_blocks(self.pid)
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
