@@ -49,7 +49,9 @@ def remove_stale(parent: str | None = None) -> list[str]:
             info = os.lstat(path)
         except OSError:
             continue
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or _running(owner):
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        if owner != os.getpid() and _running(owner):  # our own pid: a predecessor's, reused
             continue
         shutil.rmtree(path, ignore_errors=True)
         unlink_blocks(owner)
