@@ -43,10 +43,11 @@ class Service:
 
 
 @contextmanager
-def service(log: Path, **settings: object) -> Iterator[Service]:
+def service(log: Path, tmpdir: str | None = None, **settings: object) -> Iterator[Service]:
     """``nice -n 10 python -m service`` (one onnxruntime thread) on a free loopback port, ready;
     always stopped with SIGTERM (SIGKILL after 30 s) when the block ends, whatever happens in it.
-    ``health_port="auto"`` gives it a health port too: another free port of the range."""
+    ``health_port="auto"`` gives it a health port too: another free port of the range; ``tmpdir``,
+    its TMPDIR."""
     fixed = {
         "provider": "cpu",
         "intra_op_threads": 1,
@@ -65,6 +66,7 @@ def service(log: Path, **settings: object) -> Iterator[Service]:
             **service_env(port, **chosen),
             "PYTHONPATH": str(REPO),
             "OMP_NUM_THREADS": "1",
+            **({"TMPDIR": tmpdir} if tmpdir else {}),
         }
 
     argv = ("nice", "-n", "10", sys.executable, "-m", "service")

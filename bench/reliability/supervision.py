@@ -72,7 +72,8 @@ class Load:
         self.url, self.png, self.clients, self.limit_s = url, png, clients, limit_s
         self.statuses: list[int] = []
         self.failures: list[str] = []
-        self.unexpected: list[str] = []  # answers other than 200 and 503, with their bodies
+        # answers other than 200 and 503 with Retry-After, with their bodies
+        self.unexpected: list[str] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._client, daemon=True) for _ in range(clients)]
@@ -93,7 +94,9 @@ class Load:
                 response = http.post("/predict", files={"files": ("a.png", self.png)})
                 with self._lock:
                     self.statuses.append(response.status_code)
-                    if response.status_code not in (200, 503):
+                    if response.status_code not in (200, 503) or (
+                        response.status_code == 503 and not response.headers.get("Retry-After")
+                    ):
                         self.unexpected.append(f"{response.status_code}: {response.text[:300]}")
             except httpx.HTTPError as error:
                 with self._lock:

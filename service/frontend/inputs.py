@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.errors import InvalidInput, UnsupportedMediaType, printable
+from service.errors import InvalidInput, ServiceUnavailable, UnsupportedMediaType, printable
 from service.frontend.error_responses import validation_details, validation_message
 from service.frontend.json_guard import ImageJsonLimits, check_image_json
 from service.frontend.schemas import ImageInput
@@ -167,6 +167,12 @@ async def read_multipart(
             ) from None
         raise InvalidInput(
             f"body: malformed multipart/form-data ({detail})", field="body"
+        ) from None
+    except OSError as error:  # a file part over 1 MiB is spooled to TMPDIR, which may be full
+        raise ServiceUnavailable(
+            "cannot receive this upload now: the server's temporary directory refused it "
+            f"({error.strerror or type(error).__name__}); retry later, or send the image as JSON",
+            code="no_temporary_space",
         ) from None
     try:
         parsed = options.model_validate(values)

@@ -9,7 +9,9 @@ the processes that serve, through a page of shared memory (:class:`HealthBoard`)
   every second), with the pid of the engine it is ready with (0 while it is not ready), and a mark
   when it starts draining;
 - the engine's event loop writes the time, its pid and whether it is ready, every ``ENGINE_BEAT_S``,
-  and a mark once it has started (loaded its models), which front ends wait for before they serve;
+  and a mark once it has started (loaded its models), which stays: front ends wait for the first
+  engine's before they serve, and an engine that dies before any engine was ever ready stops the
+  service, while one that dies after (even while it reloads after another's death) is restarted;
 - the supervisor clears a process's place when it starts it or sees it die.
 
 Liveness (:attr:`SupervisedHealth.live`): no process whose loop has ticked has then stopped ticking
@@ -75,7 +77,6 @@ class HealthBoard:
     # --- written by the supervisor --------------------------------------------------------------------
 
     def engine_starting(self) -> None:
-        self._values[_ENGINE_STARTED] = 0.0
         self._values[_ENGINE_READY] = 0.0
         self._values[_ENGINE_BEAT] = STARTING
         self._values[_ENGINE_PID] = 0
@@ -87,14 +88,17 @@ class HealthBoard:
     # --- read by the supervisor, the front ends and the probe listener ---------------------------------
 
     @property
-    def engine_has_started(self) -> bool:
-        """The engine the supervisor last started has loaded its models."""
+    def engine_ever_started(self) -> bool:
+        """An engine has loaded its models since the supervisor started (not only the current one:
+        an engine killed while it reloads after another's death is restarted, not the service's
+        end)."""
         return self._values[_ENGINE_STARTED] == 1.0
 
     def wait_for_engine(self, poll_s: float = 0.02) -> None:
-        """Return once the engine has started (a front end's first step; the supervisor stops it if
-        the engine never starts)."""
-        while not self.engine_has_started:
+        """Return once an engine has started (a front end's first step; the supervisor stops it if
+        none ever starts). A front end started later serves at once, answering 503 until the
+        engine of the moment is ready."""
+        while not self.engine_ever_started:
             time.sleep(poll_s)
 
     def engine(self) -> tuple[float, bool, int]:

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 from typing import TYPE_CHECKING
 
 from service.launcher.cli import EXIT_START_FAILED
@@ -54,6 +55,16 @@ def die_with_parent(parent: int, name: str) -> None:
         sys.exit(1)
 
 
+def private_temporary_files(addresses: Addresses) -> None:
+    """This process's temporary files in the supervisor's private run directory, which goes when the
+    service stops, or when the next service starts after a kill -9 (run_directory.py): uploads
+    spooled by a front end, and what libraries write to TMPDIR (onnxruntime writes a session file,
+    ``.ses``, there when it is imported)."""
+    directory = os.path.dirname(addresses.engine)
+    os.environ["TMPDIR"] = directory  # for native code, and the processes this one starts
+    tempfile.tempdir = directory  # Python's cache of it, copied from the supervisor by a fork
+
+
 def freeze_heap() -> None:
     """Take what is alive once the process is set up (modules, the app, the models' sessions) out of
     the cyclic collector's reach: each full collection walked all of it on the event loop, and those
@@ -74,6 +85,7 @@ def front_end(
     It serves once the engine has started (loaded its models) for the first time, as a single
     process does; after that it stays up while the engine restarts, answering 503."""
     die_with_parent(parent, f"{FRONT_END_NAME}{slot}")
+    private_temporary_files(addresses)
     create_app, serve_http, block_name, RemoteEngine, Metrics = _front_end_modules()
     metrics = Metrics()
     engine = RemoteEngine(
@@ -113,6 +125,7 @@ def _front_end_modules() -> tuple:
 def engine(settings: Settings, addresses: Addresses, parent: int, board: HealthBoard) -> None:
     """The engine process: every model, one batcher per version, fed by every front end."""
     die_with_parent(parent, ENGINE_NAME)
+    private_temporary_files(addresses)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the engine stops
     from service.observability import logs
 

@@ -1,14 +1,17 @@
 """``python -m service``: one engine process and ``workers`` front-end processes, supervised.
 
-The supervisor binds the HTTP port, one listening socket per front end in a SO_REUSEPORT group, and makes
-sure the gRPC port is free (every front end then binds it with SO_REUSEPORT). It spawns the engine, then
-imports the web stack once while the engine loads, and forks the front ends from itself, as gunicorn's
-``preload_app`` does. It restarts a process that dies: a front end alone (only the requests it held
-are lost), or the engine, with its models loaded again, while the front ends answer 503 with
-Retry-After. An engine that fails before it was ever ready (a model that does not load)
-stops the service with exit code 3. On SIGTERM or SIGINT: the front ends stop accepting and finish what
-they hold, the engine runs what was admitted, then everything exits (code 0). Metrics from every process
-are summed by prometheus-client's multiprocess mode, in the supervisor's private directory. With
+The supervisor holds every port it serves for the service's whole life (service/launcher/ports.py): the
+HTTP port, one listening socket per front end in a SO_REUSEPORT group, the gRPC port (every front end
+binds it beside the supervisor's socket with SO_REUSEPORT) and the health port. It spawns the engine,
+then imports the web stack once while the engine loads, and forks the front ends from itself, as
+gunicorn's ``preload_app`` does. It restarts a process that dies: a front end alone (only the requests
+it held are lost), or the engine, with its models loaded again, while the front ends answer 503 with
+Retry-After; a front end whose event loop has stopped ticking for ``KILL_STALLED_S`` (stopped, or
+stuck) is killed and replaced. The service stops (exit code 3) only when an engine fails before any
+engine was ever ready (a model that does not load); an engine killed while it reloads is restarted
+again. On SIGTERM or SIGINT: the front ends stop accepting and finish what they hold, the engine runs
+what was admitted, then everything exits (code 0). Metrics from every process are summed by
+prometheus-client's multiprocess mode, in the supervisor's private directory. With
 ``health_port`` set, the supervisor answers the probes there itself, from a thread, reading what its
 children write on a shared page (service/launcher/health.py).
 """
@@ -22,16 +25,16 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
-from service.frontend.probes import ProbeListener
-from service.launcher import processes
-from service.launcher.health import HealthBoard, SupervisedHealth
+from service.frontend.probes import STALL_S, ProbeListener
+from service.launcher import processes, run_directory
+from service.launcher.health import STARTING, HealthBoard, SupervisedHealth
+from service.launcher.ports import hold_grpc, listen
 from service.link.arena import unlink_blocks
 from service.link.wire import Addresses
 from service.settings import Settings
@@ -39,47 +42,13 @@ from service.settings import Settings
 logger = logging.getLogger("vitserve")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # the service drains and stops
-RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)  # after 0, 1, 2, ... deaths within STABLE_S
+# after 0, 1, 2, ... deaths within STABLE_S; an engine that was ready forgets the deaths before it
+RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)
 STABLE_S = 30.0
 KILL_WAIT_S = 5.0
-
-
-def listen(host: str, port: int, count: int) -> list[socket.socket]:
-    """``count`` listening sockets on ``port``, one per front end, in one SO_REUSEPORT group.
-
-    The kernel spreads new connections over the group by their addresses, so each front end gets its
-    share; from one shared socket, the process that happened to be waiting took most of them (49 of 64
-    connections to one of two front ends, measured), and its clients waited while the other was idle.
-    The supervisor keeps every socket open: connections that arrive for a front end that died wait in
-    its socket's queue for the one that replaces it.
-    """
-    check_free(host, port)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listeners = []
-    try:
-        for _ in range(count):
-            listener = socket.socket(family, socket.SOCK_STREAM)
-            listeners.append(listener)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            listener.bind((host, port))
-            listener.listen(2048)
-            listener.set_inheritable(True)
-    except OSError:
-        for listener in listeners:
-            listener.close()
-        raise
-    return listeners
-
-
-def check_free(host: str, port: int) -> None:
-    """Raise OSError when another program holds ``port`` (the front ends share it among themselves
-    with SO_REUSEPORT, which would otherwise also share it with a stranger of the same user)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        # bound past connections in TIME_WAIT, never past a listener
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((host, port))
+# a front end whose loop has not ticked for this long is killed and replaced: 5 s after the health
+# port began to report it not live (STALL_S), so that probes see the stall before it is mended
+KILL_STALLED_S = STALL_S + 5.0
 
 
 class Supervisor:
@@ -98,6 +67,7 @@ class Supervisor:
         self.board = HealthBoard(self.spawn, self.count)
         self.health = SupervisedHealth(self.board)
         self.probes: ProbeListener | None = None
+        self.grpc_hold: list[socket.socket] = []  # the gRPC port, held (ports.py)
 
     # --- processes --------------------------------------------------------------------------------
 
@@ -143,6 +113,8 @@ class Supervisor:
         for other, listener in enumerate(self.listeners):
             if other != slot:
                 listener.close()
+        for held in self.grpc_hold:
+            held.close()
         for fd in self.wake_pipe:
             os.close(fd)
         if self.probes is not None:
@@ -155,20 +127,38 @@ class Supervisor:
         self.deaths[who] = recent
         return RESTART_BACKOFF_S[min(len(recent) - 1, len(RESTART_BACKOFF_S) - 1)]
 
-    def _mark_dead(self, process: BaseProcess) -> None:
-        from prometheus_client import multiprocess
+    def _retire(self, process: BaseProcess) -> None:
+        """A process that ended: its metric files folded into the archive (metrics.py)."""
+        from service.observability.metrics import retire_process
 
         if process.pid is not None:
-            multiprocess.mark_process_dead(process.pid)
+            retire_process(process.pid, self.metrics_dir)
+
+    def _kill_stalled(self) -> None:
+        """Kill each front end whose event loop has ticked, then not for ``KILL_STALLED_S``
+        (SIGSTOPped, or stuck in a call that never returns): its listener's connections would wait
+        for it forever. Its death is then seen as any other, and it is replaced."""
+        now = time.monotonic()
+        for slot, process in self.front_ends.items():
+            beat, _ = self.board.front_end(slot)
+            if beat > STARTING and now - beat >= KILL_STALLED_S and process.is_alive():
+                logger.error(
+                    "front end %d (pid %s): its event loop has not ticked for %.0f s; killing it",
+                    slot,
+                    process.pid,
+                    now - beat,
+                )
+                self.board.front_end_starting(slot)
+                process.kill()
 
     # --- the loop ---------------------------------------------------------------------------------
 
     def run(self) -> int:
-        self.run_dir = tempfile.mkdtemp(prefix="vitserve-")
-        metrics_dir = os.path.join(self.run_dir, "metrics")
-        os.mkdir(metrics_dir)
+        self.run_dir = run_directory.create()
+        self.metrics_dir = os.path.join(self.run_dir, "metrics")
+        os.mkdir(self.metrics_dir)
         # read by prometheus-client when each process imports it: every value goes to a file there
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
         self.addresses = Addresses.in_directory(self.run_dir)
         settings = self.settings
         port = f"HTTP port {settings.port}"
@@ -176,7 +166,7 @@ class Supervisor:
             self.listeners = listen(settings.host, settings.port, self.count)
             if settings.grpc_port:
                 port = f"gRPC port {settings.grpc_port}"
-                check_free(settings.host, settings.grpc_port)
+                self.grpc_hold = hold_grpc(settings.host, settings.grpc_port)
             if settings.health_port:
                 port = f"health port {settings.health_port}"
                 self.probes = ProbeListener(settings.host, settings.health_port, self.health)
@@ -189,6 +179,8 @@ class Supervisor:
             )
             for listener in getattr(self, "listeners", []):
                 listener.close()
+            for held in self.grpc_hold:
+                held.close()
             shutil.rmtree(self.run_dir, ignore_errors=True)
             return processes.EXIT_START_FAILED
         wake_read, wake_write = self.wake_pipe = os.pipe()
@@ -243,6 +235,7 @@ class Supervisor:
             assert self.engine is not None
             watched = {self.engine.sentinel: self.engine}
             watched.update({p.sentinel: p for p in self.front_ends.values()})
+            self._kill_stalled()
             for ready in wait([wake, *watched], timeout=1.0):
                 if ready == wake:
                     with contextlib.suppress(BlockingIOError):
@@ -252,33 +245,41 @@ class Supervisor:
                 process.join()
                 if self.stopping:
                     break
-                self._mark_dead(process)
+                self._retire(process)
                 if process is self.engine:
-                    started = self.board.engine_has_started
+                    _, was_ready, ready_pid = self.board.engine()
                     self.board.engine_starting()  # not ready from now, not after its silence
-                    if not started:
+                    if not self.board.engine_ever_started:
                         logger.error(
                             "cannot start: the engine process exited (code %s)", process.exitcode
                         )
                         return processes.EXIT_START_FAILED
+                    if was_ready and ready_pid == process.pid:
+                        # it had loaded its models and served: not an engine that cannot start,
+                        # so no backoff for the deaths before it
+                        self.deaths.pop("engine", None)
+                    delay = self._backoff("engine")
                     logger.error(
-                        "the engine process (pid %s) died (exit code %s); restarting it",
+                        "the engine process (pid %s) died (exit code %s); restarting it%s",
                         process.pid,
                         process.exitcode,
+                        _after(delay),
                     )
-                    time.sleep(self._backoff("engine"))
+                    time.sleep(delay)
                     self._start_engine()
                 else:
                     slot = next(s for s, p in self.front_ends.items() if p is process)
+                    delay = self._backoff(f"front end {slot}")
                     logger.error(
-                        "front end %d (pid %s) died (exit code %s); restarting it",
+                        "front end %d (pid %s) died (exit code %s); restarting it%s",
                         slot,
                         process.pid,
                         process.exitcode,
+                        _after(delay),
                     )
                     self.board.front_end_starting(slot)
                     unlink_blocks(self.pid, slot)
-                    time.sleep(self._backoff(f"front end {slot}"))
+                    time.sleep(delay)
                     self._start_front_end(slot)
         return 0
 
@@ -295,8 +296,15 @@ class Supervisor:
         if self.engine is not None:
             _signal(self.engine, signal.SIGTERM)
             _join([self.engine], self.settings.graceful_shutdown_s + KILL_WAIT_S)
+        for held in self.grpc_hold:  # held until no front end serves gRPC any more
+            held.close()
         unlink_blocks(self.pid)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _after(delay_s: float) -> str:
+    """How a restart's log line ends: when the restart comes."""
+    return f" in {delay_s:g} s" if delay_s else ""
 
 
 def _signal(process: BaseProcess, sig: int) -> None:

@@ -13,11 +13,25 @@ Triton's names and labels, so that dashboards made for Triton chart vitserve (do
 They only ever grow, as Triton's counters; they are declared as gauges only because prometheus-client
 writes a counter as ``<name>_total``, which is not the name Triton's dashboards query. They are fed
 by ``service/engine/statistics.py``, from the numbers of Triton's statistics extension.
+
+The multiprocess files are memory-mapped, and prometheus-client makes and grows them sparse: the first
+write to a page that a full filesystem cannot back is SIGBUS, the death of the process (front ends
+crash-looped on a full TMPDIR). Here each file's space is reserved when it is made or grown
+(``posix_fallocate``), so a full filesystem is an OSError at that moment; a value that cannot be
+written to its file then lives in its process alone (missing from the sums until there is room),
+with a warning in the log, and the request that wrote it goes on. The supervisor folds the files of
+a process that ended into one archive file per kind (:func:`retire_process`): counters keep what
+ended processes counted, and the directory holds one file per live process and kind, not one per
+process ever started.
 """
 
 from __future__ import annotations
 
+import logging
+import mmap
 import os
+import time
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -28,7 +42,11 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
     multiprocess,
+    values,
 )
+from prometheus_client.mmap_dict import _INITIAL_MMAP_SIZE, MmapedDict
+
+logger = logging.getLogger("vitserve")
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -195,3 +213,134 @@ def exposition(registry: CollectorRegistry) -> bytes:
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
     return generate_latest(registry)
+
+
+# --- multiprocess files -----------------------------------------------------------------------------
+
+ARCHIVE = "archive"  # in place of a pid: what the processes that ended had counted
+# the files whose values are summed over processes, the ended ones too (gauges: livesum, livemax go
+# with their process: prometheus-client's mark_process_dead)
+_SUMMED = ("counter", "histogram", "gauge_sum")
+_WARN_EVERY_S = 60.0
+
+
+class ReservedDict(MmapedDict):
+    """prometheus-client's file of one process's values, with every page reserved before it is
+    mapped: a full filesystem raises OSError (ENOSPC) here, never SIGBUS on a later write."""
+
+    def __init__(self, filename: str, read_mode: bool = False) -> None:
+        if not read_mode:
+            fd = os.open(filename, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if os.fstat(fd).st_size == 0:
+                    os.posix_fallocate(fd, 0, _INITIAL_MMAP_SIZE)
+            except OSError:
+                if os.fstat(fd).st_size == 0:  # an empty file breaks every scrape: not left
+                    os.unlink(filename)
+                raise
+            finally:
+                os.close(fd)
+        super().__init__(filename, read_mode)
+
+    def _init_value(self, key: str) -> None:
+        # an entry: its length (4 bytes), the key padded to 8 bytes, the value and timestamp (16)
+        length = len(key.encode("utf-8"))
+        size = 4 + length + (8 - (length + 4) % 8) + 16
+        while self._used + size > self._capacity:  # grown as prometheus-client grows it, reserved
+            os.posix_fallocate(self._f.fileno(), 0, self._capacity * 2)
+            self._capacity *= 2
+            self._m = mmap.mmap(self._f.fileno(), self._capacity)
+        super()._init_value(key)
+
+
+class _Unshared:
+    """Log, at most once a minute in a process, that values cannot be written to their files."""
+
+    last = -_WARN_EVERY_S
+
+    @classmethod
+    def report(cls, error: OSError) -> None:
+        now = time.monotonic()
+        if now - cls.last >= _WARN_EVERY_S:
+            cls.last = now
+            logger.warning(
+                "metrics: cannot write to PROMETHEUS_MULTIPROC_DIR (%s): this process's newest "
+                "values are missing from /metrics until there is room",
+                error.strerror or error,
+            )
+
+
+def _degrading(shared: type) -> type:
+    """A value class that writes through ``shared`` (prometheus-client's file-backed one) and, when
+    the file cannot be made or grown, keeps the value in this process instead of failing the
+    request that wrote it."""
+
+    class Value:
+        _multiprocess = True
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                self._value = shared(*args, **kwargs)
+            except OSError as error:
+                _Unshared.report(error)
+                self._value = values.MutexValue(*args, **kwargs)
+
+        def inc(self, amount: float) -> None:
+            try:
+                self._value.inc(amount)
+            except OSError as error:  # the value is kept in memory; its file had no room
+                _Unshared.report(error)
+
+        def set(self, value: float, timestamp: float | None = None) -> None:
+            try:
+                self._value.set(value, timestamp)
+            except OSError as error:
+                _Unshared.report(error)
+
+        def set_exemplar(self, exemplar: Any) -> None:
+            self._value.set_exemplar(exemplar)
+
+        def get(self) -> float:
+            return self._value.get()
+
+        def get_exemplar(self) -> Any:
+            return self._value.get_exemplar()
+
+    return Value
+
+
+def _share_through_reserved_files() -> None:
+    """prometheus-client's multiprocess values, in files whose space is reserved: set before any
+    metric of this process is made (every process imports this module before it makes one)."""
+    values.MmapedDict = ReservedDict  # type: ignore[attr-defined]
+    values.ValueClass = _degrading(values.MultiProcessValue())
+
+
+if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    _share_through_reserved_files()
+
+
+def retire_process(pid: int, directory: str) -> None:
+    """Process ``pid`` has ended: its live gauges go, and its summed values are added to the
+    directory's archive files before its own files are removed. (A scrape in the instant between
+    the two sees them twice.) Without room for the archive, its files stay, and still count."""
+    multiprocess.mark_process_dead(pid, directory)
+    for kind in _SUMMED:
+        path = os.path.join(directory, f"{kind}_{pid}.db")
+        if not os.path.exists(path):
+            continue
+        try:
+            archive = ReservedDict(os.path.join(directory, f"{kind}_{ARCHIVE}.db"))
+            try:
+                entries = [entry[:3] for entry in MmapedDict.read_all_values_from_file(path)]
+                for key, _, _ in entries:  # every entry made first: what can fail adds nothing
+                    archive.read_value(key)
+                for key, value, timestamp in entries:
+                    total, _ = archive.read_value(key)
+                    archive.write_value(key, total + value, timestamp)
+            finally:
+                archive.close()
+        except (OSError, RuntimeError) as error:  # RuntimeError: a corrupt file (prometheus-client)
+            logger.warning("metrics: cannot fold %s into the archive (%s); it stays", path, error)
+            continue
+        os.remove(path)

@@ -439,15 +439,30 @@ def test_int8_predictions_follow_the_float_model(quantized, exported):
     assert 0 < np.abs(int8 - fp32).max() < 0.5 * np.abs(fp32).max()  # close, and not the same
 
 
-def test_static_qdq_is_calibrated_on_training_images(tiny_run, tmp_path):
-    result = quantize.export_quantized(
-        tiny_run, "q", 1, tmp_path, method="static-qdq", calibration_count=64
-    )
-    document = metadata_of(tmp_path / "q" / "1" / "model.onnx")
+def test_static_qdq_is_calibrated_on_training_images(tiny_run, tmp_path, monkeypatch):
+    """What calibration protects, measured against the float graph on 2,000 test images: the int8
+    graph's top-1 agrees with the float one's and its logits stay close. Measured 98.4% agreement
+    and a mean error of 2.0% of the logits' mean magnitude; ranges from raw pixels instead of
+    normalised images gave 23% and 118%, from one image instead of 64, 86% and 24%. The bounds
+    leave that margin to the CPU's int8 kernels, which the export's 0.3-point accuracy gate did not:
+    a 6-epoch tiny model's accuracy moves by tenths of a point between machines (68.44% against the
+    float graph's 69.12% on one), so that gate has its own test (below) with a model that fails it
+    on any CPU."""
+    monkeypatch.setattr(quantize, "MAX_ACCURACY_DROP", 1.0)
+    quantize.export_quantized(tiny_run, "q", 1, tmp_path, method="static-qdq", calibration_count=64)
+    graph = tmp_path / "q" / "1" / "model.onnx"
+    document = metadata_of(graph)
     assert document["quantization"] == "static-qdq" and document["calibration_images"] == 64
-    assert result["float_test_accuracy"] - result["test_accuracy"] <= 0.003
-    ops = Counter(n.op_type for n in onnx.load(str(tmp_path / "q" / "1" / "model.onnx")).graph.node)
+    ops = Counter(n.op_type for n in onnx.load(str(graph)).graph.node)
     assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > 0 and not ops["MatMulInteger"]
+    model, _ = load_checkpoint(tiny_run / "model.safetensors")
+    float_graph = onnx_graphs.build_graphs(model).classifier
+    _, test = load_dataset("fashion-mnist")
+    images = normalize(test.images[:2000], get_dataset_spec("fashion-mnist")).numpy()
+    (int8,) = ort.InferenceSession(str(graph)).run(None, {"images": images})
+    (fp32,) = ort.InferenceSession(float_graph.SerializeToString()).run(None, {"images": images})
+    assert (int8.argmax(1) == fp32.argmax(1)).mean() >= 0.95
+    assert np.abs(int8 - fp32).mean() <= 0.08 * np.abs(fp32).mean()
 
 
 def test_an_int8_graph_that_loses_accuracy_is_refused(

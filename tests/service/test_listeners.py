@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from service.launcher.supervisor import check_free, listen
+from service.launcher.ports import check_free, listen
 
 
 def free_port() -> int:

@@ -164,6 +164,31 @@ def test_files_that_change_between_scans_are_not_tried_until_they_stop(hand_poll
     assert answering_version(hand_polled) == 2
 
 
+def test_a_version_the_policy_left_goes_when_another_wanted_one_is_ready(
+    model_repository, tmp_path
+):
+    """``latest 2`` over versions 1 and 2, then a version 3 that fails to load: the policy now wants
+    2 and 3, and 2 is ready, so version 1 stops answering (only when no wanted version is ready does
+    what was served stay)."""
+    repository = tmp_path / "models"
+    shutil.copytree(model_repository, repository)
+    shutil.copytree(repository / MODEL_NAME / "1", repository / MODEL_NAME / "2")
+    set_policy(repository, "latest", (2,))
+    settings = make_settings(repository, model_control="poll", repository_poll_s=3600.0)
+    with TestClient(create_app(settings)) as client:
+        assert (state_of(client, 1), state_of(client, 2)) == ("READY", "READY")
+        broken = repository / MODEL_NAME / "3"
+        broken.mkdir()
+        (broken / "model.onnx").write_bytes(b"not a graph")
+        scan(client)
+        scan(client)  # settled: tried, and failed
+        assert state_of(client, 3) == "UNAVAILABLE"
+        assert state_of(client, 2) == "READY" and answering_version(client) == 2
+        assert state_of(client, 1) is None
+        refused = client.post(f"/models/{MODEL_NAME}/versions/1/predict", json=image())
+        assert refused.status_code in (404, 503), refused.text
+
+
 # --- releasing a replaced version ------------------------------------------------------------------
 
 

@@ -250,18 +250,49 @@ for _name in (
 
 
 class GrpcServer:
-    """The gRPC listener of one app: started after the models load, stopped before they are released."""
+    """The gRPC listener of one app: started after the models load, stopped before they are released.
+
+    A front end of ``python -m service`` that cannot bind the port serves HTTP all the same and binds
+    gRPC as soon as it can (every ``BIND_RETRY_S``, logged): one protocol's port does not take the
+    other down, nor crash-loop the front ends. A single process that cannot bind it does not start."""
+
+    BIND_RETRY_S = 1.0
 
     def __init__(self, state: FrontendState, version: str) -> None:
         self.state = state
         self.version = version
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self._binding: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        try:
+            await self._bind()
+        except OSError as error:
+            if self.state.worker is None:
+                raise
+            logger.error(
+                "%s; front end %d serves HTTP, and gRPC once the port can be bound (tried every "
+                "%g s)",
+                error,
+                self.state.worker,
+                self.BIND_RETRY_S,
+            )
+            self._binding = asyncio.get_running_loop().create_task(self._bind_when_free())
+
+    async def _bind_when_free(self) -> None:
+        while True:
+            await asyncio.sleep(self.BIND_RETRY_S)
+            try:
+                await self._bind()
+                return
+            except OSError:
+                continue
+
+    async def _bind(self) -> None:
         settings = self.state.settings
-        # one front end: a port in use is an error; several share it (the supervisor checked that
-        # no other program holds it)
+        # one front end: a port in use is an error; several share it with the supervisor, which
+        # holds it (service/launcher/ports.py)
         server = grpc.aio.server(
             options=grpc_server_options(settings, self.state.worker is not None)
         )
@@ -283,6 +314,8 @@ class GrpcServer:
 
     async def stop(self, grace_s: float) -> None:
         """Refuse new calls at once; give the calls in flight ``grace_s`` to finish."""
+        if self._binding is not None:
+            self._binding.cancel()
         if self.server is not None:
             await self.server.stop(grace_s)
             self.server = None
