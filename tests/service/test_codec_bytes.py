@@ -109,7 +109,7 @@ def decoded_for(meta: ModelMetadata, outputs: list[dict], binary_default: bool =
 
 def test_a_binary_fp32_output_is_json_then_little_endian_bytes(meta):
     infer, decoded = decoded_for(meta, [{"name": "logits", "parameters": {"binary_data": True}}])
-    response = codec.encode_response(infer, decoded, LOGITS, meta, "tiny-vit", "1")
+    response = codec.encode_response(infer, decoded.outputs, LOGITS, meta, "tiny-vit", "1")
     length = int(response.headers["inference-header-content-length"])
     header, tail = response.body[:length], response.body[length:]
     assert json.loads(header)["outputs"] == [
@@ -128,7 +128,7 @@ def test_binary_outputs_follow_the_header_in_the_order_requested(meta):
     infer, decoded = decoded_for(
         meta, [{"name": "probabilities"}, {"name": "logits"}], binary_default=True
     )
-    response = codec.encode_response(infer, decoded, LOGITS, meta, "tiny-vit", "1")
+    response = codec.encode_response(infer, decoded.outputs, LOGITS, meta, "tiny-vit", "1")
     length = int(response.headers["inference-header-content-length"])
     outputs = json.loads(response.body[:length])["outputs"]
     assert [(o["name"], o["parameters"]["binary_data_size"]) for o in outputs] == [
@@ -147,7 +147,7 @@ def test_a_bytes_output_is_length_prefixed_little_endian(meta):
     infer, decoded = decoded_for(
         meta, [{"name": "logits", "parameters": {"classification": 2, "binary_data": True}}]
     )
-    response = codec.encode_response(infer, decoded, LOGITS, meta, "tiny-vit", "1")
+    response = codec.encode_response(infer, decoded.outputs, LOGITS, meta, "tiny-vit", "1")
     length = int(response.headers["inference-header-content-length"])
     first = b"1.000000:0:T-shirt/top"
     second = b"1.000000:4:Coat"
@@ -161,7 +161,7 @@ def test_a_bytes_output_is_length_prefixed_little_endian(meta):
 
 def test_a_json_output_lists_the_values_row_major(meta):
     infer, decoded = decoded_for(meta, [{"name": "logits"}])
-    response = codec.encode_response(infer, decoded, LOGITS, meta, "tiny-vit", "1")
+    response = codec.encode_response(infer, decoded.outputs, LOGITS, meta, "tiny-vit", "1")
     assert "inference-header-content-length" not in response.headers
     (output,) = json.loads(response.body)["outputs"]
     assert output["data"] == [1.0, -2.5, 0.15625, 0.0, 1.0, 1.0, 0.0, 0.0, -2.5, 0.15625]
@@ -185,7 +185,9 @@ def test_grpc_raw_output_contents_are_little_endian_and_length_prefixed(meta):
     classes = request.outputs.add(name="probabilities")
     classes.parameters["classification"].int64_param = 1
     decoded = grpc_codec.decode_infer_request(request, meta, max_images=8)
-    response = grpc_codec.encode_infer_response(request, decoded, LOGITS, meta, "tiny-vit", "1")
+    response = grpc_codec.encode_infer_response(
+        request, decoded.outputs, LOGITS, meta, "tiny-vit", "1"
+    )
     assert logits.name == "logits" and response.id == "7"
     assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [
         ("logits", "FP32", [1, 10]),
