@@ -24,11 +24,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
 import onnxruntime as ort
-from onnx import numpy_helper
 
 from service.contract.model_config import ServingConfig
 from service.contract.model_repository import (
@@ -41,6 +40,9 @@ from service.contract.model_repository import (
 )
 from service.machine import usable_cores
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    import onnx
 
 logger = logging.getLogger("vitserve")
 
@@ -91,6 +93,8 @@ class SharedWeights:
     """
 
     def __init__(self, path: Path) -> None:
+        from onnx import numpy_helper  # only for heavy models: 60 ms of every engine's start-up
+
         self._values: dict[tuple[int, tuple[int, ...], bytes], tuple[np.ndarray, ort.OrtValue]] = {}
         self.own: dict[str, ort.OrtValue] = {}  # the graph's own initializers, by its names
         self.bytes = 0
@@ -106,6 +110,8 @@ class SharedWeights:
 
     def matching(self, path: Path) -> dict[str, ort.OrtValue]:
         """The initializers of the graph at ``path`` held here, by that graph's names."""
+        from onnx import numpy_helper
+
         matched = {}
         for tensor in _initializers(path):
             array = numpy_helper.to_array(tensor)
@@ -116,6 +122,8 @@ class SharedWeights:
 
 
 def _initializers(path: Path) -> list[onnx.TensorProto]:
+    import onnx
+
     try:
         return list(onnx.load(str(path)).graph.initializer)
     except Exception as error:  # onnx raises several classes for a bad file
