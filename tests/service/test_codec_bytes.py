@@ -24,6 +24,7 @@ from tritonclient.grpc import service_pb2
 
 from service.contract.model_repository import ModelMetadata
 from service.frontend.oip import codec, grpc_codec
+from service.frontend.oip.encoded import EncodedImages
 from tests.support import SPEC, Reference
 
 ELEMENTS = 28 * 28
@@ -197,3 +198,61 @@ def test_grpc_raw_output_contents_are_little_endian_and_length_prefixed(meta):
     label = response.raw_output_contents[1][4:]
     assert response.raw_output_contents[1][:4] == len(label).to_bytes(4, "little")
     assert label.endswith(b":0:T-shirt/top")  # index 0 wins the tie with 4 and 5: the lower index
+
+
+# --- image files: BYTES elements in, raised to the route as EncodedImages -----------------------
+
+# Two elements written out by hand: lengths 3 and 0, each a 4-byte little-endian prefix.
+SERIALIZED = b"\x03\x00\x00\x00abc" + b"\x00\x00\x00\x00"
+
+
+def encoded_request(shape: list[int], data: bytes) -> tuple[bytes, str]:
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "image",
+                    "shape": shape,
+                    "datatype": "BYTES",
+                    "parameters": {"binary_data_size": len(data)},
+                }
+            ]
+        }
+    ).encode()
+    return header + data, str(len(header))
+
+
+@pytest.mark.parametrize("shape", [[2], [2, 1]])
+def test_serialized_bytes_elements_are_split_at_their_length_prefixes(meta, shape):
+    body, length = encoded_request(shape, SERIALIZED)
+    with pytest.raises(EncodedImages) as raised:
+        codec.decode_request(body, length, meta, max_images=8)
+    images = raised.value.images
+    assert [(image.field, image.data) for image in images] == [
+        ("input 'image'[0]", b"abc"),
+        ("input 'image'[1]", b""),
+    ]
+    assert [output.name for output in raised.value.outputs] == ["logits", "probabilities"]
+
+
+@pytest.mark.parametrize(
+    ("shape", "data", "fragment"),
+    [
+        ([2, 2], SERIALIZED, "shape [2, 2] is neither [N] nor [N, 1]"),
+        ([0], b"", "batch size 0 (shape[0]) must be from 1 to"),
+        ([9], SERIALIZED, "batch size 9 (shape[0]) must be from 1 to max_images_per_request=8"),
+        ([3], SERIALIZED, "ends after 2 of its 3 elements"),
+        ([1], SERIALIZED, "holds 4 bytes after its 1 elements"),
+        ([2], SERIALIZED[:-1], "ends after 1 of its 2 elements"),
+        (
+            [1],
+            b"\x05\x00\x00\x00abc",
+            "element 0 declares 5 bytes but the binary tensor data holds 3",
+        ),
+    ],
+)
+def test_malformed_bytes_tensors_are_refused(meta, shape, data, fragment):
+    body, length = encoded_request(shape, data)
+    with pytest.raises(codec.OipError) as error:
+        codec.decode_request(body, length, meta, max_images=8)
+    assert fragment in error.value.message, error.value.message
