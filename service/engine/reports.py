@@ -7,7 +7,8 @@ statistics extensions.
 - The served ``ModelConfig`` as JSON, as Triton answers it (protobuf's JSON mapping with the proto field
   names, so 64-bit integers are strings): the model's ``config.pbtxt`` (or the defaults of a model without
   one) with the settings in force written in (the environment's overrides, the service's queue bounds)
-  and, when the file names none, the input and output tensors of the version's metadata.
+  and, when the file names none, the input and output tensors of the version's metadata; then the
+  encoded-image input the protocol takes beside the tensor (service/contract/model_config.py).
 - ``model_stats``: one entry per ready version (service/engine/statistics.py says what is counted).
 """
 
@@ -17,7 +18,12 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from service.contract.model_config import PLATFORM, DataType, ModelConfig
+from service.contract.model_config import (
+    PLATFORM,
+    DataType,
+    ModelConfig,
+    declare_encoded_image_input,
+)
 from service.engine.model_manager import ModelManager
 from service.engine.model_versions import served_model_config
 from service.engine.pipeline import ModelPipeline
@@ -63,6 +69,8 @@ def served_config(manager: ModelManager, name: str, version: int | None = None) 
         config.output.add(
             name=meta.outputs.logits, data_type=DataType.TYPE_FP32, dims=[meta.num_classes]
         )
+    if pipeline is not None:
+        declare_encoded_image_input(config)
     return config_dict(config)
 
 

@@ -5,15 +5,26 @@ Picks the CUDA execution provider when onnxruntime offers it (unless told otherw
 really in use, checks the graphs against their metadata, and warms them up at the batch sizes the
 batchers will run. ``InferenceSession.run`` releases the GIL, so batches run in worker threads while the
 event loop keeps serving.
+
+On the CPU a heavy version's weights are held once (``SharedWeights``): read from the classifier graph,
+handed to every classifier instance and to the attention graph as onnxruntime initializers, instead of a
+copy per session (three copies of a ViT-B/16's 330 MB with two instances). Those sessions neither
+prepack their matrices (each would keep a packed copy of its own) nor keep a memory arena (which holds
+the largest batch's activations for good: about 1.5 GB for a ViT-B/16's three sessions). A small model
+keeps both: its copies cost little, and prepacking made its lone image about 10% faster (BENCHMARKS.md,
+"One copy of the weights").
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime as ort
@@ -29,6 +40,9 @@ from service.contract.model_repository import (
 )
 from service.machine import usable_cores
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    import onnx
 
 logger = logging.getLogger("vitserve")
 
@@ -66,8 +80,94 @@ def intra_op_threads(settings: Settings, instances: int) -> int:
     return max(1, (usable_cores() - 1) // instances)
 
 
-def session_options(settings: Settings, instances: int = 1) -> ort.SessionOptions:
-    """onnxruntime session options for these settings and this many instances of a graph."""
+# Graphs from this size up share their weights; below it each session keeps its own, prepacked.
+SHARED_WEIGHTS_FROM_BYTES = 64 * 1024 * 1024
+
+
+class SharedWeights:
+    """A graph's initializers, held once as OrtValues, for every session of the version to take.
+
+    Another graph's initializer is matched by content (type, shape and bytes), not by name: the two
+    graphs are exported apart and name the same weight differently (``blocks.0...`` and
+    ``model.blocks.0...``), and may reuse a generated name for another constant.
+    """
+
+    def __init__(self, path: Path) -> None:
+        from onnx import numpy_helper  # only for heavy models: 60 ms of every engine's start-up
+
+        self._values: dict[tuple[int, tuple[int, ...], bytes], tuple[np.ndarray, ort.OrtValue]] = {}
+        self.own: dict[str, ort.OrtValue] = {}  # the graph's own initializers, by its names
+        self.bytes = 0
+        for tensor in _initializers(path):
+            array = numpy_helper.to_array(tensor)
+            key = _content_key(tensor, array)
+            held = self._values.get(key)
+            if held is None or not _same_bytes(held[0], array):
+                held = (array, ort.OrtValue.ortvalue_from_numpy(array))
+                self._values.setdefault(key, held)
+                self.bytes += array.nbytes
+            self.own[tensor.name] = held[1]
+
+    def matching(self, path: Path) -> dict[str, ort.OrtValue]:
+        """The initializers of the graph at ``path`` held here, by that graph's names."""
+        from onnx import numpy_helper
+
+        matched = {}
+        for tensor in _initializers(path):
+            array = numpy_helper.to_array(tensor)
+            held = self._values.get(_content_key(tensor, array))
+            if held is not None and _same_bytes(held[0], array):
+                matched[tensor.name] = held[1]
+        return matched
+
+
+def _initializers(path: Path) -> list[onnx.TensorProto]:
+    import onnx
+
+    try:
+        return list(onnx.load(str(path)).graph.initializer)
+    except Exception as error:  # onnx raises several classes for a bad file
+        raise ModelLoadError(f"{path}: cannot read its weights: {error}") from error
+
+
+def _raw(array: np.ndarray) -> np.ndarray:
+    """The array's bytes, without a copy when it is contiguous."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def _content_key(tensor: onnx.TensorProto, array: np.ndarray) -> tuple[int, tuple[int, ...], bytes]:
+    digest = hashlib.blake2b(_raw(array).data, digest_size=16).digest()
+    return (tensor.data_type, tuple(tensor.dims), digest)
+
+
+def _same_bytes(held: np.ndarray, array: np.ndarray) -> bool:
+    return (
+        held.shape == array.shape
+        and held.dtype == array.dtype
+        and bool(np.array_equal(_raw(held), _raw(array)))
+    )
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
+
+    Reading a version's graphs frees hundreds of megabytes of parsed protobuf and warm-up buffers in
+    small pieces, which glibc keeps for reuse: without this a ViT-B/16's engine stays hundreds of
+    megabytes larger than what it holds (BENCHMARKS.md, "One copy of the weights")."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
+def session_options(
+    settings: Settings,
+    instances: int = 1,
+    initializers: Mapping[str, ort.OrtValue] | None = None,
+) -> ort.SessionOptions:
+    """onnxruntime session options for these settings and this many instances of a graph, taking
+    ``initializers`` (shared with the version's other sessions) instead of the graph's own."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = intra_op_threads(settings, instances)
     options.inter_op_num_threads = settings.inter_op_threads
@@ -76,6 +176,11 @@ def session_options(settings: Settings, instances: int = 1) -> ort.SessionOption
     )
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3  # errors only; onnxruntime warnings are noise here
+    if initializers:
+        options.enable_cpu_mem_arena = False
+        options.add_session_config_entry("session.disable_prepacking", "1")
+        for name, value in initializers.items():
+            options.add_initializer(name, value)
     return options
 
 
@@ -91,11 +196,16 @@ def warm_up_sizes(max_batch_size: int, session: ort.InferenceSession) -> list[in
     return sorted({1, max_batch_size})
 
 
-def open_session(path: Path, settings: Settings, instances: int = 1) -> ort.InferenceSession:
+def open_session(
+    path: Path,
+    settings: Settings,
+    instances: int = 1,
+    initializers: Mapping[str, ort.OrtValue] | None = None,
+) -> ort.InferenceSession:
     try:
         session = ort.InferenceSession(
             str(path),
-            sess_options=session_options(settings, instances),
+            sess_options=session_options(settings, instances, initializers),
             providers=choose_providers(settings),
         )
     except ModelLoadError:
@@ -163,6 +273,10 @@ class Runtime:
     provider: str
     load_seconds: float = 0.0
     warmup_seconds: float = 0.0
+    # the weights every session reads (onnxruntime does not copy them: they live as long as the
+    # runtime), and how many of the attention graph's initializers are among them
+    shared: SharedWeights | None = None
+    attention_shared: int = 0
 
     @classmethod
     def load(cls, files: VersionFiles, settings: Settings, serving: ServingConfig) -> Runtime:
@@ -170,22 +284,30 @@ class Runtime:
         started = time.perf_counter()
         count = serving.instance_count
         path = files.classifier_path
-        first = open_session(path, settings, count)
+        heavy = path.stat().st_size >= SHARED_WEIGHTS_FROM_BYTES
+        shared = SharedWeights(path) if heavy and choose_providers(settings)[0] == CPU else None
+        own = shared.own if shared is not None else None
+        first = open_session(path, settings, count, own)
         metadata = parse_metadata(first.get_modelmeta().custom_metadata_map, path, "classifier")
         _check_graph(first, metadata, path, "classifier")
         check_labels(metadata, files)
-        classifiers = [first] + [open_session(path, settings, count) for _ in range(count - 1)]
-        attention = None
+        classifiers = [first] + [open_session(path, settings, count, own) for _ in range(count - 1)]
+        attention, attention_shared = None, {}
         if files.attention_path is not None and metadata.describes_attention:
-            attention = open_session(files.attention_path, settings)
+            if shared is not None:
+                attention_shared = shared.matching(files.attention_path)
+            attention = open_session(files.attention_path, settings, 1, attention_shared)
             attention_metadata = parse_metadata(
                 attention.get_modelmeta().custom_metadata_map, files.attention_path, "attention"
             )
             _check_graph(attention, attention_metadata, files.attention_path, "attention")
             check_pair(metadata, attention_metadata, files)
         runtime = cls(files, metadata, classifiers, attention, first.get_providers()[0])
+        runtime.shared = shared
+        runtime.attention_shared = len(attention_shared)
         runtime.load_seconds = time.perf_counter() - started
         runtime.warm_up(serving.max_batch_size, settings.attention_max_batch_size)
+        release_free_memory()
         return runtime
 
     @property

@@ -91,7 +91,8 @@ def test_health_and_metadata(client, http, model_repository):
     dims = [d.dim_value or -1 for d in graph.input[0].type.tensor_type.shape.dim]
     metadata = client.get_model_metadata(MODEL_NAME, as_json=True)
     assert metadata["inputs"] == [
-        {"name": graph.input[0].name, "datatype": "FP32", "shape": [str(d) for d in dims]}
+        {"name": graph.input[0].name, "datatype": "FP32", "shape": [str(d) for d in dims]},
+        {"name": "image", "datatype": "BYTES", "shape": ["-1", "1"]},
     ]
     assert [o["name"] for o in metadata["outputs"]] == [graph.output[0].name, "probabilities"]
     assert metadata["versions"] == ["1"] and metadata["platform"] == "onnxruntime_onnx"
@@ -105,7 +106,14 @@ def test_model_config_is_the_file_with_the_settings_in_force(client, http, model
     )
     config = client.get_model_config(MODEL_NAME).config
     assert (config.name, config.platform) == (on_disk.name, on_disk.platform)
-    assert list(config.input) == list(on_disk.input) and list(config.output) == list(on_disk.output)
+    # the file's inputs (the graph's), then the encoded-image input, declared as Triton declares a
+    # string input; the file never holds it (Triton's ONNX Runtime backend would refuse it)
+    image = model_config_pb2.ModelInput(
+        name="image", data_type=model_config_pb2.TYPE_STRING, dims=[1], optional=True
+    )
+    assert list(config.input) == [*on_disk.input, image]
+    assert all(tensor.name != "image" for tensor in on_disk.input)
+    assert list(config.output) == list(on_disk.output)
     assert config.version_policy == on_disk.version_policy
     assert on_disk.max_batch_size != 8 and config.max_batch_size == 8
     assert config.dynamic_batching.max_queue_delay_microseconds == 50_000

@@ -148,11 +148,15 @@ def test_model_metadata_is_the_onnx_graph(client, model_repository: Path):
     assert metadata["name"] == MODEL_NAME
     assert metadata["versions"] == ["1"]
     assert metadata["platform"] == "onnxruntime_onnx"
-    assert (
-        metadata["inputs"]
-        == tensors(graph.input)
-        == [{"name": "images", "datatype": "FP32", "shape": [-1, 1, 28, 28]}]
-    )
+    # The graph's input, then the encoded-image input the service decodes (Triton's string input
+    # under batching: dims [1]).
+    assert tensors(graph.input) == [
+        {"name": "images", "datatype": "FP32", "shape": [-1, 1, 28, 28]}
+    ]
+    assert metadata["inputs"] == [
+        *tensors(graph.input),
+        {"name": "image", "datatype": "BYTES", "shape": [-1, 1]},
+    ]
     # The graph's outputs, then the one vitserve adds.
     classes = metadata["outputs"][0]["shape"][1]
     assert metadata["outputs"] == [

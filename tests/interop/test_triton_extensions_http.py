@@ -51,8 +51,11 @@ def test_model_config_as_triton_answers_it(client, http, model_repository):
     )
     expected = json_format.MessageToDict(on_disk, preserving_proto_field_name=True)
     config = client.get_model_config(MODEL_NAME)
-    for key in ("name", "platform", "input", "output", "version_policy"):
+    for key in ("name", "platform", "output", "version_policy"):
         assert config[key] == expected[key], key
+    # the file's inputs, then the image-file input, as Triton declares a string input
+    image = {"name": "image", "data_type": "TYPE_STRING", "dims": ["1"], "optional": True}
+    assert config["input"] == [*expected["input"], image]
     assert config["input"][0]["dims"] == ["1", "28", "28"]  # protobuf's JSON: int64 as strings
     # The settings in force: the server runs max_batch_size 8 and a 20 ms delay (environment).
     assert expected["max_batch_size"] != 8 and config["max_batch_size"] == 8

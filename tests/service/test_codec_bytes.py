@@ -24,6 +24,7 @@ from tritonclient.grpc import service_pb2
 
 from service.contract.model_repository import ModelMetadata
 from service.frontend.oip import codec, grpc_codec
+from service.frontend.oip.encoded import EncodedImages
 from tests.support import SPEC, Reference
 
 ELEMENTS = 28 * 28
@@ -109,7 +110,7 @@ def decoded_for(meta: ModelMetadata, outputs: list[dict], binary_default: bool =
 
 def test_a_binary_fp32_output_is_json_then_little_endian_bytes(meta):
     infer, decoded = decoded_for(meta, [{"name": "logits", "parameters": {"binary_data": True}}])
-    response = codec.encode_response(infer, decoded, LOGITS, meta, "tiny-vit", "1")
+    response = codec.encode_response(infer, decoded.outputs, LOGITS, meta, "tiny-vit", "1")
     length = int(response.headers["inference-header-content-length"])
     header, tail = response.body[:length], response.body[length:]
     assert json.loads(header)["outputs"] == [
@@ -128,7 +129,7 @@ def test_binary_outputs_follow_the_header_in_the_order_requested(meta):
     infer, decoded = decoded_for(
         meta, [{"name": "probabilities"}, {"name": "logits"}], binary_default=True
     )
-    response = codec.encode_response(infer, decoded, LOGITS, meta, "tiny-vit", "1")
+    response = codec.encode_response(infer, decoded.outputs, LOGITS, meta, "tiny-vit", "1")
     length = int(response.headers["inference-header-content-length"])
     outputs = json.loads(response.body[:length])["outputs"]
     assert [(o["name"], o["parameters"]["binary_data_size"]) for o in outputs] == [
@@ -147,7 +148,7 @@ def test_a_bytes_output_is_length_prefixed_little_endian(meta):
     infer, decoded = decoded_for(
         meta, [{"name": "logits", "parameters": {"classification": 2, "binary_data": True}}]
     )
-    response = codec.encode_response(infer, decoded, LOGITS, meta, "tiny-vit", "1")
+    response = codec.encode_response(infer, decoded.outputs, LOGITS, meta, "tiny-vit", "1")
     length = int(response.headers["inference-header-content-length"])
     first = b"1.000000:0:T-shirt/top"
     second = b"1.000000:4:Coat"
@@ -161,7 +162,7 @@ def test_a_bytes_output_is_length_prefixed_little_endian(meta):
 
 def test_a_json_output_lists_the_values_row_major(meta):
     infer, decoded = decoded_for(meta, [{"name": "logits"}])
-    response = codec.encode_response(infer, decoded, LOGITS, meta, "tiny-vit", "1")
+    response = codec.encode_response(infer, decoded.outputs, LOGITS, meta, "tiny-vit", "1")
     assert "inference-header-content-length" not in response.headers
     (output,) = json.loads(response.body)["outputs"]
     assert output["data"] == [1.0, -2.5, 0.15625, 0.0, 1.0, 1.0, 0.0, 0.0, -2.5, 0.15625]
@@ -185,7 +186,9 @@ def test_grpc_raw_output_contents_are_little_endian_and_length_prefixed(meta):
     classes = request.outputs.add(name="probabilities")
     classes.parameters["classification"].int64_param = 1
     decoded = grpc_codec.decode_infer_request(request, meta, max_images=8)
-    response = grpc_codec.encode_infer_response(request, decoded, LOGITS, meta, "tiny-vit", "1")
+    response = grpc_codec.encode_infer_response(
+        request, decoded.outputs, LOGITS, meta, "tiny-vit", "1"
+    )
     assert logits.name == "logits" and response.id == "7"
     assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [
         ("logits", "FP32", [1, 10]),
@@ -195,3 +198,61 @@ def test_grpc_raw_output_contents_are_little_endian_and_length_prefixed(meta):
     label = response.raw_output_contents[1][4:]
     assert response.raw_output_contents[1][:4] == len(label).to_bytes(4, "little")
     assert label.endswith(b":0:T-shirt/top")  # index 0 wins the tie with 4 and 5: the lower index
+
+
+# --- image files: BYTES elements in, raised to the route as EncodedImages -----------------------
+
+# Two elements written out by hand: lengths 3 and 0, each a 4-byte little-endian prefix.
+SERIALIZED = b"\x03\x00\x00\x00abc" + b"\x00\x00\x00\x00"
+
+
+def encoded_request(shape: list[int], data: bytes) -> tuple[bytes, str]:
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "image",
+                    "shape": shape,
+                    "datatype": "BYTES",
+                    "parameters": {"binary_data_size": len(data)},
+                }
+            ]
+        }
+    ).encode()
+    return header + data, str(len(header))
+
+
+@pytest.mark.parametrize("shape", [[2], [2, 1]])
+def test_serialized_bytes_elements_are_split_at_their_length_prefixes(meta, shape):
+    body, length = encoded_request(shape, SERIALIZED)
+    with pytest.raises(EncodedImages) as raised:
+        codec.decode_request(body, length, meta, max_images=8)
+    images = raised.value.images
+    assert [(image.field, image.data) for image in images] == [
+        ("input 'image'[0]", b"abc"),
+        ("input 'image'[1]", b""),
+    ]
+    assert [output.name for output in raised.value.outputs] == ["logits", "probabilities"]
+
+
+@pytest.mark.parametrize(
+    ("shape", "data", "fragment"),
+    [
+        ([2, 2], SERIALIZED, "shape [2, 2] is neither [N] nor [N, 1]"),
+        ([0], b"", "batch size 0 (shape[0]) must be from 1 to"),
+        ([9], SERIALIZED, "batch size 9 (shape[0]) must be from 1 to max_images_per_request=8"),
+        ([3], SERIALIZED, "ends after 2 of its 3 elements"),
+        ([1], SERIALIZED, "holds 4 bytes after its 1 elements"),
+        ([2], SERIALIZED[:-1], "ends after 1 of its 2 elements"),
+        (
+            [1],
+            b"\x05\x00\x00\x00abc",
+            "element 0 declares 5 bytes but the binary tensor data holds 3",
+        ),
+    ],
+)
+def test_malformed_bytes_tensors_are_refused(meta, shape, data, fragment):
+    body, length = encoded_request(shape, data)
+    with pytest.raises(codec.OipError) as error:
+        codec.decode_request(body, length, meta, max_images=8)
+    assert fragment in error.value.message, error.value.message

@@ -128,11 +128,12 @@ def test_a_requested_output_may_override_the_binary_default(meta):
 def test_the_request_id_is_answered_back(meta):
     infer, decoded = decode(meta, request(zeros(), id="abc-1"))
     logits = np.arange(10, dtype=np.float32)[None]
-    answer = json.loads(codec.encode_response(infer, decoded, logits, meta, "m", "1").body)
+    answer = json.loads(codec.encode_response(infer, decoded.outputs, logits, meta, "m", "1").body)
     assert answer["id"] == "abc-1" and answer["model_name"] == "m"
     assert answer["model_version"] == "1"
+    plain, plain_decoded = decode(meta, request(zeros()))
     without = json.loads(
-        codec.encode_response(*decode(meta, request(zeros())), logits, meta, "m", "1").body
+        codec.encode_response(plain, plain_decoded.outputs, logits, meta, "m", "1").body
     )
     assert "id" not in without
 
@@ -142,7 +143,7 @@ def test_classification_ranks_best_first_and_ties_by_index(meta):
         meta, request(zeros(), outputs=[{"name": "logits", "parameters": {"classification": 3}}])
     )
     logits = np.array([[0, 2, 0, 0, 0, 2, 0, 0, 0, 3]], np.float32)
-    ((_, tensor),) = codec.output_tensors(decoded, logits, meta)
+    ((_, tensor),) = codec.output_tensors(decoded.outputs, logits, meta)
     assert tensor.datatype == "BYTES"
     assert tensor.values.tolist() == [
         ["3.000000:9:Ankle boot", "2.000000:1:Trouser", "2.000000:5:Sandal"]
@@ -152,7 +153,7 @@ def test_classification_ranks_best_first_and_ties_by_index(meta):
 def test_probabilities_are_the_softmax_of_the_logits(meta):
     _, decoded = decode(meta, request(zeros(), outputs=[{"name": "probabilities"}]))
     logits = np.array([[0.0, np.log(3.0)] + [-np.inf] * 8], np.float32)
-    ((_, tensor),) = codec.output_tensors(decoded, logits, meta)
+    ((_, tensor),) = codec.output_tensors(decoded.outputs, logits, meta)
     np.testing.assert_allclose(tensor.values[0, :2], [0.25, 0.75], rtol=1e-6)
     assert tensor.values.dtype == np.float32
 
@@ -163,7 +164,13 @@ def test_probabilities_are_the_softmax_of_the_logits(meta):
 @pytest.mark.parametrize(
     ("kwargs", "fragments"),
     [
-        ({"name": "pixels"}, ["unexpected inference input 'pixels'", "its only input is 'images'"]),
+        (
+            {"name": "pixels"},
+            [
+                "unexpected inference input 'pixels'",
+                "its inputs are 'images' (FP32 or UINT8) and 'image' (BYTES",
+            ],
+        ),
         ({"datatype": "INT32"}, ["datatype INT32 is not accepted", "FP32", "UINT8"]),
         ({"shape": [1, 28, 27]}, ["shape [1, 28, 27] does not match", "[N, 1, 28, 28]"]),
         ({"shape": [1, 1, 28]}, ["shape [1, 1, 28] does not match"]),
@@ -431,7 +438,7 @@ def test_classification_ties_keep_the_lower_index_among_many_classes():
 def test_a_json_answer_says_it_is_json(meta):
     infer, decoded = decode(meta, request(zeros()))
     logits = np.zeros((1, 10), np.float32)
-    response = codec.encode_response(infer, decoded, logits, meta, "m", "1")
+    response = codec.encode_response(infer, decoded.outputs, logits, meta, "m", "1")
     assert response.headers["content-type"] == "application/json"
 
 
@@ -457,7 +464,9 @@ def test_a_grpc_answer_names_the_model_and_version_and_answers_the_id(meta):
     message.raw_input_contents.append(bytes(PIXELS))
     decoded = grpc_codec.decode_infer_request(message, meta, max_images=8)
     logits = np.arange(len(meta.labels), dtype=np.float32)[None, :]
-    answer = grpc_codec.encode_infer_response(message, decoded, logits, meta, "tiny-vit", "3")
+    answer = grpc_codec.encode_infer_response(
+        message, decoded.outputs, logits, meta, "tiny-vit", "3"
+    )
     assert (answer.model_name, answer.model_version, answer.id) == ("tiny-vit", "3", "req-7")
     assert [output.name for output in answer.outputs] == ["logits", "probabilities"]
     assert list(answer.outputs[0].shape) == [1, len(meta.labels)]

@@ -1,6 +1,8 @@
 """Tensors in and out of the Open Inference Protocol: request decoding and response encoding.
 
-The one input is the model's (``images``), in one of two datatypes:
+A request gives one input: image files as the BYTES input ``image`` (collected by
+service/frontend/oip/encoded.py and raised out of the decoding as ``EncodedImages``, for the route to
+decode as /predict does), or the model's tensor (``images``), in one of two datatypes:
 
 - ``FP32`` ``[N, C, H, W]``: exactly what the ONNX graph takes, already normalised as the metadata says
   (what Triton would be sent for the same ``models/`` directory); it reaches the model untouched.
@@ -28,24 +30,18 @@ import numpy as np
 from fastapi import Response
 from pydantic import ValidationError
 
+from service.contract.model_config import ENCODED_IMAGE_INPUT
 from service.contract.model_repository import ModelMetadata
 from service.contract.preprocessing import normalise
-from service.errors import InvalidInput
 from service.frontend.error_responses import validation_details, validation_message
 from service.frontend.json_guard import check_infer_json, parse_header_length
-from service.frontend.oip.schemas import HEADER_LENGTH, PROBABILITIES, InferRequest
+from service.frontend.oip.encoded import encoded_images, is_encoded
+from service.frontend.oip.schemas import HEADER_LENGTH, PROBABILITIES, InferRequest, OipError
 from service.frontend.predictions import softmax
 
 INPUT_DATATYPES = ("FP32", "UINT8")
 _ITEMSIZE = {"FP32": 4, "UINT8": 1}
 _NUMPY = {"FP32": np.dtype("<f4"), "UINT8": np.dtype("u1")}
-
-
-class OipError(InvalidInput):
-    """A request the protocol answers 400."""
-
-    status_code = 400
-    code = "bad_request"
 
 
 def _flatten(data: Any, where: str, limit: int) -> list[Any]:
@@ -145,7 +141,7 @@ def values_from_bytes(raw: bytes, datatype: str, where: str) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class _Output:
+class RequestedOutput:
     name: str
     binary: bool
     classification: int | None
@@ -154,7 +150,7 @@ class _Output:
 @dataclass(frozen=True)
 class Decoded:
     batch: np.ndarray  # float32 [N, C, H, W], what the graph takes
-    outputs: list[_Output]
+    outputs: list[RequestedOutput]
 
 
 @dataclass(frozen=True)
@@ -195,8 +191,8 @@ def check_input(
     unexpected = [name for name in names if name != spec.name]
     if unexpected:
         raise OipError(
-            f"unexpected inference input '{unexpected[0]}' for model '{meta.name}': its only input "
-            f"is '{spec.name}'"
+            f"unexpected inference input '{unexpected[0]}' for model '{meta.name}': its inputs are "
+            f"'{spec.name}' (FP32 or UINT8) and '{ENCODED_IMAGE_INPUT}' (BYTES, image files)"
         )
     if len(names) > 1:
         raise OipError(f"input '{spec.name}' is given {len(names)} times; give it once")
@@ -204,7 +200,8 @@ def check_input(
     if datatype not in INPUT_DATATYPES:
         raise OipError(
             f"{where}: datatype {datatype} is not accepted; send FP32 (normalised, as the model "
-            "takes it) or UINT8 (raw 0-255 pixels, normalised here)"
+            f"takes it) or UINT8 (raw 0-255 pixels, normalised here), or image files as input "
+            f"'{ENCODED_IMAGE_INPUT}' (BYTES)"
         )
     model_dims = [spec.channels, spec.height, spec.width]
     allowed = [[-1, *model_dims]]
@@ -263,6 +260,10 @@ def decode_request(
         raise OipError(f"invalid inference request: {validation_message(details)}") from None
     tensor = infer.inputs[0]
     names = [t.name for t in infer.inputs]
+    if any(is_encoded(t.name, t.datatype) for t in infer.inputs):
+        raise encoded_images(
+            infer, binary, meta.input.name, max_images, _requested_outputs(infer, meta)
+        )
     where, elements = check_input(names, tensor.datatype, tensor.shape, meta, max_images)
     shape = tensor.shape
     binary_size = (tensor.parameters or {}).get("binary_data_size")
@@ -297,34 +298,42 @@ def decode_request(
                     f"{where}: 'data' holds {len(flat)} elements; shape {shape} needs {elements}"
                 )
             values = _from_json(flat, tensor.datatype, where)
-    default_binary = bool(_bool_parameter(infer.parameters, "binary_data_output", "request"))
-    if infer.outputs is None:
-        outputs = all_outputs(meta, default_binary)
-    else:
-        outputs = []
-        for requested in infer.outputs:
-            where = f"output '{requested.name}'"
-            binary_output = _bool_parameter(requested.parameters, "binary_data", where)
-            outputs.append(
-                requested_output(
-                    requested.name,
-                    default_binary if binary_output is None else binary_output,
-                    (requested.parameters or {}).get("classification"),
-                    meta,
-                    outputs,
-                )
-            )
+    outputs = _requested_outputs(infer, meta)
     return infer, Decoded(to_batch(values, tensor.datatype, meta), outputs)
 
 
-def all_outputs(meta: ModelMetadata, binary: bool) -> list[_Output]:
+def _requested_outputs(infer: InferRequest, meta: ModelMetadata) -> list[RequestedOutput]:
+    default_binary = bool(_bool_parameter(infer.parameters, "binary_data_output", "request"))
+    if infer.outputs is None:
+        return all_outputs(meta, default_binary)
+    outputs: list[RequestedOutput] = []
+    for requested in infer.outputs:
+        where = f"output '{requested.name}'"
+        binary_output = _bool_parameter(requested.parameters, "binary_data", where)
+        outputs.append(
+            requested_output(
+                requested.name,
+                default_binary if binary_output is None else binary_output,
+                (requested.parameters or {}).get("classification"),
+                meta,
+                outputs,
+            )
+        )
+    return outputs
+
+
+def all_outputs(meta: ModelMetadata, binary: bool) -> list[RequestedOutput]:
     """Every output, as answered when the request names none."""
-    return [_Output(name, binary, None) for name in (meta.outputs.logits, PROBABILITIES)]
+    return [RequestedOutput(name, binary, None) for name in (meta.outputs.logits, PROBABILITIES)]
 
 
 def requested_output(
-    name: str, binary: bool, classification: Any, meta: ModelMetadata, earlier: list[_Output]
-) -> _Output:
+    name: str,
+    binary: bool,
+    classification: Any,
+    meta: ModelMetadata,
+    earlier: list[RequestedOutput],
+) -> RequestedOutput:
     """One requested output, checked against the model and the outputs requested before it."""
     known = [meta.outputs.logits, PROBABILITIES]
     where = f"output '{name}'"
@@ -344,7 +353,7 @@ def requested_output(
             f"{where}: parameters.classification is {json.dumps(classification)}; it must be "
             f"a count from 1 to the model's {meta.num_classes} classes"
         )
-    return _Output(name, binary, classification)
+    return RequestedOutput(name, binary, classification)
 
 
 # --- response encoding ------------------------------------------------------------------------------
@@ -364,14 +373,14 @@ def _classify(values: np.ndarray, count: int, labels: list[str]) -> np.ndarray:
 
 
 def output_tensors(
-    decoded: Decoded, logits: np.ndarray, meta: ModelMetadata
-) -> list[tuple[_Output, OutputTensor]]:
+    outputs: list[RequestedOutput], logits: np.ndarray, meta: ModelMetadata
+) -> list[tuple[RequestedOutput, OutputTensor]]:
     """The requested outputs of a batch's logits, in the order requested (every transport)."""
     tensors = {meta.outputs.logits: logits.astype(np.float32)}
-    if any(output.name == PROBABILITIES for output in decoded.outputs):
+    if any(output.name == PROBABILITIES for output in outputs):
         tensors[PROBABILITIES] = softmax(logits).astype(np.float32)
     answered = []
-    for requested in decoded.outputs:
+    for requested in outputs:
         values = tensors[requested.name]
         if requested.classification is not None:
             strings = _classify(values, requested.classification, meta.labels)
@@ -383,7 +392,7 @@ def output_tensors(
 
 def encode_response(
     infer: InferRequest,
-    decoded: Decoded,
+    requested_outputs: list[RequestedOutput],
     logits: np.ndarray,
     meta: ModelMetadata,
     name: str,
@@ -394,7 +403,7 @@ def encode_response(
         response["id"] = infer.id
     outputs: list[dict[str, Any]] = []
     chunks: list[bytes] = []
-    for requested, tensor in output_tensors(decoded, logits, meta):
+    for requested, tensor in output_tensors(requested_outputs, logits, meta):
         entry: dict[str, Any] = {
             "name": tensor.name,
             "datatype": tensor.datatype,

@@ -6,7 +6,8 @@ The input is checked and normalised by service/frontend/oip/codec.py, as over HT
 bytes, what ``tritonclient.grpc`` sends) or as typed ``contents``: ``fp32_contents`` for FP32,
 ``uint_contents`` for UINT8 (the protocol carries 8-bit integers in 32-bit fields). Outputs are answered
 as ``raw_output_contents``, as Triton does; the classification extension is the requested output's
-``classification`` parameter.
+``classification`` parameter. Image files (the BYTES input ``image``, service/frontend/oip/encoded.py)
+come serialized in ``raw_input_contents`` or as ``contents.bytes_contents``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 
 from service.contract.model_repository import ModelMetadata
+from service.frontend.inputs import RawImage
 from service.frontend.oip.codec import (
     Decoded,
     OipError,
+    RequestedOutput,
     all_outputs,
     byte_count,
     check_input,
@@ -28,6 +31,13 @@ from service.frontend.oip.codec import (
     requested_output,
     to_batch,
     values_from_bytes,
+)
+from service.frontend.oip.encoded import (
+    EncodedImages,
+    check_encoded_input,
+    images_from_list,
+    images_from_serialized,
+    is_encoded,
 )
 
 _TYPED_FIELD = {"FP32": "fp32_contents", "UINT8": "uint_contents"}
@@ -49,6 +59,8 @@ def decode_infer_request(
     tensor = request.inputs[0]
     shape = list(tensor.shape)
     names = [t.name for t in request.inputs]
+    if any(is_encoded(t.name, t.datatype) for t in request.inputs):
+        raise EncodedImages(request, _images(request, meta, max_images), _outputs(request, meta))
     where, elements = check_input(names, tensor.datatype, shape, meta, max_images)
     raw = request.raw_input_contents
     if raw:
@@ -81,6 +93,37 @@ def decode_infer_request(
             )
         array = np.asarray(typed, dtype=_TYPED_DTYPE[tensor.datatype])
         values = checked_values(array, tensor.datatype, f"{where}: contents.{field}")
+    return Decoded(to_batch(values, tensor.datatype, meta), _outputs(request, meta))
+
+
+def _images(
+    request: service_pb2.ModelInferRequest, meta: ModelMetadata, max_images: int
+) -> list[RawImage]:
+    """The image files of a request whose input is the encoded-image one: serialized in
+    ``raw_input_contents`` (what ``tritonclient.grpc`` sends) or one per ``bytes_contents`` value."""
+    tensor = request.inputs[0]
+    names = [t.name for t in request.inputs]
+    encoded = check_encoded_input(
+        names, tensor.datatype, list(tensor.shape), max_images, meta.input.name
+    )
+    raw = request.raw_input_contents
+    others = [f.name for f, _ in tensor.contents.ListFields() if f.name != "bytes_contents"]
+    if others:
+        raise OipError(
+            f"{encoded.where}: datatype BYTES takes contents.bytes_contents, not contents.{others[0]}"
+        )
+    if raw:
+        if len(raw) != 1:
+            raise OipError(f"raw_input_contents holds {len(raw)} tensors for 1 input")
+        if tensor.contents.bytes_contents:
+            raise OipError(f"{encoded.where}: give either raw_input_contents or contents, not both")
+        return images_from_serialized(raw[0], encoded, "raw_input_contents[0]")
+    return images_from_list(
+        list(tensor.contents.bytes_contents), encoded, "contents.bytes_contents"
+    )
+
+
+def _outputs(request: service_pb2.ModelInferRequest, meta: ModelMetadata) -> list[RequestedOutput]:
     outputs = [] if request.outputs else all_outputs(meta, True)
     for requested in request.outputs:
         classification = (
@@ -89,19 +132,19 @@ def decode_infer_request(
             else None
         )
         outputs.append(requested_output(requested.name, True, classification, meta, outputs))
-    return Decoded(to_batch(values, tensor.datatype, meta), outputs)
+    return outputs
 
 
 def encode_infer_response(
     request: service_pb2.ModelInferRequest,
-    decoded: Decoded,
+    outputs: list[RequestedOutput],
     logits: np.ndarray,
     meta: ModelMetadata,
     name: str,
     version: str,
 ) -> service_pb2.ModelInferResponse:
     response = service_pb2.ModelInferResponse(model_name=name, model_version=version, id=request.id)
-    for _, tensor in output_tensors(decoded, logits, meta):
+    for _, tensor in output_tensors(outputs, logits, meta):
         response.outputs.add(
             name=tensor.name, datatype=tensor.datatype, shape=list(tensor.values.shape)
         )

@@ -32,6 +32,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from service.errors import NotFound, ServiceError
 from service.frontend.oip import repository
 from service.frontend.oip.codec import Decoded, OipError
+from service.frontend.oip.encoded import EncodedImages
 from service.frontend.oip.grpc_codec import decode_infer_request, encode_infer_response, parameter
 from service.frontend.oip.grpc_limits import grpc_server_options
 from service.frontend.oip.routes import (
@@ -196,9 +197,15 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             decoded.append(decode_infer_request(request, served.metadata, limit))
             return decoded[0].batch
 
-        logits = await served.infer(decode, _call(request_id, context), request.ByteSize())
+        call = _call(request_id, context)
+        try:
+            logits = await served.infer(decode, call, request.ByteSize())
+            outputs = decoded[0].outputs
+        except EncodedImages as encoded:  # image files: decoded as /predict decodes them
+            logits = await served.classify(encoded.images, "auto", call)
+            outputs = encoded.outputs
         return encode_infer_response(
-            request, decoded[0], logits, served.metadata, name, str(served.version)
+            request, outputs, logits, served.metadata, name, str(served.version)
         )
 
     @_rpc(protected=True)

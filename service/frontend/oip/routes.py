@@ -4,10 +4,12 @@
 - ``GET /v2``: server metadata ``{"name", "version", "extensions"}``.
 - ``GET /v2/health/live``, ``GET /v2/health/ready``: ``{"live": true}``, ``{"ready": true|false}`` (as
   KServe's servers answer), 200 when true, 400 when not (as Triton's).
-- ``GET /v2/models/{name}[/versions/{version}]``: model metadata (inputs and outputs as named tensors).
+- ``GET /v2/models/{name}[/versions/{version}]``: model metadata (inputs and outputs as named tensors):
+  the graph's tensor input, and ``image`` (BYTES ``[-1, 1]``: image files, service/frontend/oip/encoded.py).
 - ``GET /v2/models/{name}[/versions/{version}]/ready``: 200 when ready, 400 when not.
 - ``POST /v2/models/{name}[/versions/{version}]/infer``: named tensors in, named tensors out
-  (service/frontend/oip/codec.py), through the model's pipeline like ``/predict``.
+  (service/frontend/oip/codec.py), through the model's pipeline like ``/predict``; image files are
+  decoded by ``/predict``'s own code.
 - The model repository extension (service/frontend/oip/repository.py); the model configuration and statistics
   extensions (service/frontend/oip/extensions.py). The same calls over gRPC: service/frontend/oip/grpc_service.py.
 
@@ -27,10 +29,12 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
+from service.contract.model_config import ENCODED_IMAGE_DIMS, ENCODED_IMAGE_INPUT
 from service.errors import NotFound, ServiceError
 from service.frontend.decode import INLINE_TENSOR_BYTES
 from service.frontend.hot_routes import hot
 from service.frontend.oip.codec import decode_request, encode_response
+from service.frontend.oip.encoded import ENCODED_DATATYPE, EncodedImages
 from service.frontend.oip.schemas import (
     EXTENSIONS,
     HEADER_LENGTH,
@@ -96,7 +100,10 @@ def metadata_of(state: FrontendState, name: str, version: str | None) -> ModelMe
         inputs=[
             MetadataTensor(
                 name=spec.name, datatype="FP32", shape=[-1, spec.channels, spec.height, spec.width]
-            )
+            ),
+            MetadataTensor(
+                name=ENCODED_IMAGE_INPUT, datatype=ENCODED_DATATYPE, shape=[-1, *ENCODED_IMAGE_DIMS]
+            ),
         ],
         outputs=[
             MetadataTensor(name=meta.outputs.logits, datatype="FP32", shape=[-1, classes]),
@@ -182,9 +189,15 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         )
         return decoded[1].batch
 
-    logits = await served.infer(decode, Call.of(request), len(body))
+    call = Call.of(request)
+    try:
+        logits = await served.infer(decode, call, len(body))
+    except EncodedImages as encoded:  # image files: decoded as /predict decodes them
+        logits = await served.classify(encoded.images, "auto", call)
+        meta, version_text = served.metadata, str(served.version)
+        return encode_response(encoded.request, encoded.outputs, logits, meta, name, version_text)
     infer_request, tensors = decoded
-    answer = (infer_request, tensors, logits, served.metadata, name, str(served.version))
+    answer = (infer_request, tensors.outputs, logits, served.metadata, name, str(served.version))
     if len(body) <= INLINE_TENSOR_BYTES:  # an answer as small as its request: no thread hop
         return encode_response(*answer)
     return await run_in_threadpool(encode_response, *answer)

@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.contract.model_config import PLATFORM  # noqa: F401  (the routes name it here)
+from service.errors import InvalidInput
 
 SERVER_NAME = "vitserve"
 EXTENSIONS = [
@@ -18,6 +19,13 @@ EXTENSIONS = [
 ]
 HEADER_LENGTH = "Inference-Header-Content-Length"
 PROBABILITIES = "probabilities"
+
+
+class OipError(InvalidInput):
+    """A request the protocol answers 400."""
+
+    status_code = 400
+    code = "bad_request"
 
 
 class _Lenient(BaseModel):

@@ -1,0 +1,87 @@
+"""Model repository entries of ImageNet-sized ViTs with random weights, for measurements at the real size.
+
+``python -m bench.heavy_models small --repo /tmp/heavy`` writes ``/tmp/heavy/vit-small/1/`` (both
+graphs, labels, metadata, config.pbtxt) exactly as ``python -m export.onnx`` writes a trained run: the
+same graphs (``export.onnx_graphs.build_graphs``), metadata document and repository writer. Sizes are the
+ViT paper's (patch 16, 224 x 224 RGB, 1000 classes, token pooling); the weights are the model's own
+initialisation, seeded, since nothing may be downloaded. Nothing is verified against data: the graphs are
+what the measurements load, not what they check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from export.config import ViTConfig
+from export.data import get_dataset_spec
+from export.model import VisionTransformer
+from export.onnx_graphs import build_graphs, describe, with_metadata
+from export.repository import write_version
+
+# (dim, depth, heads, mlp): ViT-Ti/16 is DeiT-tiny, ViT-S/16 DeiT-small, ViT-B/16 the paper's base
+SIZES = {
+    "tiny": (192, 12, 3, 768),
+    "small": (384, 12, 6, 1536),
+    "base": (768, 12, 12, 3072),
+}
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+CLASSES = 1000
+
+
+def config_for(size: str, image: int = 224) -> ViTConfig:
+    dim, depth, heads, mlp = SIZES[size]
+    return ViTConfig(
+        image_height=image,
+        image_width=image,
+        in_channels=3,
+        patch_size=16,
+        num_classes=CLASSES,
+        dim=dim,
+        depth=depth,
+        heads=heads,
+        mlp_dim=mlp,
+        pooling="token",
+    )
+
+
+def write_heavy_model(size: str, repo: Path, name: str | None = None, seed: int = 0) -> Path:
+    """``<repo>/<name>/1/`` for a ViT of ``size`` with seeded random weights; returns its directory."""
+    config = config_for(size)
+    torch.manual_seed(seed)
+    model = VisionTransformer(config).eval()
+    spec = dataclasses.replace(
+        get_dataset_spec("cifar10"),
+        name="imagenet-like",
+        labels=tuple(f"class-{i}" for i in range(CLASSES)),
+        height=config.image_height,
+        width=config.image_width,
+        mean=IMAGENET_MEAN,
+        std=IMAGENET_STD,
+    )
+    name = name or f"vit-{size}"
+    graphs = build_graphs(model)
+    labels = list(spec.labels)
+    for graph, proto in (("classifier", graphs.classifier), ("attention", graphs.attention)):
+        with_metadata(proto, describe(model, spec, labels, name, 1, graph, None, None, "random"))
+    files = {"model.onnx": graphs.classifier, "attention.onnx": graphs.attention}
+    dims = (config.in_channels, config.image_height, config.image_width)
+    return write_version(repo, name, 1, files, labels, dims, overwrite=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.heavy_models", description=__doc__)
+    parser.add_argument("size", choices=sorted(SIZES))
+    parser.add_argument("--repo", type=Path, required=True, help="model repository to write into")
+    parser.add_argument("--name", default=None, help="model name (default vit-<size>)")
+    args = parser.parse_args(argv)
+    print(write_heavy_model(args.size, args.repo, args.name))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,263 @@
+"""Image files over the Open Inference Protocol (the BYTES input ``image``), sent by Triton's own clients.
+
+``tritonclient.http`` (binary tensor data, and JSON with base64 strings) and ``tritonclient.grpc``
+(``raw_input_contents``, and ``bytes_contents`` through the raw stub) send a PNG and a JPEG; every answer
+must equal ``/predict``'s on the same files, which decodes them with the same code, and every malformed
+file or tensor must get a 4xx that names the element, over each transport.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+from PIL import Image, ImageDraw
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from tests.interop.eco_support import eco_server
+from tests.support import MODEL_NAME, Server
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def drawn_image(size: tuple[int, int]) -> Image.Image:
+    """A light garment-like shape on a dark ground, larger than the model's input and not square,
+    so that decoding, fit-pad and the polarity check all have work to do."""
+    image = Image.new("RGB", size, (12, 16, 20))
+    draw = ImageDraw.Draw(image)
+    width, height = size
+    draw.rectangle((width // 4, height // 6, 3 * width // 4, 5 * height // 6), fill=(220, 200, 180))
+    draw.ellipse((width // 3, height // 3, 2 * width // 3, height // 2), fill=(40, 90, 160))
+    return image
+
+
+def encoded(image: Image.Image, image_format: str) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=image_format, **({"quality": 90} if image_format == "JPEG" else {}))
+    return buffer.getvalue()
+
+
+PNG = encoded(drawn_image((60, 44)), "PNG")
+JPEG = encoded(drawn_image((40, 64)).rotate(20), "JPEG")
+FILES = [PNG, JPEG]
+
+
+@pytest.fixture(scope="module")
+def served(model_repository: Path, tmp_path_factory) -> Iterator[tuple[Server, int]]:
+    log = tmp_path_factory.mktemp("encoded-images") / "service.log"
+    with eco_server(model_repository, log, max_queue_delay_ms=5) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def http(served) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=served[0].url, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def http_client(served) -> Iterator[triton_http.InferenceServerClient]:
+    with triton_http.InferenceServerClient(served[0].url.removeprefix("http://")) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def grpc_client(served) -> Iterator[triton_grpc.InferenceServerClient]:
+    with triton_grpc.InferenceServerClient(f"127.0.0.1:{served[1]}") as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def stub(served) -> Iterator[service_pb2_grpc.GRPCInferenceServiceStub]:
+    with grpc.insecure_channel(f"127.0.0.1:{served[1]}") as channel:
+        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def predicted(http: httpx.Client) -> np.ndarray:
+    """``/predict``'s probabilities for FILES (multipart, the service's defaults), [files, classes]."""
+    files = [("files", (f"f{i}", data)) for i, data in enumerate(FILES)]
+    response = http.post("/predict", files=files, data={"top_k": "10"})
+    assert response.status_code == 200, response.text
+    rows = []
+    for prediction in response.json()["predictions"]:
+        scores = {entry["index"]: entry["score"] for entry in prediction["top_k"]}
+        rows.append([scores[i] for i in range(len(scores))])
+    return np.asarray(rows)
+
+
+def http_input(elements: list, binary: bool) -> triton_http.InferInput:
+    infer_input = triton_http.InferInput("image", [len(elements), 1], "BYTES")
+    infer_input.set_data_from_numpy(np.array(elements, dtype=object).reshape(-1, 1), binary)
+    return infer_input
+
+
+def assert_equal_to_predict(probabilities: np.ndarray, predicted: np.ndarray) -> None:
+    assert probabilities.shape == predicted.shape
+    np.testing.assert_allclose(probabilities, predicted, rtol=0, atol=1e-6)
+    assert predicted.max(axis=1).min() > 0.0  # a real answer, not an empty one
+
+
+def test_the_metadata_declares_the_encoded_input(http_client):
+    inputs = http_client.get_model_metadata(MODEL_NAME)["inputs"]
+    assert {"name": "image", "datatype": "BYTES", "shape": [-1, 1]} in inputs
+
+
+def test_tritonclient_http_sends_files_as_binary_tensor_data(http_client, predicted):
+    result = http_client.infer(MODEL_NAME, [http_input(FILES, binary=True)])
+    assert_equal_to_predict(result.as_numpy("probabilities"), predicted)
+
+
+def test_tritonclient_http_sends_base64_files_in_json(http_client, predicted):
+    """JSON carries a file as a base64 string: what tritonclient sends for ``binary_data=False``."""
+    strings = [base64.b64encode(data) for data in FILES]
+    result = http_client.infer(MODEL_NAME, [http_input(strings, binary=False)])
+    assert_equal_to_predict(result.as_numpy("probabilities"), predicted)
+
+
+def test_plain_json_of_shape_n_with_the_base64_content_type(http, predicted):
+    """KServe's and MLServer's way: shape [N], ``parameters.content_type`` "base64"."""
+    body = {
+        "inputs": [
+            {
+                "name": "image",
+                "shape": [2],
+                "datatype": "BYTES",
+                "parameters": {"content_type": "base64"},
+                "data": [base64.b64encode(data).decode() for data in FILES],
+            }
+        ],
+        "outputs": [{"name": "probabilities"}],
+    }
+    response = http.post(f"/v2/models/{MODEL_NAME}/infer", json=body)
+    assert response.status_code == 200, response.text
+    (output,) = response.json()["outputs"]
+    probabilities = np.asarray(output["data"]).reshape(output["shape"])
+    assert_equal_to_predict(probabilities, predicted)
+
+
+def test_tritonclient_grpc_sends_files_as_raw_contents(grpc_client, predicted):
+    infer_input = triton_grpc.InferInput("image", [2, 1], "BYTES")
+    infer_input.set_data_from_numpy(np.array(FILES, dtype=object).reshape(-1, 1))
+    result = grpc_client.infer(MODEL_NAME, [infer_input])
+    assert_equal_to_predict(result.as_numpy("probabilities"), predicted)
+
+
+def test_grpc_bytes_contents(stub, predicted):
+    request = service_pb2.ModelInferRequest(model_name=MODEL_NAME)
+    tensor = request.inputs.add(name="image", datatype="BYTES", shape=[2])
+    tensor.contents.bytes_contents.extend(FILES)
+    request.outputs.add(name="probabilities")
+    response = stub.ModelInfer(request)
+    probabilities = np.frombuffer(response.raw_output_contents[0], dtype="<f4").reshape(2, -1)
+    assert_equal_to_predict(probabilities, predicted)
+
+
+# --- what is refused, over each transport ---------------------------------------------------------
+
+NOT_AN_IMAGE = b"this is not an image file"
+
+
+def test_http_binary_not_an_image_is_400_naming_the_element(http_client):
+    """/predict's 422 for the same file; the protocol has no 422 (service/frontend/error_responses.py)."""
+    with pytest.raises(InferenceServerException) as error:
+        http_client.infer(MODEL_NAME, [http_input([PNG, NOT_AN_IMAGE], binary=True)])
+    assert error.value.status() == "400"
+    assert "input 'image'[1]: not a recognisable image" in error.value.message()
+
+
+def test_http_json_bad_base64_is_400(http_client):
+    with pytest.raises(InferenceServerException) as error:
+        http_client.infer(MODEL_NAME, [http_input(["not base64!"], binary=False)])
+    assert error.value.status() == "400"
+    assert "input 'image'[0].b64: not valid base64" in error.value.message()
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "fragment"),
+    [
+        (
+            {"name": "image", "shape": [1, 1], "datatype": "BYTES", "data": [[7]]},
+            400,
+            "input 'image'[0]: 7 is not a string",
+        ),
+        (
+            {"name": "image", "shape": [2], "datatype": "BYTES", "data": ["aGk="]},
+            400,
+            "'data' holds 1 elements; its shape needs 2",
+        ),
+        (
+            {"name": "image", "shape": [1, 2], "datatype": "BYTES", "data": ["aGk=", "aGk="]},
+            400,
+            "shape [1, 2] is neither [N] nor [N, 1]",
+        ),
+        (
+            {"name": "image", "shape": [1], "datatype": "FP32", "data": [1.0]},
+            400,
+            "'image' takes BYTES",
+        ),
+        (
+            {"name": "images", "shape": [1], "datatype": "BYTES", "data": ["aGk="]},
+            400,
+            "send them as input 'image'",
+        ),
+        (
+            {
+                "name": "image",
+                "shape": [1],
+                "datatype": "BYTES",
+                "parameters": {"content_type": "str"},
+                "data": ["aGk="],
+            },
+            400,
+            'content_type is "str"',
+        ),
+    ],
+)
+def test_http_json_malformed_tensors_are_refused(http, body, status, fragment):
+    response = http.post(f"/v2/models/{MODEL_NAME}/infer", json={"inputs": [body]})
+    assert response.status_code == status, response.text
+    assert fragment in response.json()["error"]
+
+
+def test_http_binary_truncated_element_is_400(http):
+    data = len(PNG).to_bytes(4, "little") + PNG[:-10]
+    header = (
+        b'{"inputs":[{"name":"image","shape":[1,1],"datatype":"BYTES",'
+        b'"parameters":{"binary_data_size":' + str(len(data)).encode() + b"}}]}"
+    )
+    response = http.post(
+        f"/v2/models/{MODEL_NAME}/infer",
+        content=header + data,
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
+    assert response.status_code == 400, response.text
+    assert f"element 0 declares {len(PNG)} bytes" in response.json()["error"]
+
+
+def test_grpc_not_an_image_is_invalid_argument(grpc_client):
+    infer_input = triton_grpc.InferInput("image", [1, 1], "BYTES")
+    infer_input.set_data_from_numpy(np.array([[NOT_AN_IMAGE]], dtype=object))
+    with pytest.raises(InferenceServerException) as error:
+        grpc_client.infer(MODEL_NAME, [infer_input])
+    assert error.value.status() == str(grpc.StatusCode.INVALID_ARGUMENT)
+    assert "input 'image'[0]: not a recognisable image" in error.value.message()
+
+
+def test_grpc_serialized_elements_must_fill_the_contents(stub):
+    request = service_pb2.ModelInferRequest(model_name=MODEL_NAME)
+    request.inputs.add(name="image", datatype="BYTES", shape=[1])
+    request.raw_input_contents.append(len(PNG).to_bytes(4, "little") + PNG + b"extra")
+    with pytest.raises(grpc.RpcError) as error:
+        stub.ModelInfer(request)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "holds 5 bytes after its 1 elements" in error.value.details()
