@@ -37,6 +37,9 @@ ARCHITECTURE_FIELDS = (
     "attention_dropout",
     "qkv_bias",
     "layer_norm_eps",
+    "class_token",
+    "pooled_norm",
+    "distillation_head",
 )
 
 
