@@ -228,10 +228,41 @@ def describe(
     test_images: int | None,
     checkpoint_sha256: str,
 ) -> dict:
-    """The ``vitserve`` metadata document (docs/model-repository.md). A folder dataset's directory
+    """The ``vitserve`` metadata document of a vitserve run's graph. A folder dataset's directory
     is recorded as ``data_dir``, so that ``export.evaluate`` finds its test images."""
+    return graph_document(
+        model,
+        preprocessing_document(spec),
+        labels,
+        name,
+        version,
+        graph,
+        checkpoint_sha256,
+        dataset=spec.name,
+        data_dir=spec.default_dir if spec.name == FOLDER else None,
+        test_accuracy=test_accuracy,
+        test_images=test_images,
+    )
+
+
+def graph_document(
+    model: VisionTransformer,
+    preprocessing: dict,
+    labels: list[str],
+    name: str,
+    version: int,
+    graph: str,
+    checkpoint_sha256: str,
+    dataset: str | None = None,
+    data_dir: str | None = None,
+    test_accuracy: float | None = None,
+    test_images: int | None = None,
+    source: dict | None = None,
+) -> dict:
+    """The ``vitserve`` metadata document (docs/model-repository.md); ``source`` says where an
+    imported checkpoint came from."""
     c = model.config
-    return {
+    document = {
         "format": 1,
         "graph": graph,
         "name": name,
@@ -244,19 +275,20 @@ def describe(
             "channels": c.in_channels,
             "height": c.image_height,
             "width": c.image_width,
-            "range": list(default_input_range(Preprocessing(**preprocessing_document(spec)))),
+            "range": list(default_input_range(Preprocessing(**preprocessing))),
         },
         "outputs": {"logits": "logits", "attention": "attention"},
-        "preprocessing": preprocessing_document(spec),
+        "preprocessing": preprocessing,
         "patch": {"size": c.patch_size, "grid": list(c.grid)},
         "pooling": c.pooling,
+        # Of the attention maps, which leave out the prefix tokens no head pools (config.map_tokens)
         "class_token": c.pooling == "token",
-        "tokens": c.map_tokens,  # of the attention maps: a distillation token is left out
+        "tokens": c.map_tokens,
         "depth": c.depth,
         "heads": c.heads,
         "attention_graph": "attention.onnx",
-        "dataset": spec.name,
-        "data_dir": spec.default_dir if spec.name == FOLDER else None,
+        "dataset": dataset,
+        "data_dir": data_dir,
         "test_accuracy": test_accuracy,
         "test_images": test_images,
         "checkpoint_sha256": checkpoint_sha256,
@@ -264,6 +296,9 @@ def describe(
         "tools": tool_versions(),
         "exported_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+    if source is not None:
+        document["source"] = source
+    return document
 
 
 def with_metadata(model: onnx.ModelProto, document: dict) -> onnx.ModelProto:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from pydantic import ValidationError
 
 from export.checkpoint import CheckpointError, file_sha256
@@ -117,3 +118,19 @@ def checked_preprocessing(document: dict, channels: int, where: str) -> dict:
     if any(s <= 0 for s in checked.std):
         raise CheckpointError(f"{where}: std values must be positive")
     return checked.model_dump(exclude_none=True)
+
+
+def probe_images(model: VisionTransformer, preprocessing: dict, count: int) -> torch.Tensor:
+    """``count`` seeded images for checking the graphs against PyTorch: smooth random shapes with
+    fine noise, 0-255 in every channel, normalised as the service will (scale, mean, std)."""
+    c = model.config
+    generator = torch.Generator().manual_seed(0)
+    coarse = torch.rand(count, c.in_channels, 4, 4, generator=generator)
+    smooth = torch.nn.functional.interpolate(
+        coarse, size=(c.image_height, c.image_width), mode="bicubic", align_corners=False
+    )
+    noise = torch.rand(count, c.in_channels, c.image_height, c.image_width, generator=generator)
+    pixels = (255 * (0.8 * smooth + 0.2 * noise)).clamp(0, 255).round()
+    mean = torch.tensor(preprocessing["mean"]).view(1, -1, 1, 1)
+    std = torch.tensor(preprocessing["std"]).view(1, -1, 1, 1)
+    return (pixels * preprocessing["scale"] - mean) / std
