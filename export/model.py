@@ -289,11 +289,13 @@ class VisionTransformer(nn.Module):
 
 def without_tokens(attention: torch.Tensor, indices) -> torch.Tensor:
     """Attention probabilities (..., tokens, tokens) without the rows and columns of the tokens at
-    ``indices``, each row renormalised to sum to 1."""
+    ``indices``, each row renormalised to sum to 1 (a row whose kept tokens drew no attention at
+    all, every probability underflowed to 0, stays 0 rather than 0 / 0)."""
     left_out = set(indices)
     kept = [i for i in range(attention.shape[-1]) if i not in left_out]
     attention = attention[..., kept, :][..., kept]
-    return attention / attention.sum(dim=-1, keepdim=True)
+    total = attention.sum(dim=-1, keepdim=True)
+    return attention / total.clamp_min(torch.finfo(attention.dtype).tiny)
 
 
 class WithAttention(nn.Module):

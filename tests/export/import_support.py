@@ -17,17 +17,24 @@ LOGITS_PARITY = 1e-4
 ATTENTION_PARITY = 1e-4
 
 
+def random_weight(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """A weight drawn afresh: layer norms around 1 and 0, matrices at the scale of their fan-in (so
+    that attention does not saturate), tokens and position tables and biases at a fixed scale. A
+    library's own init leaves norms at 1 and 0 and biases at 0, under which a swapped norm or a
+    dropped bias would go unseen."""
+    values = torch.randn(shape, generator=generator)
+    if "norm" in name and name.endswith("weight"):
+        return 1 + 0.3 * values
+    if len(shape) >= 2 and not any(key in name for key in ("token", "position", "pos_embed")):
+        return values * (shape[0] / values.numel()) ** 0.5
+    return 0.5 * values
+
+
 def randomise(module: torch.nn.Module, seed: int) -> None:
-    """Every parameter drawn afresh (a library's init leaves layer norms at 1 and 0 and biases at
-    0, under which a swapped norm or a dropped bias would go unseen)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in sorted(module.named_parameters()):
-            values = torch.randn(parameter.shape, generator=generator)
-            if "norm" in name and name.endswith("weight"):
-                parameter.copy_(1 + 0.3 * values)
-            else:
-                parameter.copy_(0.3 * values)
+            parameter.copy_(random_weight(name, tuple(parameter.shape), generator))
 
 
 def served(
