@@ -68,8 +68,7 @@ def load_imported(directory: str | Path) -> Imported:
     if "architectures" in config:
         library = "transformers"
         architecture = huggingface.architecture(config, where)
-        vit = huggingface.vit_config(config, where)
-        labels = huggingface.labels_of(config, where)
+        vit, labels = huggingface.vit_config(config, where)
         document, notes = huggingface.preprocessing(
             huggingface.read_processor(directory), vit, str(directory / "preprocessor_config.json")
         )

@@ -50,9 +50,9 @@ def _square(where: str, name: str, value: object, high: int) -> tuple[int, int]:
     return side, side
 
 
-def vit_config(config: dict, where: str) -> ViTConfig:
-    """The ViTConfig of a transformers ViT or DeiT ``config.json``, checked before anything is
-    built; what vitserve's ViT cannot be (another activation, an encoder stride) is refused."""
+def vit_config(config: dict, where: str) -> tuple[ViTConfig, list[str]]:
+    """The ViTConfig and the labels of a transformers ViT or DeiT ``config.json``, checked before
+    anything is built; what vitserve's ViT cannot be (another activation) is refused."""
     _, distillation, with_teacher, _ = ARCHITECTURES[architecture(config, where)]
     act = config.get("hidden_act", "gelu")
     if act != "gelu":
@@ -64,7 +64,7 @@ def vit_config(config: dict, where: str) -> ViTConfig:
             f"{where}: patch_size {list(patch)}; only square patches are imported"
         )
     labels = labels_of(config, where)
-    return checked_config(
+    vit = checked_config(
         where,
         {
             "image_height": height,
@@ -85,6 +85,7 @@ def vit_config(config: dict, where: str) -> ViTConfig:
             "layer_norm_eps": config.get("layer_norm_eps", 1e-12),
         },
     )
+    return vit, labels
 
 
 def _flag(where: str, name: str, value: object) -> bool:
