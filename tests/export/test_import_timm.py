@@ -42,9 +42,9 @@ CASES = {
         {"img_size": [32, 48], "class_token": False, "global_pool": "avg", "fc_norm": False},
         True,
     ),
-    "vit-tiny-patch16-token-no-qkv-bias": (
+    "vit-tiny-patch14-token-no-qkv-bias": (
         "vit_tiny_patch16_224",
-        {"img_size": 48, "qkv_bias": False},
+        {"img_size": 42, "patch_size": 14, "qkv_bias": False},
         True,
     ),
 }
@@ -62,7 +62,7 @@ def described(architecture: str, args: dict) -> dict:
     return {
         "dim": dim,
         "heads": heads,
-        "patch": int(architecture.split("_patch")[1].split("_")[0]),
+        "patch": args.get("patch_size", int(architecture.split("_patch")[1].split("_")[0])),
         "height": height,
         "width": width,
         "prefix": int(args.get("class_token", True)) + int("distilled" in architecture),
