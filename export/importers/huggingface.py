@@ -13,7 +13,14 @@ from pathlib import Path
 from export.checkpoint import CheckpointError
 from export.config import ViTConfig
 from export.importers.labels import unique_labels
-from export.importers.weights import Layout, Target, bounded_int, checked_config, read_json
+from export.importers.weights import (
+    Layout,
+    Target,
+    bounded_int,
+    checked_config,
+    read_json,
+    sides,
+)
 
 # architecture -> (weight prefix, distillation token, distillation head, heads' weight names)
 ARCHITECTURES = {
@@ -40,16 +47,6 @@ def architecture(config: dict, where: str) -> str:
     return names[0]
 
 
-def _square(where: str, name: str, value: object, high: int) -> tuple[int, int]:
-    if isinstance(value, list | tuple) and len(value) == 2:
-        return (
-            bounded_int(where, name, value[0], 1, high),
-            bounded_int(where, name, value[1], 1, high),
-        )
-    side = bounded_int(where, name, value, 1, high)
-    return side, side
-
-
 def vit_config(config: dict, where: str) -> tuple[ViTConfig, list[str]]:
     """The ViTConfig and the labels of a transformers ViT or DeiT ``config.json``, checked before
     anything is built; what vitserve's ViT cannot be (another activation) is refused."""
@@ -57,8 +54,8 @@ def vit_config(config: dict, where: str) -> tuple[ViTConfig, list[str]]:
     act = config.get("hidden_act", "gelu")
     if act != "gelu":
         raise CheckpointError(f"{where}: hidden_act {act!r}; only 'gelu' (exact) is imported")
-    height, width = _square(where, "image_size", config.get("image_size", 224), 4096)
-    patch = _square(where, "patch_size", config.get("patch_size", 16), 1024)
+    height, width = sides(where, "image_size", config.get("image_size", 224), 4096)
+    patch = sides(where, "patch_size", config.get("patch_size", 16), 1024)
     if patch[0] != patch[1]:
         raise CheckpointError(
             f"{where}: patch_size {list(patch)}; only square patches are imported"
@@ -153,11 +150,11 @@ def _size(where: str, name: str, value: object) -> tuple[int, int] | int:
     transformers' ViT and DeiT processors read as a square."""
     if isinstance(value, dict):
         if set(value) == {"height", "width"}:
-            return _square(where, name, [value["height"], value["width"]], 8192)
+            return sides(where, name, [value["height"], value["width"]], 8192)
         if set(value) == {"shortest_edge"}:
             return bounded_int(where, f"{name}.shortest_edge", value["shortest_edge"], 1, 8192)
     elif isinstance(value, int) and not isinstance(value, bool):
-        return _square(where, name, value, 8192)
+        return sides(where, name, value, 8192)
     raise CheckpointError(f"{where}: {name} {value!r} is not a size this importer reads")
 
 

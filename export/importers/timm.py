@@ -15,7 +15,7 @@ import re
 from export.checkpoint import CheckpointError
 from export.config import ViTConfig
 from export.importers.labels import unique_labels
-from export.importers.weights import Layout, Target, bounded_int, checked_config
+from export.importers.weights import Layout, Target, bounded_int, checked_config, sides
 
 # (embed_dim, depth, num_heads) of timm's named sizes
 SIZES = {
@@ -110,23 +110,13 @@ def model_args(config: dict, where: str) -> dict:
     return args
 
 
-def _side_pair(where: str, name: str, value: object) -> tuple[int, int]:
-    if isinstance(value, list | tuple) and len(value) == 2:
-        return (
-            bounded_int(where, name, value[0], 1, 4096),
-            bounded_int(where, name, value[1], 1, 4096),
-        )
-    side = bounded_int(where, name, value, 1, 4096)
-    return side, side
-
-
 def vit_config(config: dict, where: str) -> tuple[ViTConfig, list[str]]:
     """The ViTConfig and the labels of a timm hub ``config.json``."""
     match = parse_architecture(config.get("architecture"), where)
     args = model_args(config, where)
     dim, depth, heads = SIZES[match["size"]]
-    height, width = _side_pair(where, "img_size", args.get("img_size", int(match["image"])))
-    patch = _side_pair(where, "patch_size", args.get("patch_size", int(match["patch"])))
+    height, width = sides(where, "img_size", args.get("img_size", int(match["image"])))
+    patch = sides(where, "patch_size", args.get("patch_size", int(match["patch"])))
     if patch[0] != patch[1]:
         raise CheckpointError(
             f"{where}: patch_size {list(patch)}; only square patches are imported"

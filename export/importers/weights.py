@@ -80,6 +80,16 @@ def bounded_int(where: str, name: str, value: object, low: int, high: int) -> in
     return value
 
 
+def sides(where: str, name: str, value: object, high: int = 4096) -> tuple[int, int]:
+    """(height, width) from a pair or one side of a square, each in [1, high]."""
+    if isinstance(value, list | tuple) and len(value) == 2:
+        return bounded_int(where, name, value[0], 1, high), bounded_int(
+            where, name, value[1], 1, high
+        )
+    side = bounded_int(where, name, value, 1, high)
+    return side, side
+
+
 def checked_config(where: str, values: dict) -> ViTConfig:
     """A ViTConfig from a source's values, each within ``LIMITS`` and the whole model within
     ``MAX_PARAMETERS``, checked before the model is built."""
@@ -88,6 +98,10 @@ def checked_config(where: str, values: dict) -> ViTConfig:
     bounded_int(where, "image width", values["image_width"], 1, side)
     for name in ("dim", "depth", "heads", "mlp_dim", "patch_size", "num_classes"):
         bounded_int(where, name, values[name], 1, LIMITS[name])
+    if values["in_channels"] not in (1, 3):
+        raise CheckpointError(
+            f"{where}: {values['in_channels']} channels; served: 1 (grey) or 3 (RGB)"
+        )
     eps = values.get("layer_norm_eps", 1e-6)
     if not isinstance(eps, int | float) or isinstance(eps, bool) or not 0 < eps < 1:
         raise CheckpointError(f"{where}: layer norm epsilon must be in (0, 1), got {eps!r}")
