@@ -169,3 +169,20 @@ def test_an_imported_model_is_not_quantized(tmp_path, capsys):
     assert onnx_export.main([*argv, "--quantize", "int8"]) == 1
     assert "an imported checkpoint exports in float32" in capsys.readouterr().err
     assert not repo.exists()
+
+
+def test_half_precision_weights_are_widened_and_integer_ones_refused(tmp_path, capsys):
+    directory = timm_checkpoint(tmp_path)
+    edit_weights(directory, lambda state: state.update({k: v.half() for k, v in state.items()}))
+    half = load_file(str(directory / "model.safetensors"))
+    model = load_imported(directory).model
+    assert model.position_embedding.dtype == torch.float32
+    assert torch.equal(model.position_embedding, half["pos_embed"].float())
+    assert torch.equal(
+        model.blocks[1].attention.qkv.weight, half["blocks.1.attn.qkv.weight"].float()
+    )
+
+    edit_weights(
+        directory, lambda state: state.update({"head.bias": torch.zeros(3, dtype=torch.int64)})
+    )
+    assert "head.bias is not a floating-point tensor" in refused(directory, tmp_path, capsys)
