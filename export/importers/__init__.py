@@ -84,10 +84,13 @@ def load_imported(directory: str | Path) -> Imported:
         )
     preprocessing = checked_preprocessing(document, vit.in_channels, where)
     path = weight_file(directory)
-    model = VisionTransformer(vit)
+    # Built on the meta device, the model has shapes and no storage: nothing is allocated until the
+    # file's own header has shown that it holds every weight of the config, at its shape.
+    with torch.device("meta"):
+        model = VisionTransformer(vit)
     expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
     state = map_weights(str(path), Weights(path), layout, expected)
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(state, strict=True, assign=True)
     return Imported(
         model.eval(),
         labels,
