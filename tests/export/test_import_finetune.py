@@ -9,6 +9,8 @@ from safetensors.torch import load_file
 
 from export import train
 from export.checkpoint import file_sha256, load_checkpoint
+from export.lineage import training_stages
+from export.model_card import lineage_lines
 from export.sample_folders import write_shapes
 from tests.export.test_import_timm import write_checkpoint
 
@@ -44,3 +46,8 @@ def test_a_folder_run_starts_from_an_imported_checkpoint(tmp_path):
         ("position_embedding", "pos_embed"),
     ):
         torch.testing.assert_close(trained[ours], state[theirs], atol=1e-6, rtol=0)
+
+    # The model card's lineage: this run, started from the import, which is no run of ours.
+    stages = training_stages(out)
+    assert [stage.run_dir for stage in stages] == [out]
+    assert f"started from `{parent}`, a checkpoint of another library" in lineage_lines(stages)[0]
