@@ -37,6 +37,17 @@ class ViTConfig:
     attention_dropout: float = 0.0
     qkv_bias: bool = True
     layer_norm_eps: float = 1e-6
+    # A class token beside mean pooling (timm's ``global_pool='avg'`` with ``class_token=True``): it
+    # takes part in attention but no head reads it. None: as the pooling has it (token pooling
+    # reads one, mean pooling has none).
+    class_token: bool | None = None
+    # The final layer norm applied to what a head reads, after pooling, instead of to every token
+    # (timm's ``fc_norm``, its default with ``global_pool='avg'``).
+    pooled_norm: bool = False
+    # Whether a distillation token has a head of its own (DeiT's model "with teacher"). Without one
+    # the token only takes part in attention and the logits are the class head's (Hugging Face's
+    # ``DeiTForImageClassification``).
+    distillation_head: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -77,6 +88,18 @@ class ViTConfig:
             )
         if self.pooling not in ("token", "mean"):
             raise ValueError(f"pooling must be 'token' or 'mean', got {self.pooling!r}")
+        for name in ("qkv_bias", "pooled_norm", "distillation_head"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.class_token is not None and not isinstance(self.class_token, bool):
+            raise ValueError(f"class_token must be true, false or null, got {self.class_token!r}")
+        if self.pooling == "token" and self.class_token is False:
+            raise ValueError("token pooling reads the class token: class_token cannot be false")
+        if not self.distillation_head and not self.distillation_token:
+            raise ValueError("distillation_head false needs a distillation token")
+        eps = self.layer_norm_eps
+        if not isinstance(eps, int | float) or isinstance(eps, bool) or not 0.0 < eps < 1.0:
+            raise ValueError(f"layer_norm_eps must be in (0, 1), got {eps!r}")
         if self.position_embedding not in ("learned", "sinusoidal"):
             raise ValueError(
                 f"position_embedding must be 'learned' or 'sinusoidal', got {self.position_embedding!r}"
@@ -100,9 +123,13 @@ class ViTConfig:
         return rows * cols
 
     @property
+    def has_class_token(self) -> bool:
+        return self.pooling == "token" if self.class_token is None else self.class_token
+
+    @property
     def num_prefix_tokens(self) -> int:
         """The learned tokens before the patches: [class token] [distillation token]."""
-        return (1 if self.pooling == "token" else 0) + (1 if self.distillation_token else 0)
+        return (1 if self.has_class_token else 0) + (1 if self.distillation_token else 0)
 
     @property
     def num_tokens(self) -> int:
@@ -111,10 +138,16 @@ class ViTConfig:
 
     @property
     def map_tokens(self) -> int:
-        """The tokens of the attention maps the model reports (and exports): the class token, if
-        any, and the patches; a distillation token is left out (``VisionTransformer.forward_with_
-        attention``), so that the maps are the ones the service knows how to draw."""
+        """The tokens of the attention maps the model reports (and exports): the class token that
+        token pooling reads, if any, and the patches; a distillation token, and a class token that
+        no head reads, are left out (``VisionTransformer.forward_with_attention``), so that the
+        maps are the ones the service knows how to draw."""
         return self.num_patches + (1 if self.pooling == "token" else 0)
+
+    @property
+    def unmapped_tokens(self) -> range:
+        """The indices of the prefix tokens the attention maps leave out (``map_tokens``)."""
+        return range(1 if self.pooling == "token" else 0, self.num_prefix_tokens)
 
     @property
     def head_dim(self) -> int:

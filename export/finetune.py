@@ -10,15 +10,22 @@ image size, channels and classes, and starts from the parent's weights adapted t
 - a learned position table is resized to the new patch grid (bilinear), its class and
   distillation tokens' positions kept.
 
-Everything else is copied as it is.
+Everything else is copied as it is. The parent may also be a checkpoint imported from Hugging Face
+or timm (export/importers/): ``--init-from`` its directory.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
+from export.checkpoint import load_checkpoint, resolve_checkpoint
 from export.config import ViTConfig
+from export.importers import is_imported, load_imported
+from export.importers.weights import weight_file
 from export.model import VisionTransformer
 
 # The fields that make a model what it is: a fine-tuned model keeps the parent's.
@@ -37,6 +44,9 @@ ARCHITECTURE_FIELDS = (
     "attention_dropout",
     "qkv_bias",
     "layer_norm_eps",
+    "class_token",
+    "pooled_norm",
+    "distillation_head",
 )
 
 
@@ -52,6 +62,24 @@ def conflicting_fields(parent: ViTConfig, given: dict) -> list[str]:
         for name in own
         if name in given and given[name] != own[name]
     ]
+
+
+def parent_weights(init_from: str | Path) -> Path:
+    """The file a run starts from (its sha256 is recorded): a vitserve checkpoint, or the weights
+    file of an imported checkpoint's directory."""
+    if is_imported(init_from):
+        return weight_file(Path(init_from))
+    return resolve_checkpoint(init_from)
+
+
+def load_parent(weights: Path) -> tuple[VisionTransformer, dict[str, str]]:
+    """The parent model and its metadata (``dataset``, ``labels``) from ``parent_weights``' file;
+    an imported parent's dataset is its source, which no dataset of ours is named."""
+    if is_imported(weights.parent):
+        imported = load_imported(weights.parent)
+        source = f"{imported.library} {imported.architecture} ({weights.parent})"
+        return imported.model, {"dataset": source, "labels": json.dumps(imported.labels)}
+    return load_checkpoint(weights)
 
 
 def adapt_patch_weight(weight: torch.Tensor, channels: int, config: ViTConfig) -> torch.Tensor:

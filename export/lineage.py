@@ -11,7 +11,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from export.checkpoint import CheckpointError, file_sha256, resolve_checkpoint
+from export.checkpoint import CheckpointError, file_sha256
+from export.finetune import parent_weights
+from export.importers import is_imported
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,15 +61,16 @@ def locate_parent(init_from: str) -> Path:
     is relative to where training ran: the current directory, or else the repository root."""
     path = Path(init_from)
     try:
-        return resolve_checkpoint(path)
+        return parent_weights(path)
     except CheckpointError:
         if path.is_absolute() or not (REPO / path).exists():
             raise
-        return resolve_checkpoint(REPO / path)
+        return parent_weights(REPO / path)
 
 
 def training_stages(run_dir: Path) -> list[Stage]:
-    """The run and, first, every run it started from, each checked to hold the weights it gave."""
+    """The run and, first, every run it started from, each checked to hold the weights it gave. A
+    checkpoint imported from another library ends the lineage: it is no run of ours."""
     stages = [read_stage(run_dir)]
     while (init_from := stages[0].settings.get("init_from")) is not None:
         checkpoint = locate_parent(init_from)
@@ -77,6 +80,8 @@ def training_stages(run_dir: Path) -> list[Stage]:
                 f"{stages[0].run_dir} started from {checkpoint} with sha256 {recorded}, and that "
                 "file has changed since: the card could not say how the model was trained"
             )
+        if is_imported(checkpoint.parent):
+            break
         if len(stages) > 32:
             raise ValueError(f"{run_dir}: --init-from runs form a cycle")
         stages.insert(0, read_stage(checkpoint.parent))

@@ -5,9 +5,13 @@ Attention runs fused (``scaled_dot_product_attention``) unless the caller asks f
 probabilities, in which case the same weights run through the explicit ``softmax(q k^T / sqrt(d))``.
 
 The tokens are ``[class token] [distillation token] patches``. The class head reads the class token
-(token pooling) or the mean of the patches (mean pooling); the distillation head, when there is a
-distillation token, reads that token and is trained against a teacher (export/teacher.py). The
-logits are the mean of the two heads', so the model, and its exported graph, has one output.
+(token pooling) or the mean of the patches (mean pooling, where a class token, if there is one, only
+takes part in attention); the distillation head, when there is a distillation token, reads that
+token and is trained against a teacher (export/teacher.py). The logits are the mean of the two
+heads', so the model, and its exported graph, has one output. The final layer norm applies to every
+token, or (``pooled_norm``) to what each head reads.
+
+Checkpoints imported from Hugging Face and timm (export/importers/) are mapped onto this model.
 """
 
 from __future__ import annotations
@@ -143,7 +147,7 @@ class VisionTransformer(nn.Module):
         self.config = config
         self.patch_embedding = PatchEmbedding(config)
         self.class_token = (
-            nn.Parameter(torch.zeros(1, 1, config.dim)) if config.pooling == "token" else None
+            nn.Parameter(torch.zeros(1, 1, config.dim)) if config.has_class_token else None
         )
         self.distillation_token = (
             nn.Parameter(torch.zeros(1, 1, config.dim)) if config.distillation_token else None
@@ -170,7 +174,9 @@ class VisionTransformer(nn.Module):
             head_in = config.dim
         self.head = nn.Linear(head_in, config.num_classes)
         self.distillation_head = (
-            nn.Linear(head_in, config.num_classes) if config.distillation_token else None
+            nn.Linear(head_in, config.num_classes)
+            if config.distillation_token and config.distillation_head
+            else None
         )
         self.reset_parameters()
 
@@ -219,17 +225,21 @@ class VisionTransformer(nn.Module):
             x, probabilities = block(x, return_attention)
             if probabilities is not None:
                 maps.append(probabilities)
-        return self.norm(x), maps
+        return (x if self.config.pooled_norm else self.norm(x)), maps
+
+    def read(self, pooled: torch.Tensor) -> torch.Tensor:
+        """What a head reads: the pooled features, normalised here with ``pooled_norm``."""
+        return self.pre_logits(self.norm(pooled) if self.config.pooled_norm else pooled)
 
     def forward_head(self, features: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """The class head's logits (or, with ``pre_logits``, what it reads)."""
         c = self.config
         if c.pooling == "token":
             pooled = features[:, 0]
-        else:  # the patches' mean; a distillation token is the distillation head's
+        else:  # the patches' mean, without the class or distillation token
             patches = features[:, c.num_prefix_tokens :] if c.num_prefix_tokens else features
             pooled = patches.mean(dim=1)
-        pooled = self.pre_logits(pooled)
+        pooled = self.read(pooled)
         return pooled if pre_logits else self.head(pooled)
 
     def forward_heads(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -241,7 +251,7 @@ class VisionTransformer(nn.Module):
         if self.distillation_head is None:
             return None
         index = self.config.num_prefix_tokens - 1  # the distillation token is the last of them
-        return self.distillation_head(self.pre_logits(features[:, index]))
+        return self.distillation_head(self.read(features[:, index]))
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """The class head's logits, averaged with the distillation head's when there is one."""
@@ -254,13 +264,14 @@ class VisionTransformer(nn.Module):
 
     def forward_with_attention(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and attention probabilities, shape (batch, layers, heads, tokens, tokens), over
-        the class token (if any) and the patches: ``config.map_tokens`` of them. A distillation
-        token's row and column are left out and each row renormalised to sum to 1: the attention
+        the class token that token pooling reads (if any) and the patches: ``config.map_tokens``
+        of them. The other prefix tokens' rows and columns (a distillation token, a class token
+        beside mean pooling) are left out and each row renormalised to sum to 1: the attention
         among the tokens the service draws maps of (service/contract/attention_maps.py)."""
         features, maps = self.forward_features(images, return_attention=True)
         attention = torch.stack(maps, dim=1)
-        if self.distillation_token is not None:
-            attention = without_token(attention, self.config.num_prefix_tokens - 1)
+        if self.config.unmapped_tokens:
+            attention = without_tokens(attention, self.config.unmapped_tokens)
         return self.logits(features), attention
 
     def get_attention_output(self, images: torch.Tensor, layer: int, head: int) -> torch.Tensor:
@@ -276,12 +287,15 @@ class VisionTransformer(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
 
-def without_token(attention: torch.Tensor, index: int) -> torch.Tensor:
-    """Attention probabilities (..., tokens, tokens) without token ``index``'s row and column, each
-    row renormalised to sum to 1."""
-    kept = [i for i in range(attention.shape[-1]) if i != index]
+def without_tokens(attention: torch.Tensor, indices) -> torch.Tensor:
+    """Attention probabilities (..., tokens, tokens) without the rows and columns of the tokens at
+    ``indices``, each row renormalised to sum to 1 (a row whose kept tokens drew no attention at
+    all, every probability underflowed to 0, stays 0 rather than 0 / 0)."""
+    left_out = set(indices)
+    kept = [i for i in range(attention.shape[-1]) if i not in left_out]
     attention = attention[..., kept, :][..., kept]
-    return attention / attention.sum(dim=-1, keepdim=True)
+    total = attention.sum(dim=-1, keepdim=True)
+    return attention / total.clamp_min(torch.finfo(attention.dtype).tiny)
 
 
 class WithAttention(nn.Module):

@@ -174,6 +174,13 @@ def quantization_lines(
 def lineage_lines(stages: list[Stage]) -> list[str]:
     """Where the weights came from besides the data: a parent trained on other data, a teacher."""
     lines = []
+    imported_from = stages[0].settings.get("init_from")
+    if imported_from is not None:  # a lineage starts from a parent of ours only at an import
+        lines.append(
+            f"- Fine-tuned: `{stages[0].run_dir}` started from `{imported_from}`, a checkpoint "
+            "of another library imported by export/importers/; its head was initialised afresh "
+            "where the classes differ."
+        )
     for earlier, stage in pairwise(stages):
         before, after = earlier.settings, stage.settings
         if (before.get("dataset"), before.get("data_dir")) != (after["dataset"], after["data_dir"]):

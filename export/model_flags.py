@@ -30,6 +30,9 @@ ARCHITECTURE_FLAGS = {
     "attention_dropout": "--attention-dropout",
     "qkv_bias": "--qkv-bias",
     "layer_norm_eps": "--layer-norm-eps",
+    "class_token": "--class-token",
+    "pooled_norm": "--pooled-norm",
+    "distillation_head": "--distillation-head",
 }
 IMAGE_FLAGS = {
     "in_channels": "--channels",
@@ -92,6 +95,24 @@ def add_architecture_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-dropout", type=float, **unset)
     group.add_argument("--qkv-bias", action=argparse.BooleanOptionalAction, **unset)
     group.add_argument("--layer-norm-eps", type=float, **unset)
+    group.add_argument(
+        "--class-token",
+        action=argparse.BooleanOptionalAction,
+        help="a class token beside mean pooling (token pooling always has one)",
+        **unset,
+    )
+    group.add_argument(
+        "--pooled-norm",
+        action=argparse.BooleanOptionalAction,
+        help="the final layer norm on what a head reads, after pooling (timm's fc_norm)",
+        **unset,
+    )
+    group.add_argument(
+        "--distillation-head",
+        action=argparse.BooleanOptionalAction,
+        help="whether the distillation token has a head of its own (default: yes)",
+        **unset,
+    )
 
 
 def read_config_file(path: Path) -> dict:

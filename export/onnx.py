@@ -12,6 +12,12 @@ Writes (Triton layout, see docs/model-repository.md)::
 Nothing is written unless both graphs pass the ONNX checker and match PyTorch on real images at
 batch sizes 1, 7 and 64 (export/onnx_graphs.py). ``--quantize int8`` writes an int8 classifier
 instead (export/quantize.py).
+
+CHECKPOINT may also be another library's checkpoint directory (export/importers/): a Hugging Face
+ViT or DeiT saved with ``save_pretrained`` (with its ``preprocessor_config.json``), or a timm
+``vit_*`` / ``deit_*`` checkpoint in timm's hub layout. Its version is written the same way, with
+its labels and preprocessing taken from the checkpoint, seeded images for the check against
+PyTorch, and ``<repo>/<name>/MODEL_CARD.md`` naming the source.
 """
 
 from __future__ import annotations
@@ -24,12 +30,15 @@ from pathlib import Path
 from export import quantize
 from export.checkpoint import CheckpointError, file_sha256, load_checkpoint, resolve_checkpoint
 from export.data import DatasetError, load_test_split, normalize, spec_from_metadata
+from export.importers import card as import_card
+from export.importers import is_imported, load_imported, probe_images
 from export.onnx_graphs import (
     VERIFY_BATCH_SIZES,
     VerificationError,
     build_graphs,
     classifier_graph,
     describe,
+    graph_document,
     measure_accuracy,
     verify,
     with_metadata,
@@ -49,6 +58,8 @@ def export_model(
     measure: bool = True,
 ) -> dict:
     """Export, verify and write a checkpoint; returns the metadata document and the figures."""
+    if is_imported(checkpoint):
+        return export_imported(checkpoint, name, version, repo, overwrite)
     path = resolve_checkpoint(checkpoint)
     model, metadata = load_checkpoint(path)
     spec = spec_from_metadata(metadata)
@@ -86,13 +97,52 @@ def export_model(
     return {"path": str(written), "test_accuracy": accuracy, "verification": figures}
 
 
+def export_imported(
+    source: str | Path, name: str, version: int, repo: str | Path, overwrite: bool = False
+) -> dict:
+    """Export, verify and write another library's checkpoint, and its model card."""
+    version_dir = Path(repo) / name / str(version)
+    if version_dir.exists() and not overwrite:
+        raise FileExistsError(
+            f"{version_dir} already exists; pass --overwrite to replace it or choose another --version"
+        )
+    imported = load_imported(source)
+    model = imported.model
+    graphs = build_graphs(model)
+    images = probe_images(model, imported.preprocessing, max(VERIFY_BATCH_SIZES))
+    figures = verify(model, graphs, images)
+    for graph_name, proto in (("classifier", graphs.classifier), ("attention", graphs.attention)):
+        document = graph_document(
+            *(model, imported.preprocessing, imported.labels, name, version, graph_name),
+            imported.weights_sha256,
+            source=imported.source,
+        )
+        with_metadata(proto, document)
+    c = model.config
+    files = {"model.onnx": graphs.classifier, "attention.onnx": graphs.attention}
+    dims = (c.in_channels, c.image_height, c.image_width)
+    written = write_version(Path(repo), name, version, files, imported.labels, dims, overwrite)
+    card = Path(repo) / name / "MODEL_CARD.md"
+    card.write_text(import_card.render(imported, Path(source), name, version, figures))
+    return {
+        "path": str(written),
+        "source": imported.source,
+        "preprocessing": imported.preprocessing,
+        "verification": figures,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m export.onnx",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("checkpoint", help="a .safetensors checkpoint or a run directory")
+    parser.add_argument(
+        "checkpoint",
+        help="a .safetensors checkpoint, a run directory, or a Hugging Face or timm checkpoint "
+        "directory",
+    )
     parser.add_argument("--name", required=True, help="model name in the repository")
     parser.add_argument("--version", required=True, type=int, help="integer version, 1 or more")
     parser.add_argument("--repo", default="models", help="model repository directory")
@@ -106,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         parser.error(f"--name may hold letters, digits, '-', '_' and '.', got {args.name!r}")
     try:
+        if args.quantize and is_imported(args.checkpoint):
+            raise CheckpointError(
+                f"{args.checkpoint}: --quantize calibrates on a vitserve run's training images; "
+                "an imported checkpoint exports in float32"
+            )
         if args.quantize:
             result = quantize.export_quantized(
                 *(args.checkpoint, args.name, args.version, args.repo, args.data_dir),

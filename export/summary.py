@@ -23,7 +23,7 @@ from export.checkpoint import load_checkpoint, resolve_checkpoint
 from export.cli import command_parser, exit_status
 from export.config import PRESETS, ViTConfig, get_preset
 from export.data import spec_from_metadata
-from export.model import VisionTransformer, patchify, without_token
+from export.model import VisionTransformer, patchify, without_tokens
 
 
 @dataclass(frozen=True)
@@ -135,12 +135,15 @@ def _trace(model: VisionTransformer, images: torch.Tensor) -> list[tuple[str, tu
         record(f"{prefix} output", x)
         maps.append(probabilities)
 
-    features = model.norm(x)
-    record("final norm", features)
+    features = x if config.pooled_norm else model.norm(x)
+    if not config.pooled_norm:
+        record("final norm", features)
     patches = features[:, config.num_prefix_tokens :]
     pooled = features[:, 0] if config.pooling == "token" else patches.mean(dim=1)
     record(f"pooled ({config.pooling})", pooled)
-    representation = model.pre_logits(pooled)
+    if config.pooled_norm:
+        record("final norm (of the pooled features)", model.norm(pooled))
+    representation = model.read(pooled)
     if config.representation_size is not None:
         record("pre-logits (Linear + Tanh)", representation)
     logits = model.head(representation)
@@ -149,10 +152,11 @@ def _trace(model: VisionTransformer, images: torch.Tensor) -> list[tuple[str, tu
         record("class head logits", logits)
         token = features[:, config.num_prefix_tokens - 1]
         record("distillation token", token)
-        distilled = model.distillation_head(model.pre_logits(token))
+        distilled = model.distillation_head(model.read(token))
         record("distillation head logits", distilled)
         logits = (logits + distilled) / 2
-        attention = without_token(attention, config.num_prefix_tokens - 1)
+    if config.unmapped_tokens:
+        attention = without_tokens(attention, config.unmapped_tokens)
     record("logits", logits)
     record("attention maps (batch, layers, heads, tokens, tokens)", attention)
     if not torch.allclose(logits, model(images), atol=1e-4, rtol=1e-4):

@@ -23,9 +23,6 @@ from export.augment import augmentation_for
 from export.checkpoint import (
     CheckpointError,
     file_sha256,
-    load_checkpoint,
-    read_metadata,
-    resolve_checkpoint,
 )
 from export.config import ViTConfig
 from export.data import (
@@ -38,7 +35,7 @@ from export.data import (
     spec_from_dict,
     train_validation_split,
 )
-from export.finetune import architecture, conflicting_fields
+from export.finetune import architecture, conflicting_fields, load_parent, parent_weights
 from export.folder import FolderLayout, folder_spec, load_folder, measure_mean_std, scan_folder
 from export.folder_defaults import choose, describe, survey
 from export.model_flags import dataset_fitted
@@ -89,8 +86,8 @@ def check_same_validation_split(settings: TrainSettings, checkpoint: Path) -> No
 def fine_tuning(settings: TrainSettings, checkpoint: Path) -> tuple[TrainSettings, bool]:
     """(settings, True) when the parent was trained on other data: the run keeps the parent's
     architecture at this dataset's size, channels and classes (export/finetune.py)."""
-    parent = load_checkpoint(checkpoint)[0].config
-    metadata = read_metadata(checkpoint)
+    parent_model, metadata = load_parent(checkpoint)
+    parent = parent_model.config
     same = metadata["dataset"] == settings.dataset
     if same and settings.dataset == FOLDER:
         recorded = json.loads(metadata.get("dataset_spec", "{}")).get("default_dir")
@@ -234,7 +231,7 @@ def prepare(
         )
     initial_weights, fine_tune = None, False
     if resume is None and settings.init_from is not None:
-        initial_weights = resolve_checkpoint(settings.init_from)
+        initial_weights = parent_weights(settings.init_from)
         settings, fine_tune = fine_tuning(settings, initial_weights)
         if not fine_tune:
             check_same_validation_split(settings, initial_weights)

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from export.augment import augmentation_for
-from export.checkpoint import load_checkpoint, load_optimizer, save_checkpoint, save_optimizer
+from export.checkpoint import load_optimizer, save_checkpoint, save_optimizer
 from export.data import FOLDER, DatasetSpec, Split, normalize, spec_to_json
-from export.finetune import adapt
+from export.finetune import adapt, load_parent
 from export.model import VisionTransformer
 from export.schedule import cosine_learning_rate
 from export.teacher import distillation_loss
@@ -175,7 +175,7 @@ class Trainer:
     def load_initial_weights(self, checkpoint: Path, fine_tune: bool = False) -> None:
         """Weights of a trained checkpoint: of this run's architecture and dataset for a warm
         restart, or (``fine_tune``) of another dataset, adapted to this one's."""
-        model, metadata = load_checkpoint(checkpoint)
+        model, metadata = load_parent(checkpoint)
         if fine_tune:
             same_classes = json.loads(metadata["labels"]) == list(self.spec.labels)
             adapted = adapt(model, self.model, same_classes)

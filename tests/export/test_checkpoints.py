@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from export.checkpoint import (
     CheckpointError,
     file_sha256,
     load_checkpoint,
     load_optimizer,
+    read_metadata,
     save_checkpoint,
     save_optimizer,
 )
@@ -146,6 +147,27 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path, tiny_config):
     save_with_config(path, tiny_config, tiny_config.replace(dim=64).to_json())
     with pytest.raises(CheckpointError, match="weights do not fit the config"):
         load_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda state: state.pop("blocks.1.mlp.fc2.bias"), "Missing key(s) in state_dict: "),
+        (lambda state: state.update(extra=torch.zeros(3)), "Unexpected key(s) in state_dict: "),
+    ],
+)
+def test_a_missing_or_extra_weight_is_refused_with_its_name(tmp_path, tiny_config, change, named):
+    path = tmp_path / "model.safetensors"
+    model = VisionTransformer(tiny_config)
+    save_checkpoint(model, path, "fashion-mnist", FASHION_MNIST_LABELS)
+    state = load_file(str(path))
+    change(state)
+    metadata = read_metadata(path)
+    save_file(state, str(path), metadata=metadata)
+    with pytest.raises(CheckpointError, match="weights do not fit the config") as error:
+        load_checkpoint(path)
+    name = "blocks.1.mlp.fc2.bias" if "Missing" in named else "extra"
+    assert f'{named}"{name}"' in str(error.value)
 
 
 def test_a_config_that_is_not_a_vit_config_is_refused_with_its_path(tmp_path, tiny_config):

@@ -18,7 +18,7 @@ from export.checkpoint import load_checkpoint, read_metadata, save_checkpoint
 from export.config import ViTConfig
 from export.data import FASHION_MNIST_LABELS, get_dataset_spec, load_test_split, normalize
 from export.finetune import adapt
-from export.model import VisionTransformer, without_token
+from export.model import VisionTransformer, without_tokens
 from export.summary import trace_shapes
 from export.teacher import distillation_loss
 from service.contract.attention_maps import attention_map
@@ -121,7 +121,7 @@ def test_the_maps_leave_the_distillation_token_out_and_stay_probabilities(poolin
         maps[0].detach().numpy(), method="rollout", layer=1, head=None, pooling=pooling, grid=(4, 4)
     )
     assert drawn.shape == (4, 4)
-    torch.testing.assert_close(without_token(raw, index), expected)
+    torch.testing.assert_close(without_tokens(raw, [index]), expected)
 
 
 def test_a_checkpoint_keeps_the_token_and_its_head(tmp_path):
