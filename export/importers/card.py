@@ -19,8 +19,12 @@ def render(imported: Imported, source_dir: Path, name: str, version: int, figure
     worst_logits = max(row["logits_max_abs_diff"] for row in figures.values())
     worst_maps = max(row["attention_max_abs_diff"] for row in figures.values())
     pre = imported.preprocessing
+    size = f"{model.config.image_height}x{model.config.image_width}"
+    resize_to = pre.get("resize_to")
     geometry = {
-        "resize": f"resize to {model.config.image_height}x{model.config.image_width}",
+        "resize": f"resize to {resize_to[0]}x{resize_to[1]}, then crop the centre {size}"
+        if resize_to
+        else f"resize to {size}",
         "resize-crop": f"resize the shorter side to {pre.get('shorter_side')}, then crop the "
         f"centre {model.config.image_height}x{model.config.image_width}",
         "fit-pad": "fit inside the input and pad",

@@ -172,7 +172,8 @@ def preprocessing(processor: dict, config: ViTConfig, where: str) -> tuple[dict,
         )
     size = _size(where, "size", processor.get("size", {"height": 224, "width": 224}))
     crop = processor.get("do_center_crop", False)
-    document: dict = {"resample": resample}
+    # Hugging Face's center_crop starts at (h - H) // 2.
+    document: dict = {"resample": resample, "crop_offset": "floor"}
     if not processor.get("do_resize", True):
         notes.append(
             "the processor does not resize (do_resize false); the service resizes to the input"
@@ -192,17 +193,13 @@ def preprocessing(processor: dict, config: ViTConfig, where: str) -> tuple[dict,
             raise CheckpointError(
                 f"{where}: crop_size {crop_size} is not the model's input {input_size}"
             )
-        if size == crop_size:
-            document["resize"] = "resize"
-        else:
-            # The processor squashes the image to size, then crops; the service keeps the aspect
-            # ratio: the same pixels for a square image.
-            document.update(resize="resize-crop", shorter_side=min(size))
-            notes.append(
-                f"the processor resizes to {size[0]}x{size[1]} (squashing the aspect ratio), then "
-                f"crops the centre; the service resizes the shorter side to {min(size)} keeping the "
-                "aspect ratio, then crops: the same for square images"
-            )
+        document["resize"] = "resize"
+        if size != crop_size:  # squashed to size, then the centre crop (DeiT: 256 x 256, then 224)
+            if size[0] < crop_size[0] or size[1] < crop_size[1]:
+                raise CheckpointError(
+                    f"{where}: the resize to {size} is smaller than the crop {crop_size}"
+                )
+            document["resize_to"] = list(size)
     else:
         document["resize"] = "resize"
         if size != input_size:

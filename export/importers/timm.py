@@ -258,10 +258,14 @@ def preprocessing(config: dict, vit: ViTConfig, where: str) -> tuple[dict, list[
         raise CheckpointError(f"{where}: crop_mode {mode!r}; timm's are center, squash, border")
     notes = []
     scaled = [math.floor(side / crop_pct) for side in (vit.image_height, vit.image_width)]
-    if mode == "squash" and crop_pct == 1:
-        geometry = {"resize": "resize"}
+    # torchvision's CenterCrop, which timm's transforms end with, rounds its offset half to even.
+    geometry: dict = {"crop_offset": "round"}
+    if mode == "squash":  # each side scaled to size / crop_pct, then the centre crop
+        geometry["resize"] = "resize"
+        if scaled != [vit.image_height, vit.image_width]:
+            geometry["resize_to"] = scaled
     else:
-        geometry = {"resize": "resize-crop", "shorter_side": max(scaled)}
+        geometry.update(resize="resize-crop", shorter_side=max(scaled))
         if mode != "center" or scaled[0] != scaled[1]:
             notes.append(
                 f"timm's crop_mode {mode!r} at {vit.image_height}x{vit.image_width} is served as a "

@@ -62,7 +62,7 @@ CASES = {
         DeiTImageProcessorPil(
             size={"height": 36, "width": 36}, crop_size={"height": 32, "width": 32}
         ),
-        {"resize": "resize-crop", "shorter_side": 36},
+        {"resize": "resize", "resize_to": (36, 36), "crop_offset": "floor"},
     ),
 }
 LABELS = ["tabby cat", "crane", "crane", "sports car"]  # ImageNet names two classes "crane"

@@ -23,8 +23,13 @@ IMAGENET = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
         # facebook/deit-*-224's legacy form: a bare 256 (a square), then the centre 224
         (
             {"size": 256, "crop_size": 224, "do_center_crop": True, "resample": 3},
-            {"resize": "resize-crop", "shorter_side": 256, "resample": "bicubic"},
-            True,
+            {
+                "resize": "resize",
+                "resize_to": [256, 256],
+                "resample": "bicubic",
+                "crop_offset": "floor",
+            },
+            False,
         ),
         (
             {
@@ -52,6 +57,7 @@ def test_hugging_face_processors(processor, geometry, noted):
         {"resample": 5},  # PIL's HAMMING: no filter of the service
         {"size": {"shortest_edge": 200}, "crop_size": 224, "do_center_crop": True},
         {"size": 256, "crop_size": 192, "do_center_crop": True},
+        {"size": {"height": 200, "width": 256}, "crop_size": 224, "do_center_crop": True},
     ],
 )
 def test_hugging_face_processors_the_service_cannot_follow_are_refused(processor):
@@ -63,11 +69,25 @@ def test_hugging_face_processors_the_service_cannot_follow_are_refused(processor
     ("pretrained", "geometry", "noted"),
     [
         # timm's defaults: crop_pct 0.875, centre, bilinear: floor(224 / 0.875) = 256
-        ({}, {"resize": "resize-crop", "shorter_side": 256, "resample": "bilinear"}, False),
+        (
+            {},
+            {
+                "resize": "resize-crop",
+                "shorter_side": 256,
+                "resample": "bilinear",
+                "crop_offset": "round",
+            },
+            False,
+        ),
         # vit_*.augreg: crop_pct 0.9, bicubic: floor(224 / 0.9) = floor(248.9) = 248
         ({"crop_pct": 0.9, "interpolation": "bicubic"}, {"shorter_side": 248}, False),
         ({"crop_pct": 1.0, "crop_mode": "squash"}, {"resize": "resize"}, False),
-        ({"crop_pct": 0.95, "crop_mode": "squash"}, {"shorter_side": 235}, True),
+        # squash: each side to floor(224 / 0.95) = 235, then the centre 224
+        (
+            {"crop_pct": 0.95, "crop_mode": "squash"},
+            {"resize": "resize", "resize_to": [235, 235]},
+            False,
+        ),
         ({"crop_pct": 1.0, "crop_mode": "border"}, {"shorter_side": 224}, True),
         ({"mean": [0.5] * 3, "std": [0.5] * 3}, {"mean": [0.5] * 3, "scale": 1 / 255}, False),
     ],
