@@ -32,6 +32,10 @@ TEST_REQS := requirements/serve.txt requirements/export.txt requirements/dev.txt
 req_hash = $(shell cat $(1) | sha256sum | cut -c1-16)
 SERVE_STAMP := $(VENV)/.installed-serve-$(call req_hash,$(SERVE_REQS))
 TEST_STAMP := $(VENV)/.installed-test-$(call req_hash,$(TEST_REQS))
+# make image-test: the Compose CLI and the clients its checks use, never torch (the export image
+# brings its own).
+IMAGE_TEST_REQS := requirements/serve.txt requirements/dev.txt
+IMAGE_TEST_STAMP := $(VENV)/.installed-image-test-$(call req_hash,$(IMAGE_TEST_REQS))
 
 # The Kubernetes version the manifests in deploy/kubernetes/ are validated against (kubernetes-validate
 # ships its schemas, so the check needs no cluster and no network).
@@ -58,6 +62,11 @@ $(VPY):
 $(SERVE_STAMP): | $(VPY)
 	$(PIP) -r $(SERVE_REQS)
 	rm -f $(VENV)/.installed-serve-*
+	touch $@
+
+$(IMAGE_TEST_STAMP): | $(VPY)
+	$(PIP) $(addprefix -r ,$(IMAGE_TEST_REQS))
+	rm -f $(VENV)/.installed-image-test-*
 	touch $@
 
 $(TEST_STAMP): | $(VPY)
@@ -155,7 +164,7 @@ docker-build: ## Build the three images (needs a Docker engine with BuildKit).
 # Where no Docker daemon answers: podman (its Docker API drives the Compose CLI), runc, and mmdebstrap
 # for a stand-in base image where no registry can be reached (deploy/image_test/, docs/containers.md).
 IMAGE_TEST_PACKAGES := podman runc mmdebstrap uidmap slirp4netns fuse-overlayfs
-image-test: $(TEST_STAMP) dataset ## Build the CPU service and export images, run them with compose and check them (docs/containers.md).
+image-test: $(IMAGE_TEST_STAMP) dataset ## Build the CPU service and export images, run them with compose and check them (docs/containers.md).
 	@if timeout 30 docker info >/dev/null 2>&1; then echo "Docker: its daemon answers"; \
 	elif command -v podman >/dev/null && command -v runc >/dev/null && command -v mmdebstrap >/dev/null; then \
 		echo "podman: $$(command -v podman)"; \
