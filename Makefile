@@ -32,6 +32,10 @@ TEST_REQS := requirements/serve.txt requirements/export.txt requirements/dev.txt
 req_hash = $(shell cat $(1) | sha256sum | cut -c1-16)
 SERVE_STAMP := $(VENV)/.installed-serve-$(call req_hash,$(SERVE_REQS))
 TEST_STAMP := $(VENV)/.installed-test-$(call req_hash,$(TEST_REQS))
+# make image-test: the Compose CLI and the clients its checks use, never torch (the export image
+# brings its own).
+IMAGE_TEST_REQS := requirements/serve.txt requirements/dev.txt
+IMAGE_TEST_STAMP := $(VENV)/.installed-image-test-$(call req_hash,$(IMAGE_TEST_REQS))
 
 # The Kubernetes version the manifests in deploy/kubernetes/ are validated against (kubernetes-validate
 # ships its schemas, so the check needs no cluster and no network).
@@ -46,7 +50,7 @@ apt_install = export DEBIAN_FRONTEND=noninteractive; \
 	|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends $(1); }
 
 .PHONY: help serve test lint format hadolint compose-check k8s-check pytest dataset chromium hey train \
-	export bench mutation docker-build clean
+	export bench mutation docker-build image-test clean
 
 help: ## List the targets.
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -58,6 +62,11 @@ $(VPY):
 $(SERVE_STAMP): | $(VPY)
 	$(PIP) -r $(SERVE_REQS)
 	rm -f $(VENV)/.installed-serve-*
+	touch $@
+
+$(IMAGE_TEST_STAMP): | $(VPY)
+	$(PIP) $(addprefix -r ,$(IMAGE_TEST_REQS))
+	rm -f $(VENV)/.installed-image-test-*
 	touch $@
 
 $(TEST_STAMP): | $(VPY)
@@ -82,8 +91,9 @@ format: $(TEST_STAMP) ## Fix what ruff can and format the code.
 hadolint: $(TEST_STAMP) ## Lint the Dockerfile (rules in .hadolint.yaml).
 	$(BIN)/hadolint Dockerfile
 
-compose-check: $(TEST_STAMP) ## Validate docker-compose.yml (no Docker engine needed).
-	$(BIN)/docker-compose -f docker-compose.yml --profile cpu --profile export config --quiet
+compose-check: $(TEST_STAMP) ## Validate docker-compose.yml, alone and with compose.cpu.yaml (no Docker engine needed).
+	$(BIN)/docker-compose -f docker-compose.yml --profile export --profile export-gpu config --quiet
+	$(BIN)/docker-compose -f docker-compose.yml -f compose.cpu.yaml --profile export config --quiet
 
 # Every file there holds complete resources of the core API; deploy/kserve/'s InferenceService is a
 # CRD, which kubernetes-validate has no schema for: tests/delivery/test_kubernetes.py checks it.
@@ -151,6 +161,17 @@ docker-build: ## Build the three images (needs a Docker engine with BuildKit).
 	docker build --target service --build-arg VARIANT=gpu -t vitserve:gpu .
 	docker build --target export -t vitserve:export .
 
+# Where no Docker daemon answers: podman (its Docker API drives the Compose CLI), runc, and mmdebstrap
+# for a stand-in base image where no registry can be reached (deploy/image_test/, docs/containers.md).
+IMAGE_TEST_PACKAGES := podman runc mmdebstrap uidmap slirp4netns fuse-overlayfs
+image-test: $(IMAGE_TEST_STAMP) dataset ## Build the CPU service and export images, run them with compose and check them (docs/containers.md).
+	@if timeout 30 docker info >/dev/null 2>&1; then echo "Docker: its daemon answers"; \
+	elif command -v podman >/dev/null && command -v runc >/dev/null && command -v mmdebstrap >/dev/null; then \
+		echo "podman: $$(command -v podman)"; \
+	else $(call apt_install,$(IMAGE_TEST_PACKAGES)); fi
+	$(VPY) -m deploy.image_test
+
 clean: ## Remove the virtual environments, caches and test artifacts (never runs/ or models/).
 	rm -rf $(VENV) .venv-mosec .venv-triton .pytest_cache .ruff_cache .hypothesis test-artifacts mutants
+	rm -f wheels/*.whl
 	find . -path ./runs -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

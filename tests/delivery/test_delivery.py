@@ -234,12 +234,13 @@ def test_make_test_runs_every_test_once_the_timed_ones_alone():
     assert collected("not serial") == set(untimed)
 
 
-def test_ci_runs_make_test_and_nothing_else():
+def test_ci_runs_make_test_then_the_image_test_and_nothing_else():
     script = (ROOT / ".ci" / "run").read_text()
     assert "set -euo pipefail" in script
     code = [line.strip() for line in script.splitlines() if not line.strip().startswith("#")]
-    assert "exec make test" in code or "make test" in code
-    assert not any(re.search(r"\b(pytest|ruff|hadolint)\b", line) for line in code)
+    makes = [line for line in code if re.search(r"\bmake (test|image-test)\b", line)]
+    assert makes == ["make test", "exec make image-test"]
+    assert not any(re.search(r"\b(pytest|ruff|hadolint|podman|docker)\b", line) for line in code)
 
 
 # --- requirements ---------------------------------------------------------------------------
@@ -585,7 +586,7 @@ def test_the_export_image_holds_every_package_export_imports():
     copies = [args for name, args in dockerfile_stages()["export"] if name == "COPY"]
     for package in first_party:
         assert any(f"{package}/ /app/{package}/" in args for args in copies), (package, copies)
-    installs = " ".join(args for name, args in dockerfile_stages()["builder-export"])
+    installs = " ".join(args for name, args in dockerfile_stages()["export"])
     assert "serve.txt" in installs and "export.txt" in installs
 
 
