@@ -85,18 +85,65 @@ def hold_grpc(host: str, port: int) -> list[socket.socket]:
 
 
 def _bound(
-    family: socket.AddressFamily, host: str, port: int, dual_stack: bool = False
+    family: socket.AddressFamily,
+    host: str,
+    port: int,
+    dual_stack: bool = False,
+    reuse_address: bool = False,
 ) -> socket.socket:
     held = socket.socket(family, socket.SOCK_STREAM)
     try:
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_address:
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if dual_stack:
             held.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        held.bind((host, port))
+        try:
+            held.bind((host, port))
+        except OSError as error:
+            # check_free passed, so only the port's past connections in TIME_WAIT (a service
+            # restarted after serving gRPC clients) refuse the strict bind, for up to a minute:
+            # hold it with SO_REUSEADDR until tighten() can replace it.
+            if error.errno != errno.EADDRINUSE or reuse_address:
+                raise
+            held.close()
+            return _bound(family, host, port, dual_stack, reuse_address=True)
     except OSError:
         held.close()
         raise
     return held
+
+
+def is_loose(held: socket.socket) -> bool:
+    """Whether ``held`` was bound with SO_REUSEADDR (see :func:`_bound`)."""
+    return bool(held.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR))
+
+
+def tighten(held: list[socket.socket]) -> list[socket.socket]:
+    """``held`` with each socket bound with SO_REUSEADDR replaced, where the kernel now allows it, by
+    one bound without (bound beside it first, as both have SO_REUSEPORT, so the port is never free)."""
+    result = []
+    for socket_ in held:
+        if not is_loose(socket_):
+            result.append(socket_)
+            continue
+        host, port = socket_.getsockname()[:2]
+        dual_stack = socket_.family == socket.AF_INET6 and not socket_.getsockopt(
+            socket.IPPROTO_IPV6, socket.IPV6_V6ONLY
+        )
+        strict = socket.socket(socket_.family, socket.SOCK_STREAM)
+        try:
+            strict.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if dual_stack:
+                strict.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            strict.bind((host, port))
+        except OSError:
+            strict.close()
+            result.append(socket_)
+            continue
+        socket_.close()
+        result.append(strict)
+    return result
 
 
 def check_free(host: str, port: int) -> None:

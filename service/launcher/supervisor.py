@@ -34,7 +34,7 @@ from types import FrameType
 from service.frontend.probes import STALL_S, ProbeListener
 from service.launcher import processes, run_directory
 from service.launcher.health import STARTING, HealthBoard, SupervisedHealth
-from service.launcher.ports import hold_grpc, listen
+from service.launcher.ports import hold_grpc, is_loose, listen, tighten
 from service.link.arena import unlink_blocks
 from service.link.wire import Addresses
 from service.settings import Settings
@@ -167,6 +167,12 @@ class Supervisor:
             if settings.grpc_port:
                 port = f"gRPC port {settings.grpc_port}"
                 self.grpc_hold = hold_grpc(settings.host, settings.grpc_port)
+                if any(is_loose(held) for held in self.grpc_hold):
+                    logger.warning(
+                        "gRPC port %s: connections of a previous server are in TIME_WAIT; held "
+                        "with SO_REUSEADDR until they end (up to a minute)",
+                        settings.grpc_port,
+                    )
             if settings.health_port:
                 port = f"health port {settings.health_port}"
                 self.probes = ProbeListener(settings.host, settings.health_port, self.health)
@@ -236,6 +242,7 @@ class Supervisor:
             watched = {self.engine.sentinel: self.engine}
             watched.update({p.sentinel: p for p in self.front_ends.values()})
             self._kill_stalled()
+            self._tighten_grpc_hold()
             for ready in wait([wake, *watched], timeout=1.0):
                 if ready == wake:
                     with contextlib.suppress(BlockingIOError):
@@ -282,6 +289,13 @@ class Supervisor:
                     time.sleep(delay)
                     self._start_front_end(slot)
         return 0
+
+    def _tighten_grpc_hold(self) -> None:
+        """Rebind the gRPC port's hold without SO_REUSEADDR once its TIME_WAIT has passed."""
+        if any(is_loose(held) for held in self.grpc_hold):
+            self.grpc_hold = tighten(self.grpc_hold)
+            if not any(is_loose(held) for held in self.grpc_hold):
+                logger.info("gRPC port %s: held strictly again", self.settings.grpc_port)
 
     def _shutdown(self) -> None:
         """Front ends drain and exit, then the engine runs what is left and exits."""

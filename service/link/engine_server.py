@@ -95,9 +95,10 @@ class EngineServer:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # the socket of an engine that died
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(
-            lambda: wire.Link(protocol.to_engine, self.take, self._lost), path
-        )
+        with wire.socket_path(path) as address:
+            self._server = await loop.create_unix_server(
+                lambda: wire.Link(protocol.to_engine, self.take, self._lost), address
+            )
         self._tasks = [loop.create_task(self._publish(), name="engine-tables")]
 
     async def close(self) -> None:

@@ -158,9 +158,10 @@ class RemoteEngine(EngineClient):
         loop = asyncio.get_running_loop()
         while True:
             try:
-                _, link = await loop.create_unix_connection(
-                    lambda: wire.Link(protocol.to_front_end, self._take), self.addresses.engine
-                )
+                with wire.socket_path(self.addresses.engine) as address:
+                    _, link = await loop.create_unix_connection(
+                        lambda: wire.Link(protocol.to_front_end, self._take), address
+                    )
             except OSError:  # not listening (yet, or again)
                 await asyncio.sleep(RECONNECT_S)
                 continue

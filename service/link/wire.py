@@ -18,10 +18,11 @@ made a round trip about 1.6x as long (``python -m bench.link_rtt --gap-ms 1``: B
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,26 @@ class Addresses:
     @classmethod
     def in_directory(cls, directory: str) -> Addresses:
         return cls(os.path.join(directory, "engine"))
+
+
+# A Unix socket's address holds 107 bytes and a NUL.
+SOCKET_PATH_MAX = 107
+
+
+@contextlib.contextmanager
+def socket_path(path: str) -> Iterator[str]:
+    """``path`` to bind or connect to; when it is longer than a socket's address can hold (a deep
+    TMPDIR), the same file reached through a descriptor of its directory, ``/proc/self/fd/N/name``,
+    open for the call only: the directory's permissions still guard it."""
+    if len(os.fsencode(path)) <= SOCKET_PATH_MAX:
+        yield path
+        return
+    directory, name = os.path.split(path)
+    descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{descriptor}/{name}"
+    finally:
+        os.close(descriptor)
 
 
 def pack(items: list[Item]) -> bytes:
