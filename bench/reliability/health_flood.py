@@ -155,8 +155,11 @@ def run(
         health_port = server.health_port
         assert health_port is not None
         rss_before = server.status("VmRSS")
-        queue: multiprocessing.Queue = multiprocessing.Queue()
-        flood = multiprocessing.Process(
+        # spawned, not forked: a fork of a process that runs gRPC's threads (a test's clients) can
+        # hang in the child, which then never reports
+        spawn = multiprocessing.get_context("spawn")
+        queue: multiprocessing.Queue = spawn.Queue()
+        flood = spawn.Process(
             target=_flood_process, args=(queue, port, connections, busy, extra, seconds, body)
         )
         flood.start()
