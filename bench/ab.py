@@ -20,11 +20,12 @@ import argparse
 import contextlib
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from bench import hey
 from bench.payloads import b64_pngs, predict_body
-from bench.server_process import running, service_env
+from bench.server_process import RunningServer, running, service_env
 from bench.stats import Spread, alternated, table
 
 PORTS = range(18160, 18180)
@@ -55,6 +56,29 @@ def summary(results: dict[tuple[int, str], list[hey.HeyResult]]) -> str:
 def service_argv(tree: Path) -> list[str]:
     """``python -m service`` with the tree's own virtual environment."""
     return [str(tree / ".venv" / "bin" / "python"), "-m", "service"]
+
+
+def serve_trees(
+    stack: contextlib.ExitStack,
+    trees: dict[str, Path],
+    scratch: Path,
+    env: Callable[[int], dict[str, str]],
+) -> dict[str, RunningServer]:
+    """Each tree's service running on a port of PORTS, stopped when ``stack`` closes."""
+    return {
+        name: stack.enter_context(
+            running(
+                service_argv(tree),
+                env,
+                scratch / f"{name}.log",
+                ports=PORTS,
+                start=index * 10,
+                name=f"{name} ({tree})",
+                cwd=tree,
+            )
+        )
+        for index, (name, tree) in enumerate(trees.items())
+    }
 
 
 def starts(trees: dict[str, Path], count: int, scratch: Path) -> str:
@@ -106,20 +130,7 @@ def load(
     with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as stack:
         body = Path(scratch) / "body-1.json"
         body.write_bytes(predict_body(b64_pngs(1)[0]))
-        servers = {
-            name: stack.enter_context(
-                running(
-                    service_argv(tree),
-                    service_env,
-                    Path(scratch) / f"{name}.log",
-                    ports=PORTS,
-                    start=index * 10,
-                    name=f"{name} ({tree})",
-                    cwd=tree,
-                )
-            )
-            for index, (name, tree) in enumerate(trees.items())
-        }
+        servers = serve_trees(stack, trees, Path(scratch), service_env)
         for concurrency in concurrencies:
             for round_number in range(rounds):
                 for name in alternated(list(servers), round_number):

@@ -30,11 +30,11 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from bench import hey
-from bench.ab import PORTS, service_argv
+from bench.ab import serve_trees
 from bench.cuda import engine_pid
 from bench.machine import CLOCK_TICKS, thread_ticks
 from bench.payloads import b64_pngs, predict_body
-from bench.server_process import running, service_env
+from bench.server_process import service_env
 from bench.stats import Spread, alternated, table
 from service.contract.model_repository import METADATA_KEY
 from tests.support import REPO
@@ -85,20 +85,9 @@ def measure(
     with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as stack:
         body = Path(scratch) / "body-1.json"
         body.write_bytes(predict_body(b64_pngs(1)[0]))
-        servers = {
-            name: stack.enter_context(
-                running(
-                    service_argv(tree),
-                    lambda port: service_env(port, **settings),
-                    Path(scratch) / f"{name}.log",
-                    ports=PORTS,
-                    start=index * 10,
-                    name=f"{name} ({tree})",
-                    cwd=tree,
-                )
-            )
-            for index, (name, tree) in enumerate(trees.items())
-        }
+        servers = serve_trees(
+            stack, trees, Path(scratch), lambda port: service_env(port, **settings)
+        )
         engines = {name: engine_pid(server.process.pid) for name, server in servers.items()}
         for server in servers.values():  # warm up
             warm = hey.command(server.url + "/predict", body, concurrency=8, requests=300)
