@@ -43,6 +43,7 @@ from bench.compare import start_server
 from bench.contenders import OIP_PNG, PNG, PREDICT, servers
 from bench.decode import phone_jpeg, sample_photos
 from bench.heavy_models import write_heavy_model
+from bench.inprocess import Ceiling
 from bench.machine import CLOCK_TICKS, busy_check, descendants, parse_pid_stat, tree_memory_kib
 from bench.payloads import oip_png_body, predict_body
 from bench.real_size_report import PHONE, PHOTO, PHOTO_SIZE, SIZES, Point, RealSize
@@ -51,6 +52,7 @@ from bench.stats import alternated, fmt
 
 SERVERS = ("vitserve", "plain", "mosec", "triton")  # bench/contenders.py's keys
 LEVELS = (1, 16, 64)
+CEILING_BATCHES = (1, 16)
 TIMEOUT_S = 120  # hey's per request: a heavy model's c=64 queue takes longer than its default 30 s
 
 
@@ -170,12 +172,19 @@ def run(out: Path, plan: Plan, command: str = "python -m bench.real_size") -> Re
                 pids[server.key] = pid
                 if server.settings is not None:  # vitserve: the model's time, from its statistics
                     metrics[server.key] = f"{url}/v2/models/{model_dir.parent.name}/stats"
+            ceiling = Ceiling(
+                model_dir, [base64.b64encode(data).decode() for data in photos.values()]
+            )
+            stack.callback(ceiling.close)
             keys = [s.key for s in plan_servers]
             style = {s.key: s.routes[PNG].body for s in plan_servers}
             for key in keys:  # warm: every session's first runs, every worker's first decode
                 warm = hey.command(urls[key], bodies[style[key], PHONE], concurrency=4, requests=16)
                 hey.run(warm, wall_limit_s=300)
             for repeat in range(plan.repeats):
+                for batch in CEILING_BATCHES:
+                    rate = ceiling.images_per_s(batch, min(plan.seconds, 5.0))
+                    result.ceiling.setdefault(f"{size}/{batch}", []).append(rate)
                 photo = list(photos)[repeat % len(photos)]
                 work = [(PHOTO, c, photo) for c in plan.levels]
                 work += [(PHONE, c, PHONE) for c in plan.phone_levels]

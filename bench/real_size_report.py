@@ -134,6 +134,8 @@ class RealSize:
     peak_mib: dict[str, float] = field(default_factory=dict)  # "size/server" -> peak RSS
     commands: list[str] = field(default_factory=list)
     missing: dict[str, str] = field(default_factory=dict)  # server -> why not measured
+    # "size/batch" -> images/s of the in-process ceiling in each repeat
+    ceiling: dict[str, list[float]] = field(default_factory=dict)
     command: str = "python -m bench.real_size"
 
     def markdown(self) -> str:
@@ -185,6 +187,18 @@ class RealSize:
             headers = ["photo", "c", "server", "images/s", "p50 ms", "p99 ms", "failed"]
             headers += ["CPU ms per image", "model ms", "peak RSS MiB"]
             lines += ["", f"### {LABELS[size]}", "", table(headers, rows), ""]
+            ceilings = [
+                f"batch {key.split('/')[1]}: {spread_text(Spread.of(rates), 1)} images/s"
+                for key, rates in self.ceiling.items()
+                if key.split("/")[0] == size
+            ]
+            if ceilings:
+                lines += [
+                    f"The machine's ceiling (bench/inprocess.py: the photos decoded, "
+                    f"preprocessed and run in one process per core, no HTTP): "
+                    f"{'; '.join(ceilings)}.",
+                    "",
+                ]
             lines += [f"- {v.text()}" for v in verdicts(summaries, size)]
         lines += ["", "The servers:", "", *(f"    {c}" for c in self.commands)]
         return "\n".join(lines)

@@ -137,7 +137,10 @@ def test_section_shows_each_point_the_verdicts_and_what_was_not_measured():
     result.points = [point("vitserve", 16, 12.5, 40, 80, cpu={"engine": 3.25}, model_ms=2.5)]
     result.peak_mib["tiny/vitserve"] = 321.0
     result.missing["triton"] = "no venv"
+    result.ceiling = {"tiny/1": [30.0, 10.0, 20.0], "tiny/16": [40.0], "small/1": [99.0]}
     text = result.markdown()
+    assert "batch 1: 20.0 (10.0-30.0) images/s; batch 16: 40.0 images/s." in text
+    assert "99.0" not in text  # another model's
     assert "### ViT-Ti/16 (DeiT-tiny)" in text
     assert "| 640x480 | 16 | vitserve | 12.5 | 40 | 80 | 0 | engine 3.2 | 2.5 | 321 |" in text
     assert "- triton: **not measured**: no venv" in text
