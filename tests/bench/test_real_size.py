@@ -4,6 +4,7 @@ declare (against Pillow and numpy by hand)."""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 
@@ -177,3 +178,13 @@ def test_bad_options_are_refused_before_anything_runs(argv, message, capsys, mon
     with pytest.raises(SystemExit) as exited:
         real_size.main(argv)
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_each_server_gets_the_jpeg_itself_in_its_own_body(tmp_path):
+    jpeg = real_size.photo_jpeg(np.full((30, 40, 3), 128, np.uint8))
+    bodies = real_size._bodies(tmp_path, {"grey": jpeg})
+    predict = json.loads(bodies[real_size.PREDICT, "grey"].read_bytes())
+    assert base64.b64decode(predict["images"][0]["b64"]) == jpeg
+    oip = json.loads(bodies[real_size.OIP_PNG, "grey"].read_bytes())["inputs"][0]
+    assert (oip["datatype"], oip["shape"]) == ("BYTES", [1, 1])
+    assert base64.b64decode(oip["data"][0]) == jpeg
