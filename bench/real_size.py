@@ -18,7 +18,9 @@ used per image, split by process role (vitserve: front ends, engine; Triton: the
 Python stub that decodes and runs the model; mosec: its Rust front end, the Python workers that
 decode and run the model; plain: one process), and for vitserve the model's own time per image
 (the engine's statistics: the wall time of its batches' model runs, so its CPU time and any time
-it waited for a core). Peak RSS is each server's process tree's, at the end.
+it waited for a core). Peak RSS is each server's process tree's, at the end. Each repeat also
+measures the machine's ceiling for the same photos and model, no HTTP (bench/inprocess.py's one
+process per core at batch 1 and 16): what no server can beat.
 """
 
 from __future__ import annotations
