@@ -133,7 +133,7 @@ def run(
         urls, pids = {}, {}
         for index, server in enumerate(plan_servers):
             result.commands.append(server.shown())
-            url, pid, start = _start(stack, server, model_dir, out, index, plan.starts)
+            url, pid, start = start_server(stack, server, model_dir, out, index, plan.starts)
             urls[server.key], pids[server.key], result.starts[server.key] = url, pid, start
         ceiling = Ceiling(model_dir, encoded)
         stack.callback(ceiling.close)
@@ -182,7 +182,7 @@ def run(
     return result
 
 
-def _start(
+def start_server(
     stack: contextlib.ExitStack, server: Server, model_dir: Path, out: Path, index: int, starts: int
 ) -> tuple[str, int, Start]:
     """Start ``server`` (vitserve ``starts`` times, the last one kept running in ``stack``): its

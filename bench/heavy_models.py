@@ -4,7 +4,9 @@
 graphs, labels, metadata, config.pbtxt) exactly as ``python -m export.onnx`` writes a trained run: the
 same graphs (``export.onnx_graphs.build_graphs``), metadata document and repository writer. Sizes are the
 ViT paper's (patch 16, 224 x 224 RGB, 1000 classes, token pooling); the weights are the model's own
-initialisation, seeded, since nothing may be downloaded. Nothing is verified against data: the graphs are
+initialisation, seeded, since nothing may be downloaded. ``--preprocessing resize-crop`` declares what
+an imported Hugging Face or timm DeiT declares (shorter side 256, bicubic, centre 224 x 224, ImageNet
+mean and std) instead of vitserve's own fit-pad. Nothing is verified against data: the graphs are
 what the measurements load, not what they check.
 """
 
@@ -19,7 +21,8 @@ import torch
 from export.config import ViTConfig
 from export.data import get_dataset_spec
 from export.model import VisionTransformer
-from export.onnx_graphs import build_graphs, describe, with_metadata
+from export.onnx_graphs import build_graphs, graph_document, with_metadata
+from export.pixels import preprocessing_document
 from export.repository import write_version
 
 # (dim, depth, heads, mlp): ViT-Ti/16 is DeiT-tiny, ViT-S/16 DeiT-small, ViT-B/16 the paper's base
@@ -31,6 +34,8 @@ SIZES = {
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 CLASSES = 1000
+GEOMETRIES = ("fit-pad", "resize-crop")
+SHORTER_SIDE = 256  # DeiT's: 224 / crop_pct 0.875
 
 
 def config_for(size: str, image: int = 224) -> ViTConfig:
@@ -49,8 +54,30 @@ def config_for(size: str, image: int = 224) -> ViTConfig:
     )
 
 
-def write_heavy_model(size: str, repo: Path, name: str | None = None, seed: int = 0) -> Path:
-    """``<repo>/<name>/1/`` for a ViT of ``size`` with seeded random weights; returns its directory."""
+def preprocessing_for(geometry: str, spec) -> dict:
+    """The metadata's ``preprocessing`` for ``geometry``: vitserve's fit-pad from ``spec``, or a
+    DeiT checkpoint's resize-crop (shorter side 256, bicubic, ImageNet mean and std)."""
+    if geometry == "fit-pad":
+        return preprocessing_document(spec)
+    if geometry != "resize-crop":
+        raise ValueError(f"geometry {geometry!r}: expected one of {', '.join(GEOMETRIES)}")
+    return {
+        "color": "rgb",
+        "resize": "resize-crop",
+        "shorter_side": SHORTER_SIDE,
+        "resample": "bicubic",
+        "polarity": "natural",
+        "scale": 1.0 / 255.0,
+        "mean": list(IMAGENET_MEAN),
+        "std": list(IMAGENET_STD),
+    }
+
+
+def write_heavy_model(
+    size: str, repo: Path, name: str | None = None, seed: int = 0, geometry: str = "fit-pad"
+) -> Path:
+    """``<repo>/<name>/1/`` for a ViT of ``size`` with seeded random weights, preprocessed with
+    ``geometry`` (one of :data:`GEOMETRIES`); returns its directory."""
     config = config_for(size)
     torch.manual_seed(seed)
     model = VisionTransformer(config).eval()
@@ -66,8 +93,12 @@ def write_heavy_model(size: str, repo: Path, name: str | None = None, seed: int 
     name = name or f"vit-{size}"
     graphs = build_graphs(model)
     labels = list(spec.labels)
+    preprocessing = preprocessing_for(geometry, spec)
     for graph, proto in (("classifier", graphs.classifier), ("attention", graphs.attention)):
-        with_metadata(proto, describe(model, spec, labels, name, 1, graph, None, None, "random"))
+        document = graph_document(
+            model, preprocessing, labels, name, 1, graph, "random", dataset=spec.name
+        )
+        with_metadata(proto, document)
     files = {"model.onnx": graphs.classifier, "attention.onnx": graphs.attention}
     dims = (config.in_channels, config.image_height, config.image_width)
     return write_version(repo, name, 1, files, labels, dims, overwrite=True)
@@ -78,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("size", choices=sorted(SIZES))
     parser.add_argument("--repo", type=Path, required=True, help="model repository to write into")
     parser.add_argument("--name", default=None, help="model name (default vit-<size>)")
+    parser.add_argument("--preprocessing", choices=GEOMETRIES, default="fit-pad")
     args = parser.parse_args(argv)
-    print(write_heavy_model(args.size, args.repo, args.name))
+    print(write_heavy_model(args.size, args.repo, args.name, geometry=args.preprocessing))
     return 0
 
 

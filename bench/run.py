@@ -7,8 +7,9 @@ A smoke run or some steps write bench/results/*/BENCHMARKS.md unless --output sa
 
 Steps, in this order: the model alone (bench/inprocess.py), vitserve against the plain servers and
 the anchors, mosec and Triton, with the in-process ceiling (bench/compare.py), where the service's core
-time goes (bench/profile.py), a live model swap under load (bench/swap.py), and a phone photo to
-the model's input (bench/decode.py). The anchors run in
+time goes (bench/profile.py), a live model swap under load (bench/swap.py), a phone photo to
+the model's input (bench/decode.py), and the servers again at the real size, ViT-Ti/16 and ViT-S/16 on
+JPEG photos (bench/real_size.py). The anchors run in
 venvs of their own, made from PyPI on the first run (bench/baselines/venvs.py). Each step returns a typed result that renders its own
 section; a step that fails is reported in the document and the others still run. Raw results (JSON,
 server logs, the flame graph) go to bench/results/ (not committed). Stop other work on the machine
@@ -28,7 +29,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import compare, decode, hey, inprocess, profile, swap
+from bench import compare, decode, hey, inprocess, profile, real_size, swap
 from bench.machine import busy_check, machine_rows
 from bench.server_process import REPO
 from bench.stats import table
@@ -48,7 +49,7 @@ PACKAGES = (
     "numpy",
     "pillow",
 )
-STEPS = ("model", "compare", "profile", "swap", "decode")
+STEPS = ("model", "compare", "profile", "swap", "decode", "real")
 
 
 def _git() -> str:
@@ -85,6 +86,7 @@ def steps(args: argparse.Namespace, out: Path) -> dict[str, Callable[[], object]
         "profile": lambda: profile.run(out, MODEL_DIR, 3.0 if quick else 20.0),
         "swap": lambda: swap.run(out, MODEL_DIR, swap.Phases.for_run(quick)),
         "decode": lambda: decode.run(1 if quick else 9, with_model=not quick),
+        "real": lambda: real_size.run(out / "real-size", real_size.Plan.for_run(quick)),
     }
 
 
