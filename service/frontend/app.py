@@ -124,12 +124,8 @@ def create_app(
     settings = settings or Settings()
     logs.configure(settings.log_level, settings.log_format)
     app_metrics = process_metrics or Metrics()
-    local = None
-    if engine is None:  # imported here: a front end of another process never loads onnxruntime
-        from service.engine.core import Engine
-
-        local = Engine(settings, app_metrics)
-    client = LocalEngine(local) if local is not None else engine
+    local = LocalEngine.create(settings, app_metrics) if engine is None else None
+    client = local if local is not None else engine
     assert client is not None
     state = FrontendState(settings, app_metrics, client, worker)
     provider = tracer_provider or tracing.provider_from_environment(os.environ)
@@ -172,7 +168,7 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = app_metrics
     app.state.frontend = state
-    app.state.engine = local  # the engine when it runs in this process (tests read it)
+    app.state.engine = local.engine if local else None  # the engine in this process (tests read it)
     install_error_handlers(app)
     routers = [
         oip_extensions.router,  # before oip.router: /v2/models/stats is not model "stats"

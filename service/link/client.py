@@ -12,6 +12,8 @@ from service.link.protocol import ControlOp, Graph, ModelTable, Outputs, Remote,
 
 if TYPE_CHECKING:  # front-end processes never import the engine (nor onnxruntime)
     from service.engine.core import Engine
+    from service.observability.metrics import Metrics
+    from service.settings import Settings
 
 
 class EngineClient(ABC):
@@ -92,6 +94,14 @@ class LocalEngine(EngineClient):
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+
+    @classmethod
+    def create(cls, settings: Settings, metrics: Metrics) -> LocalEngine:
+        """A new engine in this process (imported here: a front end of another process never loads
+        onnxruntime)."""
+        from service.engine.core import Engine
+
+        return cls(Engine(settings, metrics))
 
     @property
     def table(self) -> ModelTable:
