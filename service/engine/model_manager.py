@@ -347,14 +347,14 @@ class ModelManager:
         self.metrics.model_info.labels(*labels, runtime.provider, runtime.metadata.precision).set(1)
         logger.info(
             "serving %s version %s from %s on %s (loaded in %.2f s, warmed up in %.2f s; "
-            "max batch %d, %d instance(s))",
+            "%s, %d instance(s))",
             model.name,
             version,
             files.directory,
             runtime.provider,
             runtime.load_seconds,
             runtime.warmup_seconds,
-            model.serving.max_batch_size,
+            runtime.batching,
             model.serving.instance_count,
         )
         if old is not None:

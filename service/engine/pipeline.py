@@ -62,7 +62,7 @@ class ModelPipeline:
         self.classifier = DynamicBatcher(
             "classifier",
             [runtime.classify_with(i) for i in range(len(runtime.classifiers))],
-            max_batch_size=serving.max_batch_size,
+            max_batch_size=runtime.batch_limit,
             preferred_batch_sizes=serving.preferred_batch_sizes,
             **common,
         )

@@ -10,9 +10,12 @@ On the CPU a heavy version's weights are held once (``SharedWeights``): read fro
 handed to every classifier instance and to the attention graph as onnxruntime initializers, instead of a
 copy per session (three copies of a ViT-B/16's 330 MB with two instances). Those sessions neither
 prepack their matrices (each would keep a packed copy of its own) nor keep a memory arena (which holds
-the largest batch's activations for good: about 1.5 GB for a ViT-B/16's three sessions). A small model
-keeps both: its copies cost little, and prepacking made its lone image about 10% faster (BENCHMARKS.md,
-"One copy of the weights").
+the largest batch's activations for good: about 1.5 GB for a ViT-B/16's three sessions). A lighter
+model keeps both: its copies cost less, and without prepacking a lone image took 1.04-1.10x as long
+(ViT-Ti/16, ViT-S/16 and the toy; BENCHMARKS.md, "One copy of the weights").
+
+On the CPU the batch the batcher may form is measured at load (``batch_cost``): batching where it
+saves time per image, one image at a time per instance where it does not.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from service.contract.model_repository import (
     check_pair,
     parse_metadata,
 )
+from service.engine import batch_cost
 from service.machine import usable_cores
 from service.settings import Settings
 
@@ -80,8 +84,9 @@ def intra_op_threads(settings: Settings, instances: int) -> int:
     return max(1, (usable_cores() - 1) // instances)
 
 
-# Graphs from this size up share their weights; below it each session keeps its own, prepacked.
-SHARED_WEIGHTS_FROM_BYTES = 64 * 1024 * 1024
+# Graphs from this size up share their weights (a ViT-B/16, 330 MB); below it each session keeps its
+# own, prepacked (a ViT-S/16, 88 MB: three copies cost 260 MB, and its lone image 4-9% less time).
+SHARED_WEIGHTS_FROM_BYTES = 128 * 1024 * 1024
 
 
 class SharedWeights:
@@ -277,6 +282,10 @@ class Runtime:
     # runtime), and how many of the attention graph's initializers are among them
     shared: SharedWeights | None = None
     attention_shared: int = 0
+    # the largest batch the classifier's batcher forms, and the measurement that chose it (None: the
+    # config's max_batch_size, unmeasured)
+    batch_limit: int = 1
+    batch_cost: batch_cost.BatchCost | None = None
 
     @classmethod
     def load(cls, files: VersionFiles, settings: Settings, serving: ServingConfig) -> Runtime:
@@ -307,8 +316,40 @@ class Runtime:
         runtime.attention_shared = len(attention_shared)
         runtime.load_seconds = time.perf_counter() - started
         runtime.warm_up(serving.max_batch_size, settings.attention_max_batch_size)
+        runtime.choose_batch_limit(serving)
         release_free_memory()
         return runtime
+
+    def choose_batch_limit(self, serving: ServingConfig) -> None:
+        """Batch as configured on a GPU, or where the config lists its preferred sizes; on the CPU
+        only as far as batching measurably saves time per image (``batch_cost``)."""
+        self.batch_limit = serving.max_batch_size
+        if self.provider != CPU or serving.max_batch_size == 1 or serving.preferred_batch_sizes:
+            return
+        started = time.perf_counter()
+        images = np.random.default_rng(1).standard_normal(
+            (batch_cost.PROBE_BATCH, *self.input_shape), dtype=np.float32
+        )
+        runners = [self.classify_with(i) for i in range(len(self.classifiers))]
+        try:
+            self.batch_cost = batch_cost.measure(runners, images)
+        except Exception as error:
+            raise ModelLoadError(
+                f"{self.files.directory}: timing a batch failed: {error}"
+            ) from error
+        self.batch_limit = self.batch_cost.batch_limit(serving.max_batch_size)
+        self.warmup_seconds += time.perf_counter() - started
+
+    @property
+    def batching(self) -> str:
+        """The batch limit for the load's log line, with the measurement that chose it."""
+        cost = self.batch_cost
+        if cost is None or cost.batched_ms is None:
+            return f"max batch {self.batch_limit}"
+        return (
+            f"max batch {self.batch_limit} (measured: {cost.lone_ms:.3g} ms an image alone, "
+            f"{cost.batched_ms:.3g} ms in a batch of {cost.size})"
+        )
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
