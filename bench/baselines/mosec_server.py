@@ -22,6 +22,7 @@ from bench.baselines.classifier import MODEL_DIR, Classifier, default_threads
 
 ROUTE = "/predict"
 ENV_MODEL_DIR, ENV_THREADS = "BENCH_MODEL_DIR", "BENCH_THREADS"  # to the spawned stage workers
+REQUEST_TIMEOUT_MS = 30_000
 
 
 def _classifier(threads: int = 1) -> Classifier:
@@ -59,6 +60,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=default_threads(), help="intra-op")
     args, _ = parser.parse_known_args()
     env = {ENV_MODEL_DIR: str(args.model_dir), ENV_THREADS: str(args.threads)}
+    # mosec answers 408 after 3 s by default; a heavy model's queue at c=64 holds more than that, and
+    # vitserve's own config waits 30 s (--timeout on the command line still wins)
+    os.environ.setdefault("MOSEC_TIMEOUT", str(REQUEST_TIMEOUT_MS))
     server = Server()
     server.append_worker(Decode, num=args.decoders, env=[env] * args.decoders, route=ROUTE)
     server.append_worker(
