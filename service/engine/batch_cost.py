@@ -12,8 +12,8 @@ instance runs one image at a time.
 Only a heavy model is timed (an image of ``HEAVY_FROM_MS`` or more): for a light one the engine's own
 work per batch (the hand-off to a thread, the answers) is a large part of an image's cost, which a
 batch shares and this timing of the session alone does not see (the 28 x 28 toy costs 0.9 ms an image,
-and 0.86 ms in a batch of 16, timed so). A config that lists
-``preferred_batch_size`` has chosen its batches and is taken as it stands.
+and 0.86 ms in a batch of 16, timed so). A config that lists ``preferred_batch_size``, and a
+``VITSERVE_MAX_BATCH_SIZE``, have chosen their batches and are taken as they stand.
 """
 
 from __future__ import annotations

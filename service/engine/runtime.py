@@ -316,15 +316,17 @@ class Runtime:
         runtime.attention_shared = len(attention_shared)
         runtime.load_seconds = time.perf_counter() - started
         runtime.warm_up(serving.max_batch_size, settings.attention_max_batch_size)
-        runtime.choose_batch_limit(serving)
+        runtime.choose_batch_limit(serving, chosen=settings.max_batch_size is not None)
         release_free_memory()
         return runtime
 
-    def choose_batch_limit(self, serving: ServingConfig) -> None:
-        """Batch as configured on a GPU, or where the config lists its preferred sizes; on the CPU
-        only as far as batching measurably saves time per image (``batch_cost``)."""
+    def choose_batch_limit(self, serving: ServingConfig, chosen: bool = False) -> None:
+        """Batch as configured on a GPU, where the config lists its preferred sizes, or where the
+        max batch size was ``chosen`` (VITSERVE_MAX_BATCH_SIZE); otherwise, on the CPU, only as far
+        as batching measurably saves time per image (``batch_cost``)."""
         self.batch_limit = serving.max_batch_size
-        if self.provider != CPU or serving.max_batch_size == 1 or serving.preferred_batch_sizes:
+        unmeasured = chosen or serving.preferred_batch_sizes or serving.max_batch_size == 1
+        if self.provider != CPU or unmeasured:
             return
         started = time.perf_counter()
         images = np.random.default_rng(1).standard_normal(

@@ -85,7 +85,7 @@ def test_a_light_model_is_not_timed_in_a_batch_and_keeps_the_configs_batches():
 
 @pytest.fixture
 def served(model_repository):
-    settings = make_settings(model_repository)
+    settings = make_settings(model_repository, max_batch_size=None)  # the suite's sets 8
     serving = serving_settings(model_config(model_repository, MODEL_NAME), MODEL_NAME, settings)
     return version_files(model_repository, MODEL_NAME, 1), settings, serving
 
@@ -117,3 +117,11 @@ def test_a_config_with_preferred_sizes_is_not_measured(served, monkeypatch):
     monkeypatch.setattr(batch_cost, "measure", measure)
     runtime = Runtime.load(files, settings, chosen)
     assert runtime.batch_limit == chosen.max_batch_size and runtime.batch_cost is None
+
+
+def test_a_max_batch_size_set_in_the_environment_is_not_measured(model_repository, monkeypatch):
+    settings = make_settings(model_repository, max_batch_size=8)
+    serving = serving_settings(model_config(model_repository, MODEL_NAME), MODEL_NAME, settings)
+    monkeypatch.setattr(batch_cost, "measure", lambda runners, images: BatchCost(30.0, 31.0))
+    runtime = Runtime.load(version_files(model_repository, MODEL_NAME, 1), settings, serving)
+    assert runtime.batch_limit == 8 and runtime.batch_cost is None
