@@ -2,7 +2,7 @@
 trickled bodies are answered 408 and closed at their deadlines, a slow but steady upload is served,
 connections beyond the cap get 503, and a trickling client no longer holds up SIGTERM.
 
-The deadlines are shortened here (1-2 s); the defaults are in service/settings.py."""
+The deadlines are shortened here (1-2 s); the defaults are in service/settings/."""
 
 from __future__ import annotations
 

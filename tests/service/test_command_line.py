@@ -15,7 +15,7 @@ import pytest
 import service.__main__ as service_main
 from bench import server_process
 from service.launcher.cli import flag, parse_settings
-from service.settings import Settings
+from service.settings import Settings, setting_fields
 from tests.support import REPO, server_env
 
 # service tests' range (docs/ARCHITECTURE.md); each instance takes a port and the next one
@@ -33,7 +33,7 @@ def test_help_lists_every_setting_with_its_default_and_variable_and_imports_noth
     )
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())  # argparse wraps the help
-    for name, field in Settings.model_fields.items():
+    for name, field in setting_fields().items():
         assert flag(name) in text, f"--help lacks {flag(name)}"
         variable = "PORT" if name == "port" else f"VITSERVE_{name.upper()}"
         assert variable in text, f"--help does not name {variable}"

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from service.contract.model_repository import ModelLoadError
 from service.frontend.app import create_app
 from service.launcher.http_server import _Server
-from service.settings import Settings
+from service.settings import Settings, setting_fields
 from tests.support import (
     MODEL_NAME,
     REPO,
@@ -216,7 +216,7 @@ def test_settings_from_the_environment(monkeypatch):
         Settings(max_queue_size=4, max_images_per_request=8)
     with pytest.raises(ValueError, match="provider"):
         Settings(provider="tpu")
-    for name, field in Settings.model_fields.items():
+    for name, field in setting_fields().items():
         assert field.description, (
             f"setting {name} has no description (the README table is built from them)"
         )
