@@ -53,13 +53,21 @@ def test_flags_win_over_the_environment_which_still_works(monkeypatch):
     monkeypatch.setenv("VITSERVE_MAX_BATCH_SIZE", "4")
     monkeypatch.setenv("VITSERVE_MODEL_CONTROL", "poll")
     monkeypatch.setenv("PORT", "9100")
-    from_env = parse_settings([])
-    assert (from_env.max_batch_size, from_env.model_control, from_env.port) == (4, "poll", 9100)
-    flags = parse_settings(
+    env_settings = parse_settings([])
+    assert (env_settings.max_batch_size, env_settings.model_control, env_settings.port) == (
+        4,
+        "poll",
+        9100,
+    )
+    flag_settings = parse_settings(
         ["--max-batch-size", "16", "--model-control", "none", "--port", "9200", "--no-docs"]
     )
-    assert (flags.max_batch_size, flags.model_control, flags.port) == (16, "none", 9200)
-    assert flags.docs is False
+    assert (flag_settings.max_batch_size, flag_settings.model_control, flag_settings.port) == (
+        16,
+        "none",
+        9200,
+    )
+    assert flag_settings.docs is False
 
 
 def test_tritons_flag_names():
@@ -90,8 +98,8 @@ def test_tritons_flag_names():
     assert settings.model_control == "explicit" and settings.model_list == ["a", "b"]
     assert (settings.repository_poll_s, settings.graceful_shutdown_s) == (2.0, 7.0)
     assert settings.log_level == "debug"
-    every = parse_settings(["--model-control-mode", "explicit", "--load-model", "*"])
-    assert every.loads_every_model and every.model_list == []
+    every_settings = parse_settings(["--model-control-mode", "explicit", "--load-model", "*"])
+    assert every_settings.loads_every_model and every_settings.model_list == []
     assert not parse_settings(["--model-control-mode", "explicit"]).loads_every_model
     assert parse_settings([]).loads_every_model  # outside explicit mode, unset is every model
 

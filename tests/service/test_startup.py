@@ -320,8 +320,8 @@ def test_an_api_key_that_no_header_can_carry_is_refused():
 
 
 def test_deadline_defaults_let_a_proxy_less_deployment_live():
-    defaults = Settings()
-    assert defaults.header_timeout_s <= 60  # issue 17: half-sent headers closed within 60 s
-    assert defaults.body_timeout_s <= 60
+    default_settings = Settings()
+    assert default_settings.header_timeout_s <= 60  # issue 17: half-sent headers closed within 60 s
+    assert default_settings.body_timeout_s <= 60
     # a 16 MiB body at the slowest rate that is never cut off takes under 20 minutes
-    assert defaults.max_body_bytes / defaults.body_min_bytes_per_s < 20 * 60
+    assert default_settings.max_body_bytes / default_settings.body_min_bytes_per_s < 20 * 60
