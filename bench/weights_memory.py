@@ -56,7 +56,7 @@ def _load_and_report(repo: str, name: str, instances: int, queue: multiprocessin
     loaded = _status_kb("VmRSS")
     images = np.zeros((serving.max_batch_size, *runtime.input_shape), np.float32)
     runtime.classify(images)
-    runtime.attend(images[: settings.attention_max_batch_size])
+    runtime.attend(images[: settings.batching.attention_max_batch_size])
     queue.put(
         {
             "rss_before_mb": before / 1024,

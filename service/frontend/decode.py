@@ -25,10 +25,10 @@ class DecodeGate:
     most ``timeout_s``; beyond either, 503 with Retry-After at once."""
 
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
-        self._slots = asyncio.Semaphore(settings.max_concurrent_decodes)
-        self._max_waiters = settings.max_decode_waiters
-        self._timeout_s = settings.decode_wait_timeout_s
-        self._retry_after_s = settings.retry_after_s
+        self._slots = asyncio.Semaphore(settings.limits.max_concurrent_decodes)
+        self._max_waiters = settings.limits.max_decode_waiters
+        self._timeout_s = settings.limits.decode_wait_timeout_s
+        self._retry_after_s = settings.limits.retry_after_s
         self._metrics = metrics
         self.waiting = 0
 

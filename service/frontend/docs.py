@@ -38,8 +38,8 @@ CONTENT_SECURITY_POLICY = (
 
 def install_docs(app: FastAPI, settings: Settings) -> None:
     """Add /docs, /redoc and their assets to ``app`` (created with ``docs_url=None`` and
-    ``redoc_url=None``), unless ``settings.docs`` is off."""
-    if not settings.docs:
+    ``redoc_url=None``), unless ``settings.server.docs`` is off."""
+    if not settings.server.docs:
         return
     openapi_url = app.openapi_url or "/openapi.json"
     favicon = f"{ASSETS_URL}/favicon.png"

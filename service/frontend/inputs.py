@@ -71,9 +71,9 @@ current_json_limits: ContextVar[ImageJsonLimits | None] = ContextVar(
 
 def json_limits(settings: Settings) -> ImageJsonLimits:
     return ImageJsonLimits(
-        max_images=settings.max_images_per_request,
-        max_pixels=settings.max_pixels_per_image,
-        max_values=settings.max_json_values,
+        max_images=settings.limits.max_images_per_request,
+        max_pixels=settings.limits.max_pixels_per_image,
+        max_values=settings.limits.max_json_values,
     )
 
 

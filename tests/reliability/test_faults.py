@@ -368,7 +368,7 @@ def test_the_key_is_compared_in_constant_time():
 
 
 def test_a_content_length_over_the_limit_is_refused_before_the_body_is_read(client, settings):
-    limit = settings.max_body_bytes
+    limit = settings.limits.max_body_bytes
     headers = [(b"content-type", b"application/json"), (b"content-length", str(limit + 1).encode())]
     status, body, pulled = asgi_post(client.app, "/predict", headers, [b"x" * 1024] * 10)
     assert status == 413 and f"max_body_bytes={limit}" in body["error"]["message"]
@@ -377,7 +377,7 @@ def test_a_content_length_over_the_limit_is_refused_before_the_body_is_read(clie
 
 @pytest.mark.parametrize("declared", [None, b"100"], ids=["chunked", "lying Content-Length"])
 def test_a_body_without_an_honest_length_is_stopped_at_the_limit(client, settings, declared):
-    limit = settings.max_body_bytes
+    limit = settings.limits.max_body_bytes
     chunk = b" " * 65536
     headers = [(b"content-type", b"application/json")]
     if declared is not None:

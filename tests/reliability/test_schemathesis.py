@@ -44,7 +44,7 @@ schema.app = APP
 
 @pytest.fixture(scope="module", autouse=True)
 def app(model_repository) -> Iterator[FastAPI]:
-    APP.state.settings.model_repository = model_repository
+    APP.state.settings.repository.model_repository = model_repository
     yield APP
     asgi.shutdown_lifespans()  # drain and stop the batchers that schemathesis started
 

@@ -54,7 +54,11 @@ def test_flags_win_over_the_environment_which_still_works(monkeypatch):
     monkeypatch.setenv("VITSERVE_MODEL_CONTROL", "poll")
     monkeypatch.setenv("PORT", "9100")
     env_settings = parse_settings([])
-    assert (env_settings.max_batch_size, env_settings.model_control, env_settings.port) == (
+    assert (
+        env_settings.batching.max_batch_size,
+        env_settings.repository.model_control,
+        env_settings.server.port,
+    ) == (
         4,
         "poll",
         9100,
@@ -62,12 +66,16 @@ def test_flags_win_over_the_environment_which_still_works(monkeypatch):
     flag_settings = parse_settings(
         ["--max-batch-size", "16", "--model-control", "none", "--port", "9200", "--no-docs"]
     )
-    assert (flag_settings.max_batch_size, flag_settings.model_control, flag_settings.port) == (
+    assert (
+        flag_settings.batching.max_batch_size,
+        flag_settings.repository.model_control,
+        flag_settings.server.port,
+    ) == (
         16,
         "none",
         9200,
     )
-    assert flag_settings.docs is False
+    assert flag_settings.server.docs is False
 
 
 def test_tritons_flag_names():
@@ -93,15 +101,25 @@ def test_tritons_flag_names():
             "1",
         ]
     )
-    assert str(settings.model_repository) == "/srv/models"
-    assert (settings.port, settings.grpc_port) == (9300, 9400)
-    assert settings.model_control == "explicit" and settings.model_list == ["a", "b"]
-    assert (settings.repository_poll_s, settings.graceful_shutdown_s) == (2.0, 7.0)
-    assert settings.log_level == "debug"
+    assert str(settings.repository.model_repository) == "/srv/models"
+    assert (settings.server.port, settings.server.grpc_port) == (9300, 9400)
+    assert settings.repository.model_control == "explicit" and settings.repository.model_list == [
+        "a",
+        "b",
+    ]
+    assert (settings.repository.repository_poll_s, settings.server.graceful_shutdown_s) == (
+        2.0,
+        7.0,
+    )
+    assert settings.server.log_level == "debug"
     every_settings = parse_settings(["--model-control-mode", "explicit", "--load-model", "*"])
-    assert every_settings.loads_every_model and every_settings.model_list == []
-    assert not parse_settings(["--model-control-mode", "explicit"]).loads_every_model
-    assert parse_settings([]).loads_every_model  # outside explicit mode, unset is every model
+    assert (
+        every_settings.repository.loads_every_model and every_settings.repository.model_list == []
+    )
+    assert not parse_settings(["--model-control-mode", "explicit"]).repository.loads_every_model
+    assert parse_settings(
+        []
+    ).repository.loads_every_model  # outside explicit mode, unset is every model
 
 
 @pytest.mark.parametrize(
@@ -162,11 +180,11 @@ def test_an_invalid_flag_stops_the_process_before_anything_loads():
 
 
 def test_the_grpc_port_follows_the_http_port():
-    assert Settings().grpc_port == 8001  # Triton's pair
-    assert Settings(port=9000).grpc_port == 9001
-    assert Settings(port=9000, grpc_port=7000).grpc_port == 7000
-    assert Settings(port=9000, grpc_port=0).grpc_port == 0  # off
-    assert Settings().health_port == 0  # off unless asked: no third port to collide with
+    assert Settings().server.grpc_port == 8001  # Triton's pair
+    assert Settings(port=9000).server.grpc_port == 9001
+    assert Settings(port=9000, grpc_port=7000).server.grpc_port == 7000
+    assert Settings(port=9000, grpc_port=0).server.grpc_port == 0  # off
+    assert Settings().server.health_port == 0  # off unless asked: no third port to collide with
 
 
 def _two_free_pairs() -> list[int]:

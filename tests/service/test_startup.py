@@ -205,11 +205,14 @@ def test_settings_from_the_environment(monkeypatch):
     monkeypatch.setenv("VITSERVE_API_KEY", "hunter2-secret")
     monkeypatch.setenv("PORT", "18123")
     settings = Settings()
-    assert settings.max_batch_size == 4 and settings.port == 18123
-    assert settings.api_key is not None and settings.api_key.get_secret_value() == "hunter2-secret"
+    assert settings.batching.max_batch_size == 4 and settings.server.port == 18123
+    assert (
+        settings.server.api_key is not None
+        and settings.server.api_key.get_secret_value() == "hunter2-secret"
+    )
     assert "hunter2" not in repr(settings)
     monkeypatch.setenv("VITSERVE_PORT", "18124")
-    assert Settings().port == 18124
+    assert Settings().server.port == 18124
     with pytest.raises(
         ValueError, match=r"max_queue_size \(4\) must be at least max_images_per_request \(8\)"
     ):
@@ -316,12 +319,17 @@ def test_an_api_key_that_no_header_can_carry_is_refused():
     for key in ("cl\u00e9", "tab\tkey", " lead", "trail ", "\u00a0", "\x00"):
         with pytest.raises(ValueError, match="api_key"):
             Settings(api_key=key)
-    assert Settings(api_key="a key-with_printable.ASCII~").api_key is not None
+    assert Settings(api_key="a key-with_printable.ASCII~").server.api_key is not None
 
 
 def test_deadline_defaults_let_a_proxy_less_deployment_live():
     default_settings = Settings()
-    assert default_settings.header_timeout_s <= 60  # issue 17: half-sent headers closed within 60 s
-    assert default_settings.body_timeout_s <= 60
+    assert (
+        default_settings.server.header_timeout_s <= 60
+    )  # issue 17: half-sent headers closed within 60 s
+    assert default_settings.server.body_timeout_s <= 60
     # a 16 MiB body at the slowest rate that is never cut off takes under 20 minutes
-    assert default_settings.max_body_bytes / default_settings.body_min_bytes_per_s < 20 * 60
+    assert (
+        default_settings.limits.max_body_bytes / default_settings.server.body_min_bytes_per_s
+        < 20 * 60
+    )

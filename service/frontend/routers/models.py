@@ -24,10 +24,10 @@ router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key)])
 
 def _limits(settings: Settings) -> LimitsInfo:
     return LimitsInfo(
-        max_body_bytes=settings.max_body_bytes,
-        max_images_per_request=settings.max_images_per_request,
-        max_pixels_per_image=settings.max_pixels_per_image,
-        max_pixels_per_request=settings.max_pixels_per_request,
+        max_body_bytes=settings.limits.max_body_bytes,
+        max_images_per_request=settings.limits.max_images_per_request,
+        max_pixels_per_image=settings.limits.max_pixels_per_image,
+        max_pixels_per_request=settings.limits.max_pixels_per_request,
         accepted_formats=list(ACCEPTED_FORMATS),
     )
 
@@ -64,7 +64,7 @@ def model_info(settings: Settings, table: ModelTable, model: ModelView) -> Model
         batching=BatchingInfo(
             max_batch_size=serving.max_batch_size,
             preferred_batch_sizes=list(serving.preferred_batch_sizes),
-            attention_max_batch_size=settings.attention_max_batch_size,
+            attention_max_batch_size=settings.batching.attention_max_batch_size,
             max_queue_delay_ms=serving.max_queue_delay_s * 1000.0,
             max_queue_size=serving.max_queue_size,
             request_timeout_s=serving.request_timeout_s,

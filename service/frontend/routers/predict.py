@@ -52,7 +52,7 @@ _EXAMPLES = {
 
 
 async def predict(request: Request, served: ServedVersion) -> Response:
-    limit = served.settings.max_images_per_request
+    limit = served.settings.limits.max_images_per_request
     if require_body_type(request) == MULTIPART:
         images, options = await read_multipart(request, "files", limit, PredictOptions)
         if not images:
