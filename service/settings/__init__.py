@@ -116,21 +116,6 @@ class Settings(BaseModel):
                 copies[group] = getattr(self, group).model_copy(update=changes or None, deep=deep)
         return super().model_copy(update=copies, deep=deep)
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "batching_overrides":
-            return self.batching.overrides
-        group = GROUPS.get(_FLAT_GROUP.get(name, ""))
-        if group is not None:
-            return getattr(getattr(self, _FLAT_GROUP[name]), name)
-        return super().__getattr__(name)  # type: ignore[misc]
-
-
-_FLAT_GROUP = {name: group for group, cls in GROUPS.items() for name in cls.model_fields} | {
-    "front_end_count": "link",
-    "model_list": "repository",
-    "loads_every_model": "repository",
-    "cors_origin_list": "server",
-}
 
 __all__ = [
     "ENV_PREFIX",
