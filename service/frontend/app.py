@@ -191,7 +191,7 @@ def create_app(
         RequestContextMiddleware,
         max_body_bytes=settings.limits.max_body_bytes,
         metrics=app_metrics,
-        json_limits=json_limits(settings),
+        json_limits=json_limits(settings.limits),
         static_paths=frozenset(
             route.path for router in routers for route in router.routes if "{" not in route.path
         ),
