@@ -1,5 +1,5 @@
-"""The benchmark targets of the issues, each checked against one run's medians (bench/comparison.py):
-issue 13's (vitserve against the plain server) and issue 23's (against mosec and Triton)."""
+"""The benchmark targets, each checked against one run's medians (bench/comparison.py): vitserve
+against the plain server, and against the anchors mosec and Triton (docs/decisions.md#performance-targets)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ if TYPE_CHECKING:
     from bench.comparison import Comparison
 
 PNG, TENSOR = "png", "tensor"  # the kinds of request: base64 PNGs, or the model's FP32 tensor
-TARGET_LEVELS = (64, 256)  # issue 13's and issue 23's concurrency levels
-ANCHOR_LEVELS = (1, 64, 256)  # issue 23's points for base64 PNGs ...
+TARGET_LEVELS = (64, 256)  # the concurrency levels of both sets of targets
+ANCHOR_LEVELS = (1, 64, 256)  # the anchors' points for base64 PNGs ...
 TENSOR_LEVELS = (64,)  # ... and for the FP32 tensor on /v2
 MiB = 1024  # KiB per MiB
 
@@ -31,8 +31,8 @@ class Target:
         return verdict + (" (busy machine: not a result)" if self.busy else "")
 
 
-def issue13(result: Comparison) -> list[Target]:
-    """Issue 13's targets: vitserve against the plain server, the ceiling, int8, start-up, memory."""
+def plain_targets(result: Comparison) -> list[Target]:
+    """The targets against the plain server: requests/s and p99, the ceiling, int8, start-up, memory."""
     rows = []
     for c in TARGET_LEVELS:
         ours, plain = result.spread("vitserve", 1, c), result.spread("plain", 1, c)
@@ -127,8 +127,9 @@ def _faster(result: Comparison, than: str, c: int, kind: str, factor: float, wha
     )
 
 
-def issue23(result: Comparison) -> list[Target]:
-    """Issue 23's targets: ahead of mosec and Triton, c=1 as the plain server, memory, start-up."""
+def anchor_targets(result: Comparison) -> list[Target]:
+    """The targets against the anchors: ahead of mosec and Triton, c=1 as the plain server, memory,
+    start-up."""
     rows = []
     for c in TARGET_LEVELS:
         what = f"c={c}, one base64 PNG per request"

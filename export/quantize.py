@@ -126,8 +126,7 @@ def quantize_graph(
 def quantize_static_qdq(prepared: Path, quantized: Path, calibration: np.ndarray) -> None:
     """Static QDQ: int8 weights with one scale per output channel, int8 activations with ranges fixed
     by min-max calibration, so that an image's answer never depends on the images batched with it
-    (issue 25: with dynamic quantization's one scale per batch, a hostile partner changed 588 of 923
-    answers)."""
+    (dynamic quantization's one scale per batch lets a partner change it: docs/decisions.md#hostile-clients)."""
     quantize_static(
         prepared,
         quantized,

@@ -1,4 +1,4 @@
-"""Faults and security (issue 6): a failing model run, a bad model file at start-up, the API key, and
+"""Faults and security: a failing model run, a bad model file at start-up, the API key, and
 limits that hold before any work is done.
 """
 
@@ -274,7 +274,7 @@ def test_startup_with_a_bad_model_exits_non_zero_naming_file_and_problem(
 # --- the API key ----------------------------------------------------------------------------------
 
 API_KEY = "s3cret-key-for-tests"
-# Liveness, readiness and metrics stay open (issue 6), in both APIs; "/v2" is the KServe server
+# Liveness, readiness and metrics stay open, in both APIs; "/v2" is the KServe server
 # metadata document (name, version, extensions), open as Triton has it.
 OPEN = {"/health/live", "/health/ready", "/metrics", "/v2/health/live", "/v2/health/ready", "/v2"}
 

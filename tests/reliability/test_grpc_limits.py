@@ -1,4 +1,4 @@
-"""gRPC bounds (issue 25): metadata over ``max_header_bytes`` is refused before any handler runs,
+"""gRPC bounds: metadata over ``max_header_bytes`` is refused before any handler runs,
 and the listener keeps serving; the server advertises a bound on concurrent streams. (grpc's own
 default bound, 8 KiB, let the 4000 bytes below through before the option was set.)"""
 

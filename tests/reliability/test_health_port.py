@@ -1,9 +1,9 @@
-"""``VITSERVE_HEALTH_PORT`` under ``python -m service`` with two front ends (issue 25): the supervisor
+"""``VITSERVE_HEALTH_PORT`` under ``python -m service`` with two front ends: the supervisor
 answers it, from what its children report (service/launcher/health.py).
 
 - Probes there do not wait for any front end: with every front end stopped (SIGSTOP), they are answered
-  at once, and liveness fails once their event loops have not ticked for STALL_S. (When the listener
-  was a thread of each front end, a probe found nobody to answer it.)
+  at once, and liveness fails once their event loops have not ticked for STALL_S
+  (docs/decisions.md#health-off-the-event-loop).
 - Readiness there follows the engine: not ready at once when it is killed, ready again once it has
   reloaded its models; not ready at once on SIGTERM, and live through the drain.
 - The port is the service's own: one in use stops start-up (exit 3) naming it.

@@ -1,4 +1,4 @@
-"""service/frontend/json_guard.py: JSON bodies bounded on their raw bytes, before any parser sees them (issue 17).
+"""service/frontend/json_guard.py: JSON bodies bounded on their raw bytes, before any parser sees them.
 
 The value count is compared with an independent count over the parsed document; the bounds are shown
 never to refuse the largest valid request and always to refuse the bombs; over HTTP, a refused body

@@ -253,8 +253,8 @@ HEAVY = ("fastapi", "starlette", "uvicorn", "grpc", "onnxruntime", "service.engi
 def test_the_supervisor_and_the_entry_points_of_its_processes_import_nothing_heavy():
     """The supervisor imports only what it needs before it starts its processes, and each process
     imports the module of its entry point again (spawn) before doing its part: the web stack and the
-    engine are imported by the processes that run them (each was a second's CPU in all four
-    processes at start-up: BENCHMARKS.md)."""
+    engine are imported by the processes that run them (each costs a second's CPU in every process
+    that imports it at start-up: BENCHMARKS.md)."""
     script = f"""
 import sys
 import service.launcher.supervisor, service.launcher.processes
@@ -324,9 +324,8 @@ def test_an_api_key_that_no_header_can_carry_is_refused():
 
 def test_deadline_defaults_let_a_proxy_less_deployment_live():
     default_settings = Settings()
-    assert (
-        default_settings.server.header_timeout_s <= 60
-    )  # issue 17: half-sent headers closed within 60 s
+    # half-sent headers closed within 60 s
+    assert default_settings.server.header_timeout_s <= 60
     assert default_settings.server.body_timeout_s <= 60
     # a 16 MiB body at the slowest rate that is never cut off takes under 20 minutes
     assert (

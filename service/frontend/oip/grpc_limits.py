@@ -1,4 +1,4 @@
-"""Bounds on what a gRPC client can make the server hold (issue 25), as grpc server options.
+"""Bounds on what a gRPC client can make the server hold, as grpc server options.
 
 - messages: at most ``max_body_bytes`` (RESOURCE_EXHAUSTED beyond);
 - metadata (gRPC's headers): at most ``max_header_bytes``, the HTTP listener's header bound; a call
