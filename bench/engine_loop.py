@@ -31,7 +31,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bench import hey
 from bench.ab import serve_trees
-from bench.cuda import engine_pid
+from bench.cuda.load import engine_pid
 from bench.machine import CLOCK_TICKS, thread_ticks
 from bench.payloads import b64_pngs, predict_body
 from bench.server_process import service_env
