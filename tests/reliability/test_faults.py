@@ -52,28 +52,6 @@ def poisoned(images: np.ndarray) -> bool:
     return bool((images.reshape(len(images), -1).min(axis=1) > 2.0).any())
 
 
-class Records(logging.Handler):
-    """Collects the records of the service's logger (it does not propagate to the root logger)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def service_log() -> Iterator[Records]:
-    handler = Records()
-    logger = logging.getLogger("vitserve")
-    logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-
-
 class FailingSession:
     """An onnxruntime session whose ``run`` raises for any batch that holds the poison image."""
 
