@@ -16,13 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import httpx
 import numpy as np
 import onnx
 import pytest
 import tritonclient.grpc as triton
 from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2
 from tritonclient.utils import InferenceServerException
 
 from service.observability.logs import ContextFilter
@@ -52,15 +51,9 @@ def client(served) -> Iterator[triton.InferenceServerClient]:
 
 
 @pytest.fixture(scope="module")
-def http(served) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=served[0].url, timeout=30) as http_client:
-        yield http_client
-
-
-@pytest.fixture(scope="module")
-def stub(served) -> Iterator[service_pb2_grpc.GRPCInferenceServiceStub]:
-    with grpc.insecure_channel(f"127.0.0.1:{served[1]}") as channel:
-        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+def server(served) -> Server:
+    """The server of ``served``, for the suite's ``http`` client."""
+    return served[0]
 
 
 def fp32_input(tensor: np.ndarray) -> triton.InferInput:
