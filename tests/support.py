@@ -423,9 +423,25 @@ def running_server(
 ) -> Iterator[Server]:
     """A real service process on a free port of the suite's range ('{port}' in ``command`` is
     replaced); waits until ready; always stopped (SIGTERM) after."""
+
+    def environment(port: int) -> dict[str, str]:
+        return server_env(repository, port, suite, **settings)
+
+    with service_process(environment, log, suite, command) as live:
+        yield Server(live.process, live.url, live.port, log)
+
+
+@contextmanager
+def service_process(
+    env: Callable[[int], dict[str, str]],
+    log: Path,
+    suite: Suite,
+    command: Sequence[str] = ("-m", "service"),
+) -> Iterator[server_process.RunningServer]:
+    """``running_server`` with the environment ``env(port)`` makes for the port it is given."""
     with server_process.running(
         ["nice", "-n", "10", sys.executable, *command],
-        lambda port: server_env(repository, port, suite, **settings),
+        env,
         log,
         ports=suite.ports,
         start=os.getpid() * 7 + int(time.monotonic() * 1000),
@@ -433,7 +449,7 @@ def running_server(
         poll_s=0.1,
         name="server",
     ) as live:
-        yield Server(live.process, live.url, live.port, log)
+        yield live
 
 
 class HoldFirstCall:

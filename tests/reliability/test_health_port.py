@@ -15,7 +15,6 @@ import contextlib
 import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from tests.support import (
     encode,
     listening_ports,
     server_env,
+    service_process,
     start_process,
     stop_process,
 )
@@ -57,16 +57,7 @@ def service(
         chosen.append(health)
         return server_env(repository, port, RELIABILITY, workers=workers, health_port=health)
 
-    with server_process.running(
-        ["nice", "-n", "10", sys.executable, "-m", "service"],
-        env,
-        log,
-        ports=RELIABILITY.ports,
-        start=os.getpid() * 7 + int(time.monotonic() * 1000),
-        ready_timeout_s=RELIABILITY.ready_within_s,
-        poll_s=0.1,
-        name="server",
-    ) as server:
+    with service_process(env, log, RELIABILITY) as server:
         yield server, chosen[-1]
 
 
