@@ -22,15 +22,20 @@ from tests.support import REPO, server_env
 SIDE_BY_SIDE_PORTS = range(18070, 18096)
 
 
-def test_help_lists_every_setting_with_its_default_and_variable_and_imports_nothing_heavy():
-    result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "service", "--help"],
+def python_m_service(*argv: str, python: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """``python [python] -m service [argv]`` as a user runs it, with no VITSERVE_* of the caller's."""
+    return subprocess.run(
+        [sys.executable, *python, "-m", "service", *argv],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
         env=server_env(REPO / "models", 18096),
     )
+
+
+def test_help_lists_every_setting_with_its_default_and_variable_and_imports_nothing_heavy():
+    result = python_m_service("--help", python=("-X", "importtime"))
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())  # argparse wraps the help
     for name, field in setting_fields().items():
@@ -164,14 +169,7 @@ def test_an_invalid_flag_exits_2_with_one_line_naming_it(capsys, argv, line):
 
 
 def test_an_invalid_flag_stops_the_process_before_anything_loads():
-    result = subprocess.run(
-        [sys.executable, "-m", "service", "--max-queue-delay-ms", "-1"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=server_env(REPO / "models", 18096),
-    )
+    result = python_m_service("--max-queue-delay-ms", "-1")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().startswith(
         "cannot start: setting --max-queue-delay-ms: Input should be greater than or equal to 0"
