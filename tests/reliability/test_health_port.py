@@ -25,12 +25,10 @@ import pytest
 from bench import server_process
 from bench.reliability.supervision import engine_and_front_ends, wait_for
 from service.frontend.probes import STALL_S
+from tests.proc import assert_forked_holding_their_own_listener, command_line, listening_ports
 from tests.support import (
     RELIABILITY,
-    assert_forked_holding_their_own_listener,
-    command_line,
     encode,
-    listening_ports,
     server_env,
     service_process,
     start_process,
