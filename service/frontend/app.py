@@ -184,7 +184,7 @@ def create_app(
     routers.append(oip.not_in_protocol_route(routers))
     for router in routers:
         app.include_router(router)
-    install_docs(app, settings)
+    install_docs(app, settings.server)
     check_hot_routes(route for router in routers for route in router.routes)
     app.add_middleware(HotRoutes, handlers=app.exception_handlers)  # the innermost middleware
     app.add_middleware(
