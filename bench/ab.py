@@ -134,13 +134,7 @@ def load(
         for concurrency in concurrencies:
             for round_number in range(rounds):
                 for name in alternated(list(servers), round_number):
-                    command = hey.command(
-                        servers[name].url + "/predict",
-                        body,
-                        concurrency=concurrency,
-                        duration_s=seconds,
-                    )
-                    result = hey.run(command, seconds + 60)
+                    result = hey.run_for(servers[name].url + "/predict", body, concurrency, seconds)
                     results.setdefault((concurrency, name), []).append(result)
     return results
 

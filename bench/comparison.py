@@ -12,8 +12,8 @@ from bench.targets import (
     TENSOR_LEVELS,
     MiB,
     Target,
-    issue13,
-    issue23,
+    anchor_targets,
+    plain_targets,
 )
 
 ANCHOR_POINTS = [(PNG, c) for c in ANCHOR_LEVELS] + [(TENSOR, c) for c in TENSOR_LEVELS]
@@ -104,7 +104,7 @@ class Comparison:
         return batch, spreads[batch]
 
     def targets(self) -> list[Target]:
-        return issue13(self)
+        return plain_targets(self)
 
     def markdown(self) -> str:
         keys = list(self.labels)
@@ -125,7 +125,7 @@ class Comparison:
             out += [f"**{self.skipped} runs skipped: past the time budget.**", ""]
         out += [f"**{k}: not measured:** {why}" for k, why in self.missing.items()]
         out += ["", *self._targets("issue 13", self.targets())]
-        out += [*self._targets("issue 23", issue23(self)), *self._anchors()]
+        out += [*self._targets("issue 23", anchor_targets(self)), *self._anchors()]
         out += [
             "### Single-image requests: req/s (p99 ms)",
             "",
@@ -257,7 +257,7 @@ class Comparison:
         return [f"### Targets ({issue})", "", table(["target", "measured", "verdict"], rows), ""]
 
     def _anchors(self) -> list[str]:
-        """Issue 23's points, each server's row beside the others'."""
+        """The anchors' points, each server's row beside the others'."""
         rows = []
         for kind, c in ANCHOR_POINTS:
             for key in (k for k in ANCHOR_SERVERS if self.mine(k, 1, c, kind)):

@@ -6,7 +6,7 @@
 - torch: bench/baselines/torch_eager_server.py, the same server with PyTorch eager;
 - nomodel: bench/baselines/no_model_server.py, the plain server with no model run at all (what
   everything but the model costs a FastAPI server here: the bound the in-process ceiling meets);
-- mosec and triton, issue 23's anchors (bench/baselines/mosec_server.py, triton_server.py), each in its
+- mosec and triton, the anchors (docs/decisions.md#performance-targets; bench/baselines/mosec_server.py, triton_server.py), each in its
   own venv (bench/baselines/venvs.py).
 
 Single PNGs go to every server, 32 PNGs per request to vitserve (the plain server's images/s for the

@@ -99,15 +99,20 @@ def sample_photos() -> dict[str, np.ndarray]:
     }
 
 
-def phone_jpeg(photo: np.ndarray) -> bytes:
-    """``photo``'s centre 4:3, upscaled to 4032 x 3024 (bicubic), as a quality-90 JPEG."""
+def centre_jpeg(photo: np.ndarray, size: tuple[int, int], quality: int = QUALITY) -> bytes:
+    """``photo``'s centre 4:3, resized to ``size`` (width, height; bicubic), as a JPEG."""
     h, w = photo.shape[:2]
     crop_w, crop_h = min(w, h * 4 // 3), min(h, w * 3 // 4)
     left, top = (w - crop_w) // 2, (h - crop_h) // 2
     image = Image.fromarray(photo[top : top + crop_h, left : left + crop_w])
     buffer = io.BytesIO()
-    image.resize(PHOTO_SIZE, Image.Resampling.BICUBIC).save(buffer, "JPEG", quality=QUALITY)
+    image.resize(size, Image.Resampling.BICUBIC).save(buffer, "JPEG", quality=quality)
     return buffer.getvalue()
+
+
+def phone_jpeg(photo: np.ndarray) -> bytes:
+    """``photo``'s centre 4:3, upscaled to 4032 x 3024, as a quality-90 JPEG."""
+    return centre_jpeg(photo, PHOTO_SIZE)
 
 
 def decoded_in_full(data: bytes) -> Image.Image:

@@ -31,7 +31,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bench import hey
 from bench.ab import serve_trees
-from bench.cuda import engine_pid
+from bench.cuda.load import engine_pid
 from bench.machine import CLOCK_TICKS, thread_ticks
 from bench.payloads import b64_pngs, predict_body
 from bench.server_process import service_env
@@ -97,13 +97,7 @@ def measure(
                 engine = engines[name]
                 assert engine is not None, f"no engine process under {name}'s service"
                 before = thread_ticks(engine)[engine]
-                command = hey.command(
-                    servers[name].url + "/predict",
-                    body,
-                    concurrency=concurrency,
-                    duration_s=seconds,
-                )
-                result = hey.run(command, seconds + 60)
+                result = hey.run_for(servers[name].url + "/predict", body, concurrency, seconds)
                 spent_s = (thread_ticks(engine)[engine] - before) / CLOCK_TICKS
                 results[name].append((spent_s * 1000 / max(result.ok, 1), result))
     return results

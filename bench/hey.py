@@ -141,6 +141,11 @@ def run(argv: list[str], wall_limit_s: float, threads: int = 1) -> HeyResult:
     return finish(start(argv, threads), wall_limit_s)
 
 
+def run_for(url: str, body: Path, concurrency: int, seconds: float) -> HeyResult:
+    """POST ``body`` to ``url`` from ``concurrency`` clients for ``seconds``; a minute's grace to end."""
+    return run(command(url, body, concurrency=concurrency, duration_s=seconds), seconds + 60)
+
+
 def shown(argv: list[str]) -> str:
     """The command line as a reader would type it: environment first, the body file by its name."""
     parts = [Path(a).name if a.endswith(".json") else a for a in argv]

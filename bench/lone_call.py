@@ -1,6 +1,7 @@
 """Where a lone request's time goes: ``python -m bench.lone_call [--rounds 4] [--seconds 8]``.
 
-Issue 23 asks that one client at a time (c=1) be answered within 5% of the plain server's p50. This
+A lone client (c=1) is to be answered within 5% of the plain server's p50
+(docs/decisions.md#performance-targets). This
 runs side by side the plain server and vitserve in one process (``VITSERVE_WORKERS=0``), with one
 front end (``1``) and with its default (one per core); one client sends single base64 PNGs to each
 in turn, half a second each (bench/one_client.py, every request timed to the microsecond), and reads

@@ -1,6 +1,6 @@
 """One client, one request at a time, each timed to the microsecond: the c=1 points of bench/compare.py.
 
-hey prints latencies to 0.1 ms, 3% of a 3 ms request, so two of its steps span issue 23's c=1 target
+hey prints latencies to 0.1 ms, 3% of a 3 ms request, so two of its steps span the c=1 target
 (p50 within 5% of the plain server's). And on a shared machine the speed drifts by more than that
 from one 12 s run to the next (the 13:37 run: the plain server's c=1 p50 was 3.37, 2.68 and 2.40 ms
 in its three rounds). So :func:`alternate` sends to several servers in turn, half a second each,

@@ -29,7 +29,6 @@ import argparse
 import base64
 import contextlib
 import dataclasses
-import io
 import json
 import sys
 import tempfile
@@ -37,13 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from bench import hey
 from bench.baselines.venvs import VenvError, ensure
 from bench.compare import start_server
 from bench.contenders import OIP_PNG, PNG, PREDICT, servers
-from bench.decode import phone_jpeg, sample_photos
+from bench.decode import centre_jpeg, phone_jpeg, sample_photos
 from bench.heavy_models import write_heavy_model
 from bench.inprocess import Ceiling
 from bench.machine import CLOCK_TICKS, busy_check, descendants, parse_pid_stat, tree_memory_kib
@@ -60,13 +58,7 @@ TIMEOUT_S = 120  # hey's per request: a heavy model's c=64 queue takes longer th
 
 def photo_jpeg(photo: np.ndarray, size: tuple[int, int] = PHOTO_SIZE, quality: int = 90) -> bytes:
     """``photo``'s centre 4:3, resized to ``size`` (width, height; bicubic), as a JPEG."""
-    h, w = photo.shape[:2]
-    crop_w, crop_h = min(w, h * 4 // 3), min(h, w * 3 // 4)
-    left, top = (w - crop_w) // 2, (h - crop_h) // 2
-    image = Image.fromarray(photo[top : top + crop_h, left : left + crop_w])
-    buffer = io.BytesIO()
-    image.resize(size, Image.Resampling.BICUBIC).save(buffer, "JPEG", quality=quality)
-    return buffer.getvalue()
+    return centre_jpeg(photo, size, quality)
 
 
 def role(server: str, command: str) -> str:

@@ -1,5 +1,5 @@
-"""The benchmark targets of the issues, each checked against one run's medians (bench/comparison.py):
-issue 13's (vitserve against the plain server) and issue 23's (against mosec and Triton)."""
+"""The benchmark targets, each checked against one run's medians (bench/comparison.py): vitserve
+against the plain server, and against the anchors mosec and Triton (docs/decisions.md#performance-targets)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ if TYPE_CHECKING:
     from bench.comparison import Comparison
 
 PNG, TENSOR = "png", "tensor"  # the kinds of request: base64 PNGs, or the model's FP32 tensor
-TARGET_LEVELS = (64, 256)  # issue 13's and issue 23's concurrency levels
-ANCHOR_LEVELS = (1, 64, 256)  # issue 23's points for base64 PNGs ...
+TARGET_LEVELS = (64, 256)  # the concurrency levels of both sets of targets
+ANCHOR_LEVELS = (1, 64, 256)  # the anchors' points for base64 PNGs ...
 TENSOR_LEVELS = (64,)  # ... and for the FP32 tensor on /v2
 MiB = 1024  # KiB per MiB
 
@@ -31,34 +31,13 @@ class Target:
         return verdict + (" (busy machine: not a result)" if self.busy else "")
 
 
-def issue13(result: Comparison) -> list[Target]:
-    """Issue 13's targets: vitserve against the plain server, the ceiling, int8, start-up, memory."""
+def plain_targets(result: Comparison) -> list[Target]:
+    """The targets against the plain server: requests/s and p99, the ceiling, int8, start-up, memory."""
     rows = []
     for c in TARGET_LEVELS:
-        ours, plain = result.spread("vitserve", 1, c), result.spread("plain", 1, c)
-        busy = result.busy("vitserve", 1, c) or result.busy("plain", 1, c)
-        x = ratio(median(ours), median(plain))
-        rows.append(
-            Target(
-                f"c={c}, 1 image/request: >= 1.5x the plain server's req/s",
-                f"{x:.3f}x ({fmt(median(ours))} vs {fmt(median(plain))})" if x else "-",
-                None if x is None else x >= 1.5,
-                busy,
-            )
-        )
-        ours, plain = (
-            result.spread("vitserve", 1, c, "p99_ms"),
-            result.spread("plain", 1, c, "p99_ms"),
-        )
-        both = ours is not None and plain is not None
-        rows.append(
-            Target(
-                f"c={c}, 1 image/request: lower p99 than the plain server",
-                f"{fmt(median(ours), 1)} vs {fmt(median(plain), 1)} ms" if both else "-",
-                ours.median < plain.median if both else None,
-                busy,
-            )
-        )
+        what = f"c={c}, 1 image/request"
+        rows.append(_faster(result, "plain", c, PNG, 1.5, what, whose="the plain server's"))
+        rows.append(_lower_p99(result, "plain", c, what, whose="the plain server"))
     batch, ceiling = result.best_ceiling()
     served = median(result.spread("vitserve", 1, 64, "images_per_s"))
     bare = median(result.spread("nomodel", 1, 64))
@@ -116,33 +95,49 @@ def issue13(result: Comparison) -> list[Target]:
     return rows
 
 
-def _faster(result: Comparison, than: str, c: int, kind: str, factor: float, what: str) -> Target:
+def _faster(
+    result: Comparison,
+    than: str,
+    c: int,
+    kind: str,
+    factor: float,
+    what: str,
+    whose: str | None = None,
+) -> Target:
+    """vitserve's req/s at least ``factor`` times ``than``'s (shown as ``whose``)."""
     ours, theirs = (result.spread(k, 1, c, kind=kind) for k in ("vitserve", than))
     x = ratio(median(ours), median(theirs))
+    whose = whose or f"{than}'s"
     return Target(
-        f"{what}: >= {factor:g}x {than}'s req/s",
+        f"{what}: >= {factor:g}x {whose} req/s",
         f"{x:.3f}x ({fmt(median(ours))} vs {fmt(median(theirs))})" if x else "-",
         None if x is None else x >= factor,
         result.busy("vitserve", 1, c, kind=kind) or result.busy(than, 1, c, kind=kind),
     )
 
 
-def issue23(result: Comparison) -> list[Target]:
-    """Issue 23's targets: ahead of mosec and Triton, c=1 as the plain server, memory, start-up."""
+def _lower_p99(
+    result: Comparison, than: str, c: int, what: str, whose: str | None = None
+) -> Target:
+    """vitserve's p99 below ``than``'s (shown as ``whose``), base64 PNGs at ``c``."""
+    ours, theirs = (result.spread(k, 1, c, "p99_ms") for k in ("vitserve", than))
+    both = ours is not None and theirs is not None
+    return Target(
+        f"{what}: lower p99 than {whose or than}",
+        f"{fmt(median(ours), 1)} vs {fmt(median(theirs), 1)} ms" if both else "-",
+        ours.median < theirs.median if both else None,
+        result.busy("vitserve", 1, c) or result.busy(than, 1, c),
+    )
+
+
+def anchor_targets(result: Comparison) -> list[Target]:
+    """The targets against the anchors: ahead of mosec and Triton, c=1 as the plain server, memory,
+    start-up."""
     rows = []
     for c in TARGET_LEVELS:
         what = f"c={c}, one base64 PNG per request"
         rows.append(_faster(result, "mosec", c, PNG, 1.15, what))
-        ours, theirs = (result.spread(k, 1, c, "p99_ms") for k in ("vitserve", "mosec"))
-        both = ours is not None and theirs is not None
-        rows.append(
-            Target(
-                f"{what}: lower p99 than mosec",
-                f"{fmt(median(ours), 1)} vs {fmt(median(theirs), 1)} ms" if both else "-",
-                ours.median < theirs.median if both else None,
-                result.busy("vitserve", 1, c) or result.busy("mosec", 1, c),
-            )
-        )
+        rows.append(_lower_p99(result, "mosec", c, what))
     (c,) = TENSOR_LEVELS
     rows.append(_faster(result, "triton", c, TENSOR, 1.2, f"c={c}, FP32 JSON tensor on /v2"))
     ours, plain = (result.spread(k, 1, 1, "p50_ms") for k in ("vitserve", "plain"))

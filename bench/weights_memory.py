@@ -4,7 +4,7 @@
 does (``Runtime.load``: the classifier's instances, the attention graph, the warm-up), each time in a
 fresh process, and prints the process's resident memory after loading (VmRSS), after one largest batch
 of each graph, and at its peak (VmHWM),
-against the bytes of the classifier's weights (its initializers) and issue 38's target: RSS at most
+against the bytes of the classifier's weights (its initializers) and the target for imported models: RSS at most
 1.3 x the weights' bytes + 250 MB. ``python -m bench.heavy_models base --repo /tmp/heavy`` writes a
 ViT-B/16 to measure.
 """
@@ -56,7 +56,7 @@ def _load_and_report(repo: str, name: str, instances: int, queue: multiprocessin
     loaded = _status_kb("VmRSS")
     images = np.zeros((serving.max_batch_size, *runtime.input_shape), np.float32)
     runtime.classify(images)
-    runtime.attend(images[: settings.attention_max_batch_size])
+    runtime.attend(images[: settings.batching.attention_max_batch_size])
     queue.put(
         {
             "rss_before_mb": before / 1024,

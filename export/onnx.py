@@ -43,7 +43,7 @@ from export.onnx_graphs import (
     verify,
     with_metadata,
 )
-from export.repository import RepositoryError, write_version
+from export.repository import RepositoryError, new_version_dir, write_version
 
 __all__ = ["build_graphs", "classifier_graph", "export_model", "main"]
 
@@ -64,11 +64,7 @@ def export_model(
     model, metadata = load_checkpoint(path)
     spec = spec_from_metadata(metadata)
     labels = json.loads(metadata["labels"])
-    version_dir = Path(repo) / name / str(version)
-    if version_dir.exists() and not overwrite:
-        raise FileExistsError(
-            f"{version_dir} already exists; pass --overwrite to replace it or choose another --version"
-        )
+    new_version_dir(repo, name, version, overwrite)
     test = load_test_split(spec, data_dir)
     images = normalize(test.images, spec)
     graphs = build_graphs(model)
@@ -101,11 +97,7 @@ def export_imported(
     source: str | Path, name: str, version: int, repo: str | Path, overwrite: bool = False
 ) -> dict:
     """Export, verify and write another library's checkpoint, and its model card."""
-    version_dir = Path(repo) / name / str(version)
-    if version_dir.exists() and not overwrite:
-        raise FileExistsError(
-            f"{version_dir} already exists; pass --overwrite to replace it or choose another --version"
-        )
+    new_version_dir(repo, name, version, overwrite)
     imported = load_imported(source)
     model = imported.model
     graphs = build_graphs(model)

@@ -46,7 +46,7 @@ from export import onnx_graphs as export_onnx
 from export.checkpoint import file_sha256, load_checkpoint, resolve_checkpoint
 from export.data import Split, load_dataset, normalize, spec_from_metadata, train_validation_split
 from export.evaluate import dataset_logits, onnx_runner
-from export.repository import write_version
+from export.repository import new_version_dir, write_version
 
 QUANTIZATIONS = ("dynamic", "static-qdq")
 CALIBRATION_IMAGES = 512
@@ -126,8 +126,7 @@ def quantize_graph(
 def quantize_static_qdq(prepared: Path, quantized: Path, calibration: np.ndarray) -> None:
     """Static QDQ: int8 weights with one scale per output channel, int8 activations with ranges fixed
     by min-max calibration, so that an image's answer never depends on the images batched with it
-    (issue 25: with dynamic quantization's one scale per batch, a hostile partner changed 588 of 923
-    answers)."""
+    (dynamic quantization's one scale per batch lets a partner change it: docs/decisions.md#hostile-clients)."""
     quantize_static(
         prepared,
         quantized,
@@ -162,11 +161,7 @@ def export_quantized(
     model, metadata = load_checkpoint(path)
     spec = spec_from_metadata(metadata)
     labels = json.loads(metadata["labels"])
-    version_dir = Path(repo) / name / str(version)
-    if version_dir.exists() and not overwrite:
-        raise FileExistsError(
-            f"{version_dir} already exists; pass --overwrite to replace it or choose another --version"
-        )
+    new_version_dir(repo, name, version, overwrite)
     train, test = load_dataset(spec, data_dir)
     train = run_training_images(path, train)
     images = normalize(test.images, spec)

@@ -93,6 +93,17 @@ def _stage(staging: Path, graphs: Mapping[str, onnx.ModelProto], labels: Sequenc
     staging.chmod(0o755)  # mkdtemp makes it private; the service may run as another user
 
 
+def new_version_dir(repo: str | Path, name: str, version: int, overwrite: bool = False) -> Path:
+    """``<repo>/<name>/<version>``, which an export is about to write: refused (FileExistsError) when
+    it exists, unless ``overwrite``."""
+    version_dir = Path(repo) / name / str(version)
+    if version_dir.exists() and not overwrite:
+        raise FileExistsError(
+            f"{version_dir} already exists; pass --overwrite to replace it or choose another --version"
+        )
+    return version_dir
+
+
 def write_version(
     repo: Path,
     name: str,
@@ -109,11 +120,7 @@ def write_version(
         name, "images", input_dims, len(labels), label_filename=labels_path(version)
     )
     entry = Path(repo) / name
-    version_dir = entry / str(version)
-    if version_dir.exists() and not overwrite:
-        raise FileExistsError(
-            f"{version_dir} already exists; pass --overwrite to replace it or choose another --version"
-        )
+    version_dir = new_version_dir(repo, name, version, overwrite)
     config_path = entry / CONFIG_FILE
     try:
         existing = read_model_config(config_path) if config_path.exists() else None

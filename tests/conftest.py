@@ -9,6 +9,7 @@ import are in tests/support.py; each directory's conftest.py adds or narrows wha
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -210,3 +211,32 @@ def client(settings: Settings) -> Iterator[TestClient]:
 @pytest.fixture(scope="session")
 def reference(model_repository: Path) -> Reference:
     return Reference.load(model_repository)
+
+
+class ServiceLog(logging.Handler):
+    """The records of the service's logger, and their messages (it does not propagate to the root
+    logger, so caplog does not see them)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def service_log() -> Iterator[ServiceLog]:
+    """What the service logs during the test, from INFO up."""
+    handler = ServiceLog()
+    logger = logging.getLogger("vitserve")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

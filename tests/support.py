@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import io
 import json
 import os
@@ -311,40 +310,6 @@ def free_port(ports: range) -> int:
     return server_process.free_port(ports, start=os.getpid() * 7 + int(time.monotonic() * 1000))
 
 
-def listening_ports(pid: int) -> list[int]:
-    """The TCP ports of the listening sockets process ``pid`` holds, each as often as it holds one
-    (from /proc: the process's socket inodes matched against the kernel's socket tables)."""
-    inodes = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if target.startswith("socket:["):
-                inodes.append(target[8:-1])
-    listening = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as lines:
-            for line in list(lines)[1:]:
-                fields = line.split()
-                if fields[3] == "0A":  # TCP_LISTEN
-                    listening[fields[9]] = int(fields[1].rsplit(":", 1)[1], 16)
-    return sorted(listening[inode] for inode in inodes if inode in listening)
-
-
-def command_line(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/cmdline", "rb") as raw:
-        return raw.read().decode(errors="replace").split("\0")[:-1]
-
-
-def assert_forked_holding_their_own_listener(
-    supervisor: int, port: int, front_ends: list[int]
-) -> None:
-    """Each front end forked from the supervisor (it runs the supervisor's command line, where a
-    spawned one runs multiprocessing's), holding one listener, its own, of what the supervisor had."""
-    for pid in front_ends:
-        assert command_line(pid) == command_line(supervisor), command_line(pid)
-        assert listening_ports(pid) == [port], (pid, listening_ports(pid))
-
-
 def run_python(script: str, env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
     """``python -c script`` from the repository root with ``env``; its output as text."""
     return subprocess.run(
@@ -423,9 +388,25 @@ def running_server(
 ) -> Iterator[Server]:
     """A real service process on a free port of the suite's range ('{port}' in ``command`` is
     replaced); waits until ready; always stopped (SIGTERM) after."""
+
+    def environment(port: int) -> dict[str, str]:
+        return server_env(repository, port, suite, **settings)
+
+    with service_process(environment, log, suite, command) as live:
+        yield Server(live.process, live.url, live.port, log)
+
+
+@contextmanager
+def service_process(
+    env: Callable[[int], dict[str, str]],
+    log: Path,
+    suite: Suite,
+    command: Sequence[str] = ("-m", "service"),
+) -> Iterator[server_process.RunningServer]:
+    """``running_server`` with the environment ``env(port)`` makes for the port it is given."""
     with server_process.running(
         ["nice", "-n", "10", sys.executable, *command],
-        lambda port: server_env(repository, port, suite, **settings),
+        env,
         log,
         ports=suite.ports,
         start=os.getpid() * 7 + int(time.monotonic() * 1000),
@@ -433,7 +414,7 @@ def running_server(
         poll_s=0.1,
         name="server",
     ) as live:
-        yield Server(live.process, live.url, live.port, log)
+        yield live
 
 
 class HoldFirstCall:

@@ -1,4 +1,4 @@
-"""The shipped model on mosec (issue 23's anchor; pinned in requirements/bench-mosec.txt): mosec's
+"""The shipped model on mosec (an anchor: docs/decisions.md#performance-targets; pinned in requirements/bench-mosec.txt): mosec's
 Rust HTTP front end, ``--decoders`` processes that parse the /predict JSON and decode its base64 images
 with vitserve's preprocessing, then one process that runs the model on dynamic batches
 (bench/baselines/__init__.py) and answers vitserve's /predict JSON (bench/baselines/classifier.py).

@@ -1,4 +1,5 @@
-"""The server a user would write to serve the shipped model with FastAPI and onnxruntime (issue 13).
+"""The server a user would write to serve the shipped model with FastAPI and onnxruntime:
+what vitserve must beat (docs/decisions.md#performance-targets).
 
 A sync ``def`` handler (FastAPI runs it in its thread pool), onnxruntime at batch 1 with one intra-op
 thread, the same model file, and the service's own preprocessing and metadata reader

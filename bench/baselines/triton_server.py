@@ -1,4 +1,4 @@
-"""The shipped model on Triton Inference Server (issue 23's anchor): the ``tritonserver`` that
+"""The shipped model on Triton Inference Server (an anchor: docs/decisions.md#performance-targets): the ``tritonserver`` that
 nvidia-pytriton ships (requirements/bench-triton.txt; C++ HTTP front end and dynamic batcher; its only backend is Python), with
 two models, each one Python callable batched by Triton (bench/baselines/__init__.py):
 

@@ -1,4 +1,4 @@
-"""Header bombs (issue 25): connections sending endless request headers to /health/live at once.
+"""Header bombs: connections sending endless request headers to /health/live at once.
 
     nice -n 10 python -m bench.reliability.header_bombs --connections 4 --mib 200
 

@@ -1,4 +1,4 @@
-"""Health under a connection flood (issue 25): probes while every connection the server allows is held.
+"""Health under a connection flood: probes while every connection the server allows is held.
 
     python -m bench.reliability.health_flood --seconds 60 --connections 512 \\
         --out bench/results/reliability-health-flood.json

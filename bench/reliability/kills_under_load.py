@@ -1,8 +1,8 @@
-"""Issue 39's target probe: kill -9 of a front end twice and of the engine twice (the second time during
+"""The kills-under-load probe (RELIABILITY.md): kill -9 of a front end twice and of the engine twice (the second time during
 its own restart: its replacement is killed as soon as it runs) under ``--clients`` (16) for
 ``--duration-s`` (60 s), then SIGTERM.
 
-``python -m bench.reliability.kills_under_load`` prints, and writes to ``--out``, what the issue's target
+``python -m bench.reliability.kills_under_load`` prints, and writes to ``--out``, what its target
 asks: every answer other than 200 and 503 with Retry-After (there should be none), the requests lost
 (connections a killed front end dropped), the seconds from each kill to ready again, the service's
 memory (every process's VmRSS summed) before and after, its exit code, and what was left in /dev/shm and

@@ -1,8 +1,7 @@
 """The most each serving setting may be, in config.pbtxt and in the environment alike.
 
-Beyond them a single version could take the machine's memory (max_batch_size 4096 took 2.1 GiB in
-warm-up, an instance count of 50 kept 870 MiB: issue 25); a config.pbtxt over one is refused with its
-reason. A module of its own, without protobuf: the settings (and so ``--help``) read it before anything
+Beyond them a single version could take the machine's memory (docs/decisions.md#serving-setting-maxima);
+a config.pbtxt over one is refused with its reason. A module of its own, without protobuf: the settings (and so ``--help``) read it before anything
 heavy is imported.
 """
 

@@ -33,7 +33,7 @@ VersionPolicy = tuple[str, int] | tuple[str, tuple[int, ...]] | tuple[str]
 # gets (the queue's bounds also stand in for a config's missing ones). Two instances, as Triton's ONNX
 # Runtime backend starts on the CPU: a batch runs while the next one fills, and the model's threads use
 # the cores the front ends leave idle. Batches of 16, not 32: with two instances that kept p99 below a
-# single instance's of 32 (BENCHMARKS.md, issue 23).
+# single instance's of 32 (docs/decisions.md#default-batching).
 DEFAULT_MAX_BATCH_SIZE = 16
 DEFAULT_INSTANCE_COUNT = 2
 DEFAULT_QUEUE_DELAY_US = 2000

@@ -116,7 +116,7 @@ PEEK_BYTES = 256 * 1024
 def pixels_to_decode(data: bytes) -> int | None:
     """The pixels decoding ``data``'s first frame really makes, told without decoding: a PNG's or
     BMP's header (what its decoder allocates), a GIF's canvas as Pillow sizes it from the first
-    image descriptor (the logical screen may claim 1x1 for a 4096x4095 frame, issue 25). None when it
+    image descriptor (the logical screen may claim 1x1 for a 4096x4095 frame). None when it
     cannot be told cheaply: JPEG, WebP, malformed, or more than PEEK_BYTES."""
     if data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) >= 24:
         return int.from_bytes(data[16:20], "big") * int.from_bytes(data[20:24], "big")

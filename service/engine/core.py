@@ -59,7 +59,7 @@ class Engine:
             await self.manager.start()
         except ModelLoadError as error:
             logger.error("cannot start: %s", error)
-            await self.manager.stop(self.settings.graceful_shutdown_s)
+            await self.manager.stop(self.settings.server.graceful_shutdown_s)
             raise
         if self.phase == "starting":  # a signal may have arrived while loading
             self.phase = "ready"
@@ -82,14 +82,14 @@ class Engine:
 
     async def _drain_deadline(self) -> None:
         """At the deadline, answer what is left 503 while the front ends can still send it."""
-        await asyncio.sleep(self.settings.graceful_shutdown_s)
+        await asyncio.sleep(self.settings.server.graceful_shutdown_s)
         self._failed_at_deadline += self.manager.fail_unanswered()
 
     async def stop(self) -> None:
         """Not ready any more; finish everything queued and running, then release the models."""
         self.begin_shutdown()
         self.metrics.ready.set(0)
-        timeout = self.settings.graceful_shutdown_s
+        timeout = self.settings.server.graceful_shutdown_s
         if self._drain is not None:
             self._drain.cancel()
         failed = self._failed_at_deadline + await self.manager.stop(timeout)
@@ -186,7 +186,7 @@ class Engine:
         if op == "statistics":
             return reports.statistics(manager, arguments.get("name"), arguments.get("version"))
         if op in ("load", "unload"):
-            mode = self.settings.model_control
+            mode = self.settings.repository.model_control
             if mode != "explicit":
                 raise ServiceError(
                     f"explicit model {op} is not allowed: the model control mode is '{mode}' "

@@ -69,7 +69,7 @@ class ModelManager:
 
     @property
     def repository(self) -> Path:
-        return Path(self.settings.model_repository)
+        return Path(self.settings.repository.model_repository)
 
     # --- start and stop ---------------------------------------------------------------------------
 
@@ -79,16 +79,16 @@ class ModelManager:
         explicit mode the default model may be one that is not loaded yet."""
         available = model_names(self.repository)
         self.repository_names = frozenset(available)
-        named = self.settings.model_list
+        named = self.settings.repository.model_list
         missing = [name for name in named if name not in available]
         if missing:
             raise ModelLoadError(
                 f"VITSERVE_MODELS names {', '.join(map(repr, missing))}, not in {self.repository}; "
                 f"available: {', '.join(available) or 'none'}"
             )
-        names = available if self.settings.loads_every_model else named
+        names = available if self.settings.repository.loads_every_model else named
         servable = available if self.explicit else names
-        default = self.settings.model_name or (names or servable or [None])[0]
+        default = self.settings.repository.model_name or (names or servable or [None])[0]
         if default is None or default not in servable:
             raise ModelLoadError(
                 f"model {default!r} not found in {self.repository}; available: "
@@ -112,7 +112,7 @@ class ModelManager:
                 raise ModelLoadError(
                     f"model {name!r} has no version that loads: {reasons or 'none'}"
                 )
-        if self.settings.model_control == "poll":
+        if self.settings.repository.model_control == "poll":
             self._poller = asyncio.get_running_loop().create_task(self._poll_forever(), name="poll")
 
     def _serving_pipelines(self) -> list[ModelPipeline]:
@@ -159,7 +159,7 @@ class ModelManager:
 
     @property
     def explicit(self) -> bool:
-        return self.settings.model_control == "explicit"
+        return self.settings.repository.model_control == "explicit"
 
     def routing(self) -> ModelTable:
         """The models as requests are resolved against them (service/link/protocol.py holds the rules:
@@ -167,7 +167,7 @@ class ModelManager:
         return ModelTable(
             default_name=self.default_name,
             models=self.views(),
-            retry_after_s=self.settings.retry_after_s,
+            retry_after_s=self.settings.limits.retry_after_s,
             explicit=self.explicit,
             repository_names=self.repository_names,
             first_load=self._first_load,
@@ -234,7 +234,7 @@ class ModelManager:
     # --- loading ----------------------------------------------------------------------------------
 
     def _serving(self, name: str, config: ModelConfig) -> ServingConfig:
-        pinned = self.settings.model_version if name == self.default_name else None
+        pinned = self.settings.repository.model_version if name == self.default_name else None
         return serving_settings(config, name, self.settings, pinned)
 
     async def _sync_model(self, name: str, initial: bool = False) -> list[str]:
@@ -399,7 +399,7 @@ class ModelManager:
     def _release(self, pipeline: ModelPipeline) -> None:
         """Release a version no longer routed to, once the requests it admitted are answered."""
         task = asyncio.get_running_loop().create_task(
-            pipeline.retire(self.settings.graceful_shutdown_s)
+            pipeline.retire(self.settings.server.graceful_shutdown_s)
         )
         self._retiring.add(task)
         self._retired.add(pipeline)
@@ -412,7 +412,7 @@ class ModelManager:
         self.known_names()
         async with self._lock:
             # The models being served too: a removed folder is no longer in the listing.
-            names = self.settings.model_list or sorted(
+            names = self.settings.repository.model_list or sorted(
                 {*model_names(self.repository), *self.models}
             )
             for name in names:
@@ -424,7 +424,7 @@ class ModelManager:
 
     async def _poll_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.repository_poll_s)
+            await asyncio.sleep(self.settings.repository.repository_poll_s)
             try:
                 await self.poll_once()
             except Exception:  # a scan error must not end the polling

@@ -136,7 +136,7 @@ def serving_settings(
 ) -> ServingConfig:
     """The model's config with the environment's overrides. A queue without a size or timeout
     there gets the service's bounds: an unbounded queue is not a setting this service offers."""
-    overrides: dict[str, object] = dict(settings.batching_overrides())
+    overrides: dict[str, object] = dict(settings.batching.overrides())
     if pinned_version is not None:
         overrides["version_policy"] = ("specific", (pinned_version,))
     try:
@@ -148,10 +148,10 @@ def serving_settings(
         max_queue_size=serving.max_queue_size or DEFAULT_MAX_QUEUE_SIZE,
         request_timeout_s=serving.request_timeout_s or DEFAULT_REQUEST_TIMEOUT_US / 1e6,
     )
-    if serving.max_queue_size < settings.max_images_per_request:
+    if serving.max_queue_size < settings.limits.max_images_per_request:
         raise ModelLoadError(
             f"{name}: max_queue_size ({serving.max_queue_size}) must be at least "
-            f"max_images_per_request ({settings.max_images_per_request}), or a full-sized "
+            f"max_images_per_request ({settings.limits.max_images_per_request}), or a full-sized "
             "request could never be queued"
         )
     return serving

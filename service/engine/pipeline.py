@@ -54,10 +54,10 @@ class ModelPipeline:
             "max_queue_delay_s": serving.max_queue_delay_s,
             "max_queue_size": serving.max_queue_size,
             "timeout_s": serving.request_timeout_s,
-            "retry_after_s": settings.retry_after_s,
+            "retry_after_s": settings.limits.retry_after_s,
             "metrics": metrics,
             "model": name,
-            "idle_dispatch": settings.idle_dispatch,
+            "idle_dispatch": settings.batching.idle_dispatch,
         }
         self.classifier = DynamicBatcher(
             "classifier",
@@ -72,7 +72,7 @@ class ModelPipeline:
             else DynamicBatcher(
                 "attention",
                 runtime.attend,
-                max_batch_size=settings.attention_max_batch_size,
+                max_batch_size=settings.batching.attention_max_batch_size,
                 **common,
             )
         )

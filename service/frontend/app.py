@@ -122,7 +122,7 @@ def create_app(
     OTEL_* environment variables (service/observability/tracing.py), unless a ``tracer_provider`` is
     given (tests give one with an in-memory exporter)."""
     settings = settings or Settings()
-    logs.configure(settings.log_level, settings.log_format)
+    logs.configure(settings.server.log_level, settings.server.log_format)
     app_metrics = process_metrics or Metrics()
     local = LocalEngine.create(settings, app_metrics) if engine is None else None
     client = local if local is not None else engine
@@ -135,7 +135,7 @@ def create_app(
         tracing.activate(provider)
         try:
             await state.start()
-            grpc_server = GrpcServer(state, app.version) if settings.grpc_port else None
+            grpc_server = GrpcServer(state, app.version) if settings.server.grpc_port else None
             try:
                 if grpc_server is not None:
                     await grpc_server.start()
@@ -144,7 +144,7 @@ def create_app(
                 state.begin_shutdown()  # not ready over either protocol from here on
                 stopping = [state.stop()]
                 if grpc_server is not None:  # refuses new calls, lets those in flight finish
-                    stopping.append(grpc_server.stop(settings.graceful_shutdown_s))
+                    stopping.append(grpc_server.stop(settings.server.graceful_shutdown_s))
                 await asyncio.gather(*stopping)
         finally:
             tracing.activate(None)
@@ -184,22 +184,24 @@ def create_app(
     routers.append(oip.not_in_protocol_route(routers))
     for router in routers:
         app.include_router(router)
-    install_docs(app, settings)
+    install_docs(app, settings.server)
     check_hot_routes(route for router in routers for route in router.routes)
     app.add_middleware(HotRoutes, handlers=app.exception_handlers)  # the innermost middleware
     app.add_middleware(
         RequestContextMiddleware,
-        max_body_bytes=settings.max_body_bytes,
+        max_body_bytes=settings.limits.max_body_bytes,
         metrics=app_metrics,
-        json_limits=json_limits(settings),
+        json_limits=json_limits(settings.limits),
         static_paths=frozenset(
             route.path for router in routers for route in router.routes if "{" not in route.path
         ),
     )
-    if settings.cors_origin_list:  # outermost: preflights and early 413s get CORS headers too
+    if (
+        settings.server.cors_origin_list
+    ):  # outermost: preflights and early 413s get CORS headers too
         app.add_middleware(
             CORSMiddleware,
-            allow_origins=settings.cors_origin_list,
+            allow_origins=settings.server.cors_origin_list,
             allow_methods=["*"],
             allow_headers=["*"],
             expose_headers=["X-Request-ID", "Retry-After", HEADER_LENGTH],

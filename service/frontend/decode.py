@@ -17,18 +17,18 @@ from service.contract.preprocessing import Invert, Prepared, Preprocessor, pixel
 from service.errors import InvalidInput, ServiceUnavailable
 from service.frontend.inputs import RawImage
 from service.observability.metrics import Metrics
-from service.settings import Settings
+from service.settings import LimitSettings
 
 
 class DecodeGate:
     """At most ``slots`` requests decode at once; at most ``max_waiters`` wait for a slot, each for at
     most ``timeout_s``; beyond either, 503 with Retry-After at once."""
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
-        self._slots = asyncio.Semaphore(settings.max_concurrent_decodes)
-        self._max_waiters = settings.max_decode_waiters
-        self._timeout_s = settings.decode_wait_timeout_s
-        self._retry_after_s = settings.retry_after_s
+    def __init__(self, limits: LimitSettings, metrics: Metrics) -> None:
+        self._slots = asyncio.Semaphore(limits.max_concurrent_decodes)
+        self._max_waiters = limits.max_decode_waiters
+        self._timeout_s = limits.decode_wait_timeout_s
+        self._retry_after_s = limits.retry_after_s
         self._metrics = metrics
         self.waiting = 0
 

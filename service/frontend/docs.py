@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse
 
-from service.settings import Settings
+from service.settings import ServerSettings
 
 ASSETS_URL = "/docs/assets"
 _ASSETS_DIR = Path(fastapi_offline.__file__).parent / "static"
@@ -36,10 +36,10 @@ CONTENT_SECURITY_POLICY = (
 )
 
 
-def install_docs(app: FastAPI, settings: Settings) -> None:
+def install_docs(app: FastAPI, server: ServerSettings) -> None:
     """Add /docs, /redoc and their assets to ``app`` (created with ``docs_url=None`` and
-    ``redoc_url=None``), unless ``settings.docs`` is off."""
-    if not settings.docs:
+    ``redoc_url=None``), unless ``server.docs`` is off."""
+    if not server.docs:
         return
     openapi_url = app.openapi_url or "/openapi.json"
     favicon = f"{ASSETS_URL}/favicon.png"

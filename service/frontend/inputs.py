@@ -24,7 +24,7 @@ from service.errors import InvalidInput, ServiceUnavailable, UnsupportedMediaTyp
 from service.frontend.error_responses import validation_details, validation_message
 from service.frontend.json_guard import ImageJsonLimits, check_image_json
 from service.frontend.schemas import ImageInput
-from service.settings import Settings
+from service.settings import LimitSettings
 
 JSON = "application/json"
 MULTIPART = "multipart/form-data"
@@ -69,11 +69,11 @@ current_json_limits: ContextVar[ImageJsonLimits | None] = ContextVar(
 )
 
 
-def json_limits(settings: Settings) -> ImageJsonLimits:
+def json_limits(limits: LimitSettings) -> ImageJsonLimits:
     return ImageJsonLimits(
-        max_images=settings.max_images_per_request,
-        max_pixels=settings.max_pixels_per_image,
-        max_values=settings.max_json_values,
+        max_images=limits.max_images_per_request,
+        max_pixels=limits.max_pixels_per_image,
+        max_values=limits.max_json_values,
     )
 
 
@@ -103,7 +103,7 @@ async def read_json(request: Request, model: type[Options]) -> Options:
     """Read the request's JSON body and ``parse_json`` it with the app's limits (a large body off the
     event loop)."""
     body = await request.body()
-    limits = json_limits(request.app.state.settings)
+    limits = json_limits(request.app.state.settings.limits)
     if len(body) <= INLINE_JSON_BYTES:
         return parse_json(body, model, limits)
     return await run_in_threadpool(parse_json, body, model, limits)

@@ -2,7 +2,7 @@
 
 - On the main port, a connection beyond ``max_connections`` is refused without reaching the app,
   except a ``GET`` of a health route (``server.py``): a probe must not fail because idle or busy
-  clients hold every connection (issue 25).
+  clients hold every connection (docs/decisions.md#hostile-clients).
 - ``health_port`` (off unless set) serves only the health routes, from a thread that is not the
   event loop's: :class:`ProbeListener`. Under ``python -m service`` with front-end processes it runs
   in the supervisor (``service/launcher/health.py`` says what it answers there); in a single process

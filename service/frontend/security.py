@@ -28,7 +28,7 @@ OPENAPI_SECURITY = {"security": [{"HTTPBearer": []}]}
 def check_request_api_key(request: Request) -> None:
     """401 unless the request carries the service's API key (when it has one; without one the
     headers are not even parsed, as this runs on every inference request)."""
-    api_key = request.app.state.settings.api_key
+    api_key = request.app.state.settings.server.api_key
     if api_key is not None:
         check_api_key(request.headers.get("authorization"), api_key)
 

@@ -78,7 +78,7 @@ class ServedVersion:
 
     @property
     def preprocessor(self) -> Preprocessor:
-        return _preprocessor(self.view, self.settings.max_pixels_per_image)
+        return _preprocessor(self.view, self.settings.limits.max_pixels_per_image)
 
     async def _run(
         self,
@@ -108,7 +108,7 @@ class ServedVersion:
 
     async def classify(self, images: list[RawImage], invert: Invert, call: Call) -> np.ndarray:
         """Logits ``[images, classes]``, in order."""
-        budget = self.settings.max_pixels_per_request
+        budget = self.settings.limits.max_pixels_per_request
         preprocessor = self.preprocessor
 
         def prepare() -> np.ndarray:
@@ -128,7 +128,9 @@ class ServedVersion:
 
         def prepare() -> np.ndarray:
             prepared.extend(
-                prepare_batch(preprocessor, [image], invert, self.settings.max_pixels_per_request)
+                prepare_batch(
+                    preprocessor, [image], invert, self.settings.limits.max_pixels_per_request
+                )
             )
             return prepared[0].tensor[np.newaxis]
 

@@ -26,7 +26,7 @@ class FrontendState:
         self.worker = worker  # this front end's slot among several, None when alone
         self.metrics = metrics
         self.engine = engine
-        self.gate = DecodeGate(settings, metrics)
+        self.gate = DecodeGate(settings.limits, metrics)
         self.phase: Phase = "starting"
 
     @property

@@ -1,6 +1,6 @@
 """The command line of ``python -m service`` and of the ``vitserve`` script: every setting a flag.
 
-The flags are made from the fields of ``service/settings.py``, so a new setting is a new flag with no
+The flags are made from the fields of ``service/settings/`` (every group's), so a new setting is a new flag with no
 edit here: ``max_batch_size`` is ``--max-batch-size``, and ``--help`` shows its description, default
 and environment variable. Where Triton Inference Server (or uvicorn) has the concept, its flag is
 accepted too (``ALIASES``): ``--model-repository``, ``--http-port``, ``--grpc-port``,
@@ -24,11 +24,10 @@ from pydantic import AliasChoices, SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import SettingsError
 
-from service.settings import Settings
+from service.settings import ENV_PREFIX, Settings, setting_fields
 
 EXIT_BAD_SETTINGS = 2
 EXIT_START_FAILED = 3  # a port in use, a model that does not load, httptools missing
-ENV_PREFIX = Settings.model_config.get("env_prefix", "")
 
 # Triton's and uvicorn's names for the same settings, accepted beside each field's own flag.
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -89,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # only the flags given reach Settings
     )
-    for name, field in Settings.model_fields.items():
+    for name, field in setting_fields().items():
         flags = [flag(name), *ALIASES.get(name, ())]
         repeat = " Repeatable, or comma-separated." if name in REPEATABLE else ""
         if SecretStr in typing.get_args(field.annotation):

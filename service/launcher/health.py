@@ -1,7 +1,7 @@
 """``health_port`` under ``python -m service``: probes answered by the supervisor, which does no request work.
 
 A front end's event loop can be busy for hundreds of milliseconds under a flood, and a thread beside it
-waits for the same interpreter lock (issue 25: a p99 of 78-148 ms at the connection cap). The
+waits for the same interpreter lock (docs/decisions.md#health-off-the-event-loop). The
 supervisor's process is idle, so its listener thread answers at once. What it answers still follows
 the processes that serve, through a page of shared memory (:class:`HealthBoard`) where
 

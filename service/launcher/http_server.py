@@ -49,27 +49,27 @@ def serve_http(
     """Serve ``app`` with uvicorn and the guarded protocol until a signal; the exit code. A front
     end of several gives its event loop's ``beat`` to the supervisor, which answers ``health_port``
     (health.py); a single process (no ``beat``) answers ``health_port`` itself, from a thread."""
-    port = settings.health_port if beat is None else 0
+    port = settings.server.health_port if beat is None else 0
     health = EventLoopHealth(app.state.frontend)
     try:
-        probes = ProbeListener(settings.host, port, health) if port else None
+        probes = ProbeListener(settings.server.host, port, health) if port else None
     except OSError as error:
         logger.error(
             "cannot start: cannot listen on %s, health port %d: %s",
-            settings.host,
+            settings.server.host,
             port,
             error.strerror or error,
         )
         return EXIT_START_FAILED
     config = uvicorn.Config(
         app,
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        log_config=uvicorn_log_config(settings.log_format),
+        host=settings.server.host,
+        port=settings.server.port,
+        log_level=settings.server.log_level,
+        log_config=uvicorn_log_config(settings.server.log_format),
         lifespan="on",
-        timeout_graceful_shutdown=settings.graceful_shutdown_s + ANSWER_MARGIN_S,
-        access_log=settings.access_log,
+        timeout_graceful_shutdown=settings.server.graceful_shutdown_s + ANSWER_MARGIN_S,
+        access_log=settings.server.access_log,
         proxy_headers=False,
         http=guarded_protocol(settings, app.state.frontend),
         callback_notify=beat if beat is not None else health.heartbeat if probes else None,

@@ -91,8 +91,8 @@ def front_end(
     engine = RemoteEngine(
         addresses,
         block_name(parent, slot, os.getpid()),
-        settings.arena_mib * 2**20,
-        settings.retry_after_s,
+        settings.link.arena_mib * 2**20,
+        settings.limits.retry_after_s,
         metrics,
     )
     app = create_app(settings, engine=engine, worker=slot, process_metrics=metrics)
@@ -129,7 +129,7 @@ def engine(settings: Settings, addresses: Addresses, parent: int, board: HealthB
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when the engine stops
     from service.observability import logs
 
-    logs.configure(settings.log_level, settings.log_format)
+    logs.configure(settings.server.log_level, settings.server.log_format)
     try:
         import uvloop
 

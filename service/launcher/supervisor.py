@@ -53,9 +53,9 @@ KILL_STALLED_S = STALL_S + 5.0
 
 class Supervisor:
     def __init__(self, settings: Settings) -> None:
-        self.count = settings.front_end_count
+        self.count = settings.link.front_end_count
         # the connection cap is the service's: each front end holds its share
-        share = max(1, -(-settings.max_connections // self.count))
+        share = max(1, -(-settings.server.max_connections // self.count))
         self.settings = settings.model_copy(update={"max_connections": share})
         self.spawn = multiprocessing.get_context("spawn")
         self.fork = multiprocessing.get_context("fork")
@@ -161,25 +161,27 @@ class Supervisor:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
         self.addresses = Addresses.in_directory(self.run_dir)
         settings = self.settings
-        port = f"HTTP port {settings.port}"
+        port = f"HTTP port {settings.server.port}"
         try:
-            self.listeners = listen(settings.host, settings.port, self.count)
-            if settings.grpc_port:
-                port = f"gRPC port {settings.grpc_port}"
-                self.grpc_hold = hold_grpc(settings.host, settings.grpc_port)
+            self.listeners = listen(settings.server.host, settings.server.port, self.count)
+            if settings.server.grpc_port:
+                port = f"gRPC port {settings.server.grpc_port}"
+                self.grpc_hold = hold_grpc(settings.server.host, settings.server.grpc_port)
                 if any(is_loose(held) for held in self.grpc_hold):
                     logger.warning(
                         "gRPC port %s: connections of a previous server are in TIME_WAIT; held "
                         "with SO_REUSEADDR until they end (up to a minute)",
-                        settings.grpc_port,
+                        settings.server.grpc_port,
                     )
-            if settings.health_port:
-                port = f"health port {settings.health_port}"
-                self.probes = ProbeListener(settings.host, settings.health_port, self.health)
+            if settings.server.health_port:
+                port = f"health port {settings.server.health_port}"
+                self.probes = ProbeListener(
+                    settings.server.host, settings.server.health_port, self.health
+                )
         except OSError as error:
             logger.error(
                 "cannot start: cannot listen on %s, %s: %s",
-                settings.host,
+                settings.server.host,
                 port,
                 error.strerror or error,
             )
@@ -196,10 +198,12 @@ class Supervisor:
         logger.info(
             "vitserve: %d front-end process(es) on http://%s:%d%s, one engine process%s",
             self.count,
-            settings.host,
-            settings.port,
-            f" and gRPC port {settings.grpc_port}" if settings.grpc_port else "",
-            f"; probes on health port {settings.health_port}" if settings.health_port else "",
+            settings.server.host,
+            settings.server.port,
+            f" and gRPC port {settings.server.grpc_port}" if settings.server.grpc_port else "",
+            f"; probes on health port {settings.server.health_port}"
+            if settings.server.health_port
+            else "",
         )
         code = 0
         try:
@@ -295,7 +299,7 @@ class Supervisor:
         if any(is_loose(held) for held in self.grpc_hold):
             self.grpc_hold = tighten(self.grpc_hold)
             if not any(is_loose(held) for held in self.grpc_hold):
-                logger.info("gRPC port %s: held strictly again", self.settings.grpc_port)
+                logger.info("gRPC port %s: held strictly again", self.settings.server.grpc_port)
 
     def _shutdown(self) -> None:
         """Front ends drain and exit, then the engine runs what is left and exits."""
@@ -305,11 +309,11 @@ class Supervisor:
         for listener in getattr(self, "listeners", []):
             listener.close()  # new connections are refused once the front ends close theirs
         front_ends = [p for p in self.front_ends.values() if p.is_alive()]
-        drain_s = self.settings.graceful_shutdown_s + processes.ANSWER_MARGIN_S
+        drain_s = self.settings.server.graceful_shutdown_s + processes.ANSWER_MARGIN_S
         _join(front_ends, drain_s + KILL_WAIT_S)
         if self.engine is not None:
             _signal(self.engine, signal.SIGTERM)
-            _join([self.engine], self.settings.graceful_shutdown_s + KILL_WAIT_S)
+            _join([self.engine], self.settings.server.graceful_shutdown_s + KILL_WAIT_S)
         for held in self.grpc_hold:  # held until no front end serves gRPC any more
             held.close()
         unlink_blocks(self.pid)
@@ -340,8 +344,8 @@ def _join(group: list[BaseProcess], timeout_s: float) -> None:
 
 
 def serve(settings: Settings) -> int:
-    """Run the service as ``settings.workers`` asks; the exit code."""
-    if settings.front_end_count == 0:
+    """Run the service as ``settings.link.workers`` asks; the exit code."""
+    if settings.link.front_end_count == 0:
         from service.frontend.app import create_app
         from service.launcher.http_server import serve_http
 

@@ -1,9 +1,9 @@
 """How an error answer is logged: expected refusals as warnings, at most one line a code per window.
 
 A 503 (queue full, not ready, shutting down, decode slots taken, timeouts) is the service working as
-documented under load, not a fault: under a flood it was an ERROR line per request (5,687 lines in
-20 s, issue 25). Each such code now logs one WARNING per ``WINDOW_S`` seconds, saying how many were
-refused since its previous line; every other 5xx is an ERROR, every time.
+documented under load, not a fault, and a line per request would bury the log under a flood
+(docs/decisions.md#refusals-are-warnings). Each such code logs one WARNING per ``WINDOW_S`` seconds,
+saying how many were refused since its previous line; every other 5xx is an ERROR, every time.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Issue 23's targets and the anchors' table, from hand-made points. No server starts here."""
+"""The targets against the anchors and the anchors' table, from hand-made points. No server starts here."""
 
 from __future__ import annotations
 
 from bench.comparison import Comparison, Point, Start
 from bench.stats import Spread
-from bench.targets import issue23
+from bench.targets import anchor_targets
 
 
 def point(server, c, rps, p50, p99, kind="png", repeat=0, cores=1.5, busy=False):
@@ -32,7 +32,7 @@ def comparison(
 
 
 def test_issue_23_targets_pass():
-    targets = issue23(comparison())
+    targets = anchor_targets(comparison())
     assert [t.passed for t in targets] == [True] * 8
     assert targets[0].name == "c=64, one base64 PNG per request: >= 1.15x mosec's req/s"
     assert targets[0].measured == "1.188x (1,900 vs 1,600)"
@@ -45,20 +45,20 @@ def test_issue_23_targets_pass():
 
 def test_issue_23_targets_fail():
     result = comparison(1800.0, 70.0, 1500.0, 5.3, 700, (2.0, 3.1))
-    assert [t.passed for t in issue23(result)] == [False] * 8
+    assert [t.passed for t in anchor_targets(result)] == [False] * 8
 
 
 def test_issue_23_targets_not_measured_without_the_anchors():
     result = Comparison({"vitserve": "v"}, 10.0, 3, "x")
-    assert {t.passed for t in issue23(result)} == {None}
-    assert issue23(comparison(busy=True))[0].busy
+    assert {t.passed for t in anchor_targets(result)} == {None}
+    assert anchor_targets(comparison(busy=True))[0].busy
 
 
 def test_the_anchors_table_and_every_point_show_the_cores():
     result = comparison()
     result.missing["triton"] = "no venv"
     text = result.markdown()
-    assert "### Targets (issue 23)" in text and "### Targets (issue 13)" in text
+    assert "### Targets" in text and "### Targets" in text
     assert "**triton: not measured:** no venv" in text
     row = "| base64 PNG | 64 | mosec | 1,600 (1,440-1,760) | 20.0 (20.0-20.0) | 60.0 (60.0-60.0) |"
     assert row + " 1.20 (1.20-1.20) | 1,333 |" in text

@@ -273,7 +273,7 @@ def test_services_are_hardened(variants, variant):
 def test_tmp_holds_a_spooled_upload_of_the_largest_body(variants, variant):
     """Starlette spools uploaded files over 1 MiB to /tmp: one body of the limit must fit."""
     settings = pytest.importorskip("service.settings")
-    limit = settings.Settings.model_fields["max_body_bytes"].default
+    limit = settings.setting_fields()["max_body_bytes"].default
     (tmp,) = [mount for mount in variants[variant]["tmpfs"] if mount.split(":")[0] == "/tmp"]
     size = re.search(r"size=(\d+)([kmg])", tmp)
     assert size, tmp
@@ -283,7 +283,7 @@ def test_tmp_holds_a_spooled_upload_of_the_largest_body(variants, variant):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_stop_grace_period_outlasts_the_drain(variants, variant):
     settings = pytest.importorskip("service.settings")
-    drain = settings.Settings.model_fields["graceful_shutdown_s"].default
+    drain = settings.setting_fields()["graceful_shutdown_s"].default
     grace = variants[variant]["stop_grace_period"]  # a Go duration, as compose writes it: 1m15s
     match = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", grace)
     assert match and grace, grace
@@ -342,7 +342,7 @@ def documented() -> dict[str, str]:
 
 def test_env_example_documents_every_setting():
     settings = pytest.importorskip("service.settings")
-    names = {f"VITSERVE_{field.upper()}" for field in settings.Settings.model_fields}
+    names = {f"VITSERVE_{field.upper()}" for field in settings.setting_fields()}
     missing = names - set(documented()) - set(FIXED)
     assert not missing, f".env.example does not document {sorted(missing)}"
     text = ENV_EXAMPLE.read_text()
@@ -355,7 +355,7 @@ def test_env_example_values_are_the_defaults_under_compose(services):
     where the compose file gives one, else the service's own default (checked by parsing the value
     as the service would). Settings that are unset by default show an example instead."""
     settings = pytest.importorskip("service.settings")
-    fields = settings.Settings.model_fields
+    fields = settings.setting_fields()
     environment = services["vitserve"]["environment"]
     text = COMPOSE.read_text() + CPU_OVERRIDE.read_text()
     dockerfile = (ROOT / "Dockerfile").read_text()
@@ -375,7 +375,8 @@ def test_env_example_values_are_the_defaults_under_compose(services):
         default = fields[field].default
         if default is None:
             continue
-        parsed = getattr(settings.Settings(**{field: value}), field)
+        group = getattr(settings.Settings(**{field: value}), settings.group_of(field))
+        parsed = getattr(group, field)
         assert parsed == default, f"{name}={value} in .env.example, the default is {default!r}"
 
 

@@ -197,13 +197,13 @@ def test_deployment_writes_only_to_tmp_and_reads_models_from_the_claim(variant):
     # the front ends' shared-memory arenas (VITSERVE_ARENA_MIB each) need more than the 64 MiB a
     # container's /dev/shm has by default
     shm = volumes[mounts["/dev/shm"]["name"]]["emptyDir"]
-    arena = pytest.importorskip("service.settings").Settings.model_fields["arena_mib"].default
+    arena = pytest.importorskip("service.settings").setting_fields()["arena_mib"].default
     assert shm["medium"] == "Memory" and quantity(shm["sizeLimit"]) >= 4 * arena * 2**20
     tmp = volumes[mounts["/tmp"]["name"]]
     assert "emptyDir" in tmp and not mounts["/tmp"].get("readOnly", False)
     # Starlette spools uploaded files over 1 MiB there: one body of the limit must fit.
     settings = pytest.importorskip("service.settings")
-    limit = settings.Settings.model_fields["max_body_bytes"].default
+    limit = settings.setting_fields()["max_body_bytes"].default
     assert quantity(tmp["emptyDir"]["sizeLimit"]) >= limit
     models = mounts["/app/models"]
     assert models["readOnly"] is True

@@ -82,3 +82,18 @@ def shapes_run(tmp_path_factory, shapes_folders, run_module) -> Path:
     completed = run_module("export.train", *shapes_run_args(shapes_folders[0], out), timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return out
+
+
+def small(**changes) -> ViTConfig:
+    """A ViT small enough to run in a test: 16 x 16 images, patches of 4, 2 layers of width 32."""
+    values = {
+        "image_height": 16,
+        "image_width": 16,
+        "patch_size": 4,
+        "dim": 32,
+        "depth": 2,
+        "heads": 4,
+        "mlp_dim": 64,
+        **changes,
+    }
+    return ViTConfig(**values)

@@ -23,23 +23,11 @@ from export.summary import trace_shapes
 from export.teacher import distillation_loss
 from service.contract.attention_maps import attention_map
 from service.contract.model_repository import ModelMetadata
-from tests.export.conftest import FASHION_DIR
+from tests.export.conftest import FASHION_DIR, small
 
 
 def config(pooling: str, **changes) -> ViTConfig:
-    values = {
-        "image_height": 16,
-        "image_width": 16,
-        "patch_size": 4,
-        "dim": 32,
-        "depth": 2,
-        "heads": 4,
-        "mlp_dim": 64,
-        "pooling": pooling,
-        "distillation_token": True,
-        **changes,
-    }
-    return ViTConfig(**values)
+    return small(**{"pooling": pooling, "distillation_token": True, **changes})
 
 
 def randomised(model: VisionTransformer) -> VisionTransformer:

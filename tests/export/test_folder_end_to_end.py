@@ -21,7 +21,7 @@ from export.sample_folders import SHAPES
 from tests.support import REPO, Suite, running_server
 
 EXPORT_SUITE = Suite(range(18400, 18450), ready_within_s=90.0)
-PREDICT = "/models/shapes/predict"  # multi-model serving (issue 14)
+PREDICT = "/models/shapes/predict"  # multi-model serving
 CHANCE = 1 / len(SHAPES)
 
 

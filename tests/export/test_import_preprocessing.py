@@ -3,6 +3,8 @@ the forms those configs take on the hub (numbers worked out by hand from the sou
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from export.checkpoint import CheckpointError
@@ -13,6 +15,16 @@ VIT_224 = ViTConfig(
     image_height=224, image_width=224, in_channels=3, patch_size=16, dim=8, depth=1, heads=1
 )
 IMAGENET = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+
+
+def assert_preprocessing(
+    made: tuple[dict[str, Any], list[str]], geometry: dict[str, Any], noted: bool
+) -> None:
+    """The preprocessing document holds ``geometry``, with notes exactly when ``noted``."""
+    document, notes = made
+    for key, value in geometry.items():
+        assert document[key] == value, key
+    assert bool(notes) == noted
 
 
 @pytest.mark.parametrize(
@@ -44,10 +56,7 @@ IMAGENET = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
     ],
 )
 def test_hugging_face_processors(processor, geometry, noted):
-    document, notes = huggingface.preprocessing(processor, VIT_224, "p")
-    for key, value in geometry.items():
-        assert document[key] == value, key
-    assert bool(notes) == noted
+    assert_preprocessing(huggingface.preprocessing(processor, VIT_224, "p"), geometry, noted)
 
 
 @pytest.mark.parametrize(
@@ -94,10 +103,7 @@ def test_hugging_face_processors_the_service_cannot_follow_are_refused(processor
 )
 def test_timm_pretrained_configs(pretrained, geometry, noted):
     config = {"pretrained_cfg": {"input_size": [3, 224, 224], **IMAGENET, **pretrained}}
-    document, notes = timm.preprocessing(config, VIT_224, "c")
-    for key, value in geometry.items():
-        assert document[key] == value, key
-    assert bool(notes) == noted
+    assert_preprocessing(timm.preprocessing(config, VIT_224, "c"), geometry, noted)
 
 
 @pytest.mark.parametrize(

@@ -111,7 +111,7 @@ def test_metadata_describes_the_model(exported, tiny_run):
     assert metadata_of(repo / "tiny/3/attention.onnx")["graph"] == "attention"
     assert document["name"] == "tiny" and document["version"] == 3
     assert document["labels"][0] == "T-shirt/top" and len(document["labels"]) == 10
-    low, high = document["input"].pop("range")  # what the preprocessing gives, widened (issue 25)
+    low, high = document["input"].pop("range")  # what the preprocessing gives, widened
     assert document["input"] == FASHION_INPUT
     assert (low, high) == pytest.approx((-3.6431, 4.8555), abs=1e-4)
     pre = document["preprocessing"]

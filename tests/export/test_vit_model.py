@@ -11,20 +11,7 @@ from torch import nn
 from export.config import PRESETS, ViTConfig, get_preset
 from export.model import PatchEmbedding, VisionTransformer, WithAttention, sinusoidal_table
 from export.summary import format_summary, module_rows, trace_shapes
-
-
-def small(**changes) -> ViTConfig:
-    values = {
-        "image_height": 16,
-        "image_width": 16,
-        "patch_size": 4,
-        "dim": 32,
-        "depth": 2,
-        "heads": 4,
-        "mlp_dim": 64,
-        **changes,
-    }
-    return ViTConfig(**values)
+from tests.export.conftest import small
 
 
 def with_random_head(model: VisionTransformer) -> VisionTransformer:

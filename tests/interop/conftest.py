@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
 import pytest
+from tritonclient.grpc import service_pb2_grpc
 
 from tests.support import INTEROP, Server, running_server
 
@@ -36,3 +38,10 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def http(server: Server) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=30) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def stub(served: tuple[Server, int]) -> Iterator[service_pb2_grpc.GRPCInferenceServiceStub]:
+    """A raw gRPC stub on the gRPC port of the module's ``served`` (its server and that port)."""
+    with grpc.insecure_channel(f"127.0.0.1:{served[1]}") as channel:
+        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)

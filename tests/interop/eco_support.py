@@ -60,7 +60,7 @@ def eco_server(
 @contextmanager
 def eco_app(repository: Path, grpc: bool = True, **settings: object) -> Iterator[TestClient]:
     """An in-process app (its lifespan run), with a gRPC listener on a port of ours when ``grpc``;
-    the port is ``client.app.state.settings.grpc_port``."""
+    the port is ``client.app.state.settings.server.grpc_port``."""
     values = {"grpc_port": grpc_port() if grpc else 0, **settings}
     with TestClient(create_app(make_settings(repository, ECO, **values))) as client:
         yield client

@@ -16,13 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import httpx
 import numpy as np
 import onnx
 import pytest
 import tritonclient.grpc as triton
 from google.protobuf import text_format
-from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2
 from tritonclient.utils import InferenceServerException
 
 from service.observability.logs import ContextFilter
@@ -52,15 +51,9 @@ def client(served) -> Iterator[triton.InferenceServerClient]:
 
 
 @pytest.fixture(scope="module")
-def http(served) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=served[0].url, timeout=30) as http_client:
-        yield http_client
-
-
-@pytest.fixture(scope="module")
-def stub(served) -> Iterator[service_pb2_grpc.GRPCInferenceServiceStub]:
-    with grpc.insecure_channel(f"127.0.0.1:{served[1]}") as channel:
-        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+def server(served) -> Server:
+    """The server of ``served``, for the suite's ``http`` client."""
+    return served[0]
 
 
 def fp32_input(tensor: np.ndarray) -> triton.InferInput:
@@ -318,7 +311,7 @@ def test_a_failing_model_run_is_internal_and_names_the_request(model_repository)
 
             for instance in pipeline.classifier._instances:  # whichever runs the batch
                 instance.run = broken
-            port = app_client.app.state.settings.grpc_port
+            port = app_client.app.state.settings.server.grpc_port
             with triton.InferenceServerClient(f"127.0.0.1:{port}") as grpc_client:
                 tensor = np.zeros((1, 1, 28, 28), np.float32)
                 with pytest.raises(InferenceServerException) as error:
@@ -338,7 +331,7 @@ def test_api_key_is_bearer_metadata(model_repository, fashion_images):
     with (
         eco_app(model_repository, api_key="grpc-key") as app_client,
         triton.InferenceServerClient(
-            f"127.0.0.1:{app_client.app.state.settings.grpc_port}"
+            f"127.0.0.1:{app_client.app.state.settings.server.grpc_port}"
         ) as grpc_client,
     ):
         assert grpc_client.is_server_live() and grpc_client.is_server_ready()
@@ -407,7 +400,7 @@ def test_repository_index_load_and_unload(model_repository, fashion_images):
     with (
         eco_app(model_repository, model_control="explicit", models=MODEL_NAME) as app_client,
         triton.InferenceServerClient(
-            f"127.0.0.1:{app_client.app.state.settings.grpc_port}"
+            f"127.0.0.1:{app_client.app.state.settings.server.grpc_port}"
         ) as grpc_client,
     ):
         index = grpc_client.get_model_repository_index(as_json=True)["models"]
@@ -447,7 +440,7 @@ def test_repository_index_load_and_unload(model_repository, fashion_images):
 
 def test_a_call_past_its_deadline_never_runs(model_repository):
     with eco_app(model_repository, max_queue_delay_ms=1500, idle_dispatch=False) as app_client:
-        port = app_client.app.state.settings.grpc_port
+        port = app_client.app.state.settings.server.grpc_port
         with triton.InferenceServerClient(f"127.0.0.1:{port}") as grpc_client:
             tensor = np.zeros((2, 1, 28, 28), np.float32)
             with pytest.raises(InferenceServerException) as error:
@@ -467,7 +460,7 @@ def test_shutdown_lets_the_calls_in_flight_finish(model_repository, reference, f
     tensor = Reference.normalise(fashion_images[:2])
     answers: list[object] = []
     with eco_app(model_repository, max_queue_delay_ms=3000, idle_dispatch=False) as app_client:
-        port = app_client.app.state.settings.grpc_port
+        port = app_client.app.state.settings.server.grpc_port
         grpc_client = triton.InferenceServerClient(f"127.0.0.1:{port}")
 
         def call() -> None:

@@ -20,7 +20,7 @@ import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from PIL import Image, ImageDraw
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from tests.interop.eco_support import eco_server
@@ -59,9 +59,9 @@ def served(model_repository: Path, tmp_path_factory) -> Iterator[tuple[Server, i
 
 
 @pytest.fixture(scope="module")
-def http(served) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=served[0].url, timeout=30) as client:
-        yield client
+def server(served) -> Server:
+    """The server of ``served``, for the suite's ``http`` client."""
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +74,6 @@ def http_client(served) -> Iterator[triton_http.InferenceServerClient]:
 def grpc_client(served) -> Iterator[triton_grpc.InferenceServerClient]:
     with triton_grpc.InferenceServerClient(f"127.0.0.1:{served[1]}") as client:
         yield client
-
-
-@pytest.fixture(scope="module")
-def stub(served) -> Iterator[service_pb2_grpc.GRPCInferenceServiceStub]:
-    with grpc.insecure_channel(f"127.0.0.1:{served[1]}") as channel:
-        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
 
 @pytest.fixture(scope="module")

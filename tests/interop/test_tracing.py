@@ -173,7 +173,7 @@ def test_request_spans_and_a_batch_span_linked_to_them(traced, fashion_images):
 
 def test_grpc_calls_continue_the_callers_trace(traced, fashion_images):
     client, exporter, provider = traced
-    port = client.app.state.settings.grpc_port
+    port = client.app.state.settings.server.grpc_port
     tensor = np.zeros((1, 1, 28, 28), np.float32)
     infer_input = triton_grpc.InferInput("images", [1, 1, 28, 28], "FP32")
     infer_input.set_data_from_numpy(tensor)

@@ -1,4 +1,4 @@
-"""Four concurrent 15 MiB JSON bodies of nested arrays against a real server (issue 17's target).
+"""Four concurrent 15 MiB JSON bodies of nested arrays against a real server.
 
 While the four are sent at once, /health/live is asked every 50 ms on its own connection; the
 server's peak resident memory is reset before (``/proc/PID/clear_refs``) and read after. Used by

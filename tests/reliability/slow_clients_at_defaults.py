@@ -1,4 +1,4 @@
-"""Slow clients against ``python -m service`` with its default deadlines (issue 17's target: half-sent
+"""Slow clients against ``python -m service`` with its default deadlines (the target: half-sent
 headers closed within 60 s; a body trickled at a byte per 10 s cut off)::
 
     python -m tests.reliability.slow_clients_at_defaults

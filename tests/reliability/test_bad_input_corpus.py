@@ -1,4 +1,4 @@
-"""A corpus of bad and awkward input, generated here with Pillow and raw bytes (issue 6).
+"""A corpus of bad and awkward input, generated here with Pillow and raw bytes.
 
 Every bad request gets its documented 4xx as JSON naming the field and, where there is one, the limit;
 every awkward but valid image (alpha, palette, 16-bit, CMYK, animated, rotated, tiny, large) is served.
@@ -457,7 +457,7 @@ CORPUS: list[Bad] = [
         ("images[0].pixels", "not a number"),
         "images[0].pixels",
     ),
-    # Strict pixels (issue 17): JSON numbers only; numeric strings and booleans were taken as numbers.
+    # Strict pixels: JSON numbers only; numeric strings and booleans are not numbers.
     Bad(
         "pixels numeric strings",
         pixels([["12", 0], [0, 0]]),
@@ -494,7 +494,7 @@ CORPUS: list[Bad] = [
         "image.pixels",
         route="/attention",
     ),
-    # JSON bombs under the byte limit (issue 17): refused on the raw bytes, before parsing.
+    # JSON bombs under the byte limit: refused on the raw bytes, before parsing.
     Bad(
         "nested empty arrays under the byte limit",
         raw(b'{"images": [{"pixels": [' + b",".join([b"[[]]"] * 600_000) + b"]}]}"),
@@ -637,8 +637,8 @@ CORPUS: list[Bad] = [
         ("files", "no file part"),
         "files",
     ),
-    # A field name the client's own charset decodes to a lone surrogate (issue 17: it was a 500 when
-    # the message naming it was encoded).
+    # A field name the client's own charset decodes to a lone surrogate: the message naming it must
+    # still encode (a 4xx, not a 500).
     Bad(
         "multipart text field named a lone surrogate",
         lambda images: {

@@ -1,4 +1,4 @@
-"""One client cannot change another's answer (issue 25): the shipped int8 model gets bit-identical
+"""One client cannot change another's answer: the shipped int8 model gets bit-identical
 logits for an image alone and batched with hostile partners, through the real dynamic batcher.
 
 Before: dynamically quantized (one activation scale per batch), a partner tensor full of 1000.0

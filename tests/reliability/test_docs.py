@@ -1,4 +1,4 @@
-"""/docs and /redoc load nothing from another host (issue 17), and VITSERVE_DOCS=false turns them off."""
+"""/docs and /redoc load nothing from another host, and VITSERVE_DOCS=false turns them off."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Faults and security (issue 6): a failing model run, a bad model file at start-up, the API key, and
+"""Faults and security: a failing model run, a bad model file at start-up, the API key, and
 limits that hold before any work is done.
 """
 
@@ -50,28 +50,6 @@ POISON = np.full((28, 28), 255, np.uint8)
 
 def poisoned(images: np.ndarray) -> bool:
     return bool((images.reshape(len(images), -1).min(axis=1) > 2.0).any())
-
-
-class Records(logging.Handler):
-    """Collects the records of the service's logger (it does not propagate to the root logger)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def service_log() -> Iterator[Records]:
-    handler = Records()
-    logger = logging.getLogger("vitserve")
-    logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
 
 
 class FailingSession:
@@ -274,7 +252,7 @@ def test_startup_with_a_bad_model_exits_non_zero_naming_file_and_problem(
 # --- the API key ----------------------------------------------------------------------------------
 
 API_KEY = "s3cret-key-for-tests"
-# Liveness, readiness and metrics stay open (issue 6), in both APIs; "/v2" is the KServe server
+# Liveness, readiness and metrics stay open, in both APIs; "/v2" is the KServe server
 # metadata document (name, version, extensions), open as Triton has it.
 OPEN = {"/health/live", "/health/ready", "/metrics", "/v2/health/live", "/v2/health/ready", "/v2"}
 
@@ -368,7 +346,7 @@ def test_the_key_is_compared_in_constant_time():
 
 
 def test_a_content_length_over_the_limit_is_refused_before_the_body_is_read(client, settings):
-    limit = settings.max_body_bytes
+    limit = settings.limits.max_body_bytes
     headers = [(b"content-type", b"application/json"), (b"content-length", str(limit + 1).encode())]
     status, body, pulled = asgi_post(client.app, "/predict", headers, [b"x" * 1024] * 10)
     assert status == 413 and f"max_body_bytes={limit}" in body["error"]["message"]
@@ -377,7 +355,7 @@ def test_a_content_length_over_the_limit_is_refused_before_the_body_is_read(clie
 
 @pytest.mark.parametrize("declared", [None, b"100"], ids=["chunked", "lying Content-Length"])
 def test_a_body_without_an_honest_length_is_stopped_at_the_limit(client, settings, declared):
-    limit = settings.max_body_bytes
+    limit = settings.limits.max_body_bytes
     chunk = b" " * 65536
     headers = [(b"content-type", b"application/json")]
     if declared is not None:

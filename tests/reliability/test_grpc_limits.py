@@ -1,4 +1,4 @@
-"""gRPC bounds (issue 25): metadata over ``max_header_bytes`` is refused before any handler runs,
+"""gRPC bounds: metadata over ``max_header_bytes`` is refused before any handler runs,
 and the listener keeps serving; the server advertises a bound on concurrent streams. (grpc's own
 default bound, 8 KiB, let the 4000 bytes below through before the option was set.)"""
 
@@ -36,6 +36,6 @@ def test_metadata_over_the_header_limit_is_refused(stub):
 
 def test_the_options_bound_metadata_messages_and_streams(settings):
     options = dict(grpc_server_options(settings))
-    assert options["grpc.max_metadata_size"] == settings.max_header_bytes
-    assert options["grpc.max_receive_message_length"] == settings.max_body_bytes
+    assert options["grpc.max_metadata_size"] == settings.server.max_header_bytes
+    assert options["grpc.max_receive_message_length"] == settings.limits.max_body_bytes
     assert options["grpc.max_concurrent_streams"] == MAX_CONCURRENT_STREAMS

@@ -28,7 +28,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from bench import server_process
 from bench.reliability.supervision import engine_and_front_ends, wait_for
 from service.frontend.app import create_app
-from tests.support import RELIABILITY, free_port, listening_ports, make_settings, server_env
+from tests.proc import listening_ports
+from tests.support import RELIABILITY, free_port, make_settings, server_env
 
 pytestmark = pytest.mark.timeout(180)
 

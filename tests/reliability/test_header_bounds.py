@@ -1,4 +1,4 @@
-"""Header bombs against a real ``python -m service`` (issue 25): request headers beyond
+"""Header bombs against a real ``python -m service``: request headers beyond
 ``max_header_bytes`` or ``max_header_count`` are answered 431 and closed, on every route, health
 included, before the bytes pile up; and probes are answered past the connection cap.
 

@@ -1,4 +1,4 @@
-"""Health under a connection flood (issue 25), a short run of ``bench.reliability.health_flood``:
+"""Health under a connection flood, a short run of ``bench.reliability.health_flood``:
 every connection the cap allows is held (some sending /predict, the rest idle and re-opened), more
 knock past the cap, and probes on the main port (past the cap) and on ``VITSERVE_HEALTH_PORT`` are
 all answered 200. Before, every probe past the cap got 503 ``too_many_connections``.

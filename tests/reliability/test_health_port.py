@@ -1,9 +1,9 @@
-"""``VITSERVE_HEALTH_PORT`` under ``python -m service`` with two front ends (issue 25): the supervisor
+"""``VITSERVE_HEALTH_PORT`` under ``python -m service`` with two front ends: the supervisor
 answers it, from what its children report (service/launcher/health.py).
 
 - Probes there do not wait for any front end: with every front end stopped (SIGSTOP), they are answered
-  at once, and liveness fails once their event loops have not ticked for STALL_S. (When the listener
-  was a thread of each front end, a probe found nobody to answer it.)
+  at once, and liveness fails once their event loops have not ticked for STALL_S
+  (docs/decisions.md#health-off-the-event-loop).
 - Readiness there follows the engine: not ready at once when it is killed, ready again once it has
   reloaded its models; not ready at once on SIGTERM, and live through the drain.
 - The port is the service's own: one in use stops start-up (exit 3) naming it.
@@ -15,7 +15,6 @@ import contextlib
 import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,13 +25,12 @@ import pytest
 from bench import server_process
 from bench.reliability.supervision import engine_and_front_ends, wait_for
 from service.frontend.probes import STALL_S
+from tests.proc import assert_forked_holding_their_own_listener, command_line, listening_ports
 from tests.support import (
     RELIABILITY,
-    assert_forked_holding_their_own_listener,
-    command_line,
     encode,
-    listening_ports,
     server_env,
+    service_process,
     start_process,
     stop_process,
 )
@@ -57,16 +55,7 @@ def service(
         chosen.append(health)
         return server_env(repository, port, RELIABILITY, workers=workers, health_port=health)
 
-    with server_process.running(
-        ["nice", "-n", "10", sys.executable, "-m", "service"],
-        env,
-        log,
-        ports=RELIABILITY.ports,
-        start=os.getpid() * 7 + int(time.monotonic() * 1000),
-        ready_timeout_s=RELIABILITY.ready_within_s,
-        poll_s=0.1,
-        name="server",
-    ) as server:
+    with service_process(env, log, RELIABILITY) as server:
         yield server, chosen[-1]
 
 

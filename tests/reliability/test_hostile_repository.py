@@ -1,4 +1,4 @@
-"""A model repository that changes under the service in hostile ways (issue 25): a model folder
+"""A model repository that changes under the service in hostile ways: a model folder
 removed in poll mode is released and stops answering (it stayed READY, answering, before)."""
 
 from __future__ import annotations

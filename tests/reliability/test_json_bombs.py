@@ -1,4 +1,4 @@
-"""Issue 17's target, against a real server: four concurrent 15 MiB bodies of nested arrays are all
+"""JSON bombs against a real server (docs/decisions.md#slow-and-greedy-clients): four concurrent 15 MiB bodies of nested arrays are all
 refused 4xx, the server's peak memory grows by less than 200 MiB, and liveness keeps answering.
 
 The driver is ``tests/reliability/json_bombs.py``; its latency figures are in RELIABILITY.md (speed

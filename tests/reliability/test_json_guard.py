@@ -1,4 +1,4 @@
-"""service/frontend/json_guard.py: JSON bodies bounded on their raw bytes, before any parser sees them (issue 17).
+"""service/frontend/json_guard.py: JSON bodies bounded on their raw bytes, before any parser sees them.
 
 The value count is compared with an independent count over the parsed document; the bounds are shown
 never to refuse the largest valid request and always to refuse the bombs; over HTTP, a refused body
@@ -9,17 +9,12 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 from typing import Any
 
 import numpy as np
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.testclient import TestClient
 
 from service.errors import InvalidInput, PayloadTooLarge, ServiceError
-from service.frontend.error_responses import install_error_handlers
-from service.frontend.inputs import INLINE_JSON_BYTES, read_json
 from service.frontend.json_guard import (
     ImageJsonLimits,
     check_image_json,
@@ -249,39 +244,6 @@ def test_a_bomb_under_the_body_limit_is_refused_unparsed(client, route, no_parsi
     small = {"images": [{"pixels": [[0, 1], [2, 3]]}]}
     assert client.post("/predict", json=small).status_code == 200
     assert no_parsing == ["PredictRequest"]
-
-
-def test_read_json_guards_and_parses_off_the_event_loop(settings, monkeypatch):
-    """``inputs.read_json``, what the routes call: the app's limits; a small body parsed on the event
-    loop (cheaper than a thread hop), a large one in a worker."""
-    threads: list[str] = []
-    real = PredictRequest.model_validate_json
-
-    def validate(*args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(PredictRequest, "model_validate_json", validate)
-    app = FastAPI()
-    app.state.settings = settings.model_copy(update={"max_json_values": 2048})
-    install_error_handlers(app)
-
-    @app.post("/echo")
-    async def echo(request: Request) -> dict[str, Any]:
-        body = await read_json(request, PredictRequest)
-        return {"images": len(body.images), "loop": threading.current_thread().name}
-
-    with TestClient(app) as client:
-        good = client.post("/echo", json={"images": [{"pixels": [[0, 1]]}] * 2})
-        assert good.status_code == 200 and good.json()["images"] == 2
-        assert threads == [good.json()["loop"]]
-        large = {"images": [{"b64": "A" * (INLINE_JSON_BYTES + 4)}]}
-        big = client.post("/echo", json=large)
-        assert big.status_code == 200 and threads[-1] != big.json()["loop"]
-        bomb = client.post("/echo", json={"images": [{"pixels": [[]] * 3000}]})
-        assert bomb.status_code == 413, bomb.text  # a bare app: no request ids
-        assert "max_json_values=2048" in bomb.json()["error"]["message"]
-    assert len(threads) == 2  # the bomb was refused before it was parsed
 
 
 # --- the bounds at their edges (written against `make mutation`'s survivors) ----------------------

@@ -1,4 +1,4 @@
-"""Image headers that lie (issue 25): whether an image is small enough to decode on the event loop is
+"""Image headers that lie: whether an image is small enough to decode on the event loop is
 decided by what decoding really makes, never by what a header claims.
 
 A 4096 x 4095 GIF whose logical screen says 1 x 1 was taken for a thumbnail and decoded on the event

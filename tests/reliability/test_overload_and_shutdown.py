@@ -1,5 +1,5 @@
 """A real ``python -m service`` process driven past capacity, and stopped with SIGTERM under load
-(issue 6). Bounded: a few seconds of load, a few hundred requests, every process stopped."""
+Bounded: a few seconds of load, a few hundred requests, every process stopped."""
 
 from __future__ import annotations
 

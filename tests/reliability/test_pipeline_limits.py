@@ -26,7 +26,7 @@ def test_decode_slot_waiters_are_capped_and_time_out():
         settings = Settings(
             max_concurrent_decodes=1, max_decode_waiters=1, decode_wait_timeout_s=0.3
         )
-        gate = DecodeGate(settings, metrics)
+        gate = DecodeGate(settings.limits, metrics)
         holding = asyncio.Event()
         release = asyncio.Event()
 

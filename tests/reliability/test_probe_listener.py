@@ -1,4 +1,4 @@
-"""``VITSERVE_HEALTH_PORT``'s listener (issue 25) and what it answers.
+"""``VITSERVE_HEALTH_PORT``'s listener and what it answers.
 
 - In a single process (``workers=0``): the health routes from a thread of its own, whose liveness still
   follows the event loop (it fails once the loop has not ticked for STALL_S).

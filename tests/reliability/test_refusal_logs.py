@@ -1,4 +1,4 @@
-"""Logs that tell the truth (issue 25): expected refusals (503) are warnings, at most one line a code
+"""Logs that tell the truth: expected refusals (503) are warnings, at most one line a code
 per window, never an ERROR per request (5,687 lines in 20 s under a flood); a queue-full refusal
 leaves no "coroutine 'client_gone' was never awaited" behind."""
 

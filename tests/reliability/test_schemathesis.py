@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the HTTP API from its own OpenAPI document, with schemathesis (issue 6).
+"""Property-based fuzzing of the HTTP API from its own OpenAPI document, with schemathesis.
 
 Every operation in ``/openapi.json`` gets schema-valid and schema-invalid requests (JSON and multipart
 bodies, path parameters, headers), a bounded number per operation, in-process through the ASGI app with
@@ -44,7 +44,7 @@ schema.app = APP
 
 @pytest.fixture(scope="module", autouse=True)
 def app(model_repository) -> Iterator[FastAPI]:
-    APP.state.settings.model_repository = model_repository
+    APP.state.settings.repository.model_repository = model_repository
     yield APP
     asgi.shutdown_lifespans()  # drain and stop the batchers that schemathesis started
 

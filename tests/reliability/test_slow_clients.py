@@ -1,8 +1,8 @@
-"""Slow and greedy clients against a real ``python -m service`` (issue 17): half-sent headers and
+"""Slow and greedy clients against a real ``python -m service``: half-sent headers and
 trickled bodies are answered 408 and closed at their deadlines, a slow but steady upload is served,
-connections beyond the cap get 503, and a trickling client no longer holds up SIGTERM.
+connections beyond the cap get 503, and a trickling client does not hold up SIGTERM.
 
-The deadlines are shortened here (1-2 s); the defaults are in service/settings.py."""
+The deadlines are shortened here (1-2 s); the defaults are in service/settings/."""
 
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def test_connections_beyond_the_cap_get_503_and_the_rest_are_served(server):
     idle = [connect(server) for _ in range(cap)]
     time.sleep(0.2)  # all accepted
     extra = connect(server)
-    extra.sendall(b"GET /models HTTP/1.1\r\nHost: x\r\n\r\n")  # health is exempt (issue 25)
+    extra.sendall(b"GET /models HTTP/1.1\r\nHost: x\r\n\r\n")  # health is exempt
     status, headers, body = read_answer(extra)
     assert status == 503 and headers["retry-after"] == "3"
     assert json.loads(body)["error"]["code"] == "too_many_connections"
@@ -157,7 +157,7 @@ def test_connections_beyond_the_cap_get_503_and_the_rest_are_served(server):
 
 
 def test_a_trickling_client_does_not_hold_up_sigterm(model_repository, tmp_path):
-    """Before issue 17 such a client stretched the drain to its full length (graceful 30 s here)."""
+    """A client trickling its body does not stretch the drain to its full length (graceful 30 s here)."""
     with running_server(
         model_repository,
         tmp_path / "service.log",

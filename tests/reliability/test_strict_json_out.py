@@ -1,10 +1,10 @@
-"""Strict JSON out (issue 25): no answer holds NaN or Infinity.
+"""Strict JSON out: no answer holds NaN or Infinity.
 
 - An FP32 tensor element outside the model's ``input.range`` is a 400 naming it and the range, over
-  HTTP and gRPC (3e38 is finite, and was answered 200 with ``"data":[NaN,...]``).
+  HTTP and gRPC (3e38 is finite, and the model turns it into NaN).
 - A model producing NaN for an image answers that request 500 naming the model, counted in
   ``vitserve_non_finite_outputs_total``; the other requests of its batch are answered as usual (the
-  model's NaN was a 200 with ``"score": NaN``)."""
+  model's NaN is never a 200 with ``"score": NaN``)."""
 
 from __future__ import annotations
 

@@ -27,9 +27,9 @@ from bench.reliability.supervision import (
     state_of,
     wait_for,
 )
+from tests.proc import assert_forked_holding_their_own_listener
 from tests.support import (
     RELIABILITY,
-    assert_forked_holding_their_own_listener,
     encode,
     free_port,
     running_server,

@@ -1,4 +1,4 @@
-"""Version strings of any length (issue 25): more than 4,300 digits went past Python's int() digit
+"""Version strings of any length: more than 4,300 digits went past Python's int() digit
 limit and answered 500 (gRPC INTERNAL) on infer, ready, metadata, config and stats. Every one is now
 an unknown version: 404 (400 on /v2's ready, as for any version that is not ready), never a 5xx;
 a 1 after 5000 zeros is version 1."""

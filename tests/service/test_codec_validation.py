@@ -381,7 +381,7 @@ def test_a_long_non_number_is_quoted_to_40_characters(meta):
 
 def test_fp32_elements_are_accepted_up_to_the_input_range_and_refused_past_it(meta):
     """The edges of the model's input.range are accepted exactly; the next float past either edge,
-    and the largest finite FP32 (finite, but it made NaN logits: issue 25), are refused."""
+    and the largest finite FP32 (finite, but it makes NaN logits), are refused."""
     low, high = meta.input_range
     for edge in (low, high):
         data = [*[0.0] * (PIXELS - 1), float(np.float32(edge))]

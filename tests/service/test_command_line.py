@@ -15,25 +15,30 @@ import pytest
 import service.__main__ as service_main
 from bench import server_process
 from service.launcher.cli import flag, parse_settings
-from service.settings import Settings
+from service.settings import Settings, setting_fields
 from tests.support import REPO, server_env
 
 # service tests' range (docs/ARCHITECTURE.md); each instance takes a port and the next one
 SIDE_BY_SIDE_PORTS = range(18070, 18096)
 
 
-def test_help_lists_every_setting_with_its_default_and_variable_and_imports_nothing_heavy():
-    result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "service", "--help"],
+def python_m_service(*argv: str, python: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """``python [python] -m service [argv]`` as a user runs it, with no VITSERVE_* of the caller's."""
+    return subprocess.run(
+        [sys.executable, *python, "-m", "service", *argv],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
         env=server_env(REPO / "models", 18096),
     )
+
+
+def test_help_lists_every_setting_with_its_default_and_variable_and_imports_nothing_heavy():
+    result = python_m_service("--help", python=("-X", "importtime"))
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())  # argparse wraps the help
-    for name, field in Settings.model_fields.items():
+    for name, field in setting_fields().items():
         assert flag(name) in text, f"--help lacks {flag(name)}"
         variable = "PORT" if name == "port" else f"VITSERVE_{name.upper()}"
         assert variable in text, f"--help does not name {variable}"
@@ -53,13 +58,29 @@ def test_flags_win_over_the_environment_which_still_works(monkeypatch):
     monkeypatch.setenv("VITSERVE_MAX_BATCH_SIZE", "4")
     monkeypatch.setenv("VITSERVE_MODEL_CONTROL", "poll")
     monkeypatch.setenv("PORT", "9100")
-    from_env = parse_settings([])
-    assert (from_env.max_batch_size, from_env.model_control, from_env.port) == (4, "poll", 9100)
-    flags = parse_settings(
+    env_settings = parse_settings([])
+    assert (
+        env_settings.batching.max_batch_size,
+        env_settings.repository.model_control,
+        env_settings.server.port,
+    ) == (
+        4,
+        "poll",
+        9100,
+    )
+    flag_settings = parse_settings(
         ["--max-batch-size", "16", "--model-control", "none", "--port", "9200", "--no-docs"]
     )
-    assert (flags.max_batch_size, flags.model_control, flags.port) == (16, "none", 9200)
-    assert flags.docs is False
+    assert (
+        flag_settings.batching.max_batch_size,
+        flag_settings.repository.model_control,
+        flag_settings.server.port,
+    ) == (
+        16,
+        "none",
+        9200,
+    )
+    assert flag_settings.server.docs is False
 
 
 def test_tritons_flag_names():
@@ -85,15 +106,25 @@ def test_tritons_flag_names():
             "1",
         ]
     )
-    assert str(settings.model_repository) == "/srv/models"
-    assert (settings.port, settings.grpc_port) == (9300, 9400)
-    assert settings.model_control == "explicit" and settings.model_list == ["a", "b"]
-    assert (settings.repository_poll_s, settings.graceful_shutdown_s) == (2.0, 7.0)
-    assert settings.log_level == "debug"
-    every = parse_settings(["--model-control-mode", "explicit", "--load-model", "*"])
-    assert every.loads_every_model and every.model_list == []
-    assert not parse_settings(["--model-control-mode", "explicit"]).loads_every_model
-    assert parse_settings([]).loads_every_model  # outside explicit mode, unset is every model
+    assert str(settings.repository.model_repository) == "/srv/models"
+    assert (settings.server.port, settings.server.grpc_port) == (9300, 9400)
+    assert settings.repository.model_control == "explicit" and settings.repository.model_list == [
+        "a",
+        "b",
+    ]
+    assert (settings.repository.repository_poll_s, settings.server.graceful_shutdown_s) == (
+        2.0,
+        7.0,
+    )
+    assert settings.server.log_level == "debug"
+    every_settings = parse_settings(["--model-control-mode", "explicit", "--load-model", "*"])
+    assert (
+        every_settings.repository.loads_every_model and every_settings.repository.model_list == []
+    )
+    assert not parse_settings(["--model-control-mode", "explicit"]).repository.loads_every_model
+    assert parse_settings(
+        []
+    ).repository.loads_every_model  # outside explicit mode, unset is every model
 
 
 @pytest.mark.parametrize(
@@ -138,14 +169,7 @@ def test_an_invalid_flag_exits_2_with_one_line_naming_it(capsys, argv, line):
 
 
 def test_an_invalid_flag_stops_the_process_before_anything_loads():
-    result = subprocess.run(
-        [sys.executable, "-m", "service", "--max-queue-delay-ms", "-1"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=server_env(REPO / "models", 18096),
-    )
+    result = python_m_service("--max-queue-delay-ms", "-1")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().startswith(
         "cannot start: setting --max-queue-delay-ms: Input should be greater than or equal to 0"
@@ -154,11 +178,11 @@ def test_an_invalid_flag_stops_the_process_before_anything_loads():
 
 
 def test_the_grpc_port_follows_the_http_port():
-    assert Settings().grpc_port == 8001  # Triton's pair
-    assert Settings(port=9000).grpc_port == 9001
-    assert Settings(port=9000, grpc_port=7000).grpc_port == 7000
-    assert Settings(port=9000, grpc_port=0).grpc_port == 0  # off
-    assert Settings().health_port == 0  # off unless asked: no third port to collide with
+    assert Settings().server.grpc_port == 8001  # Triton's pair
+    assert Settings(port=9000).server.grpc_port == 9001
+    assert Settings(port=9000, grpc_port=7000).server.grpc_port == 7000
+    assert Settings(port=9000, grpc_port=0).server.grpc_port == 0  # off
+    assert Settings().server.health_port == 0  # off unless asked: no third port to collide with
 
 
 def _two_free_pairs() -> list[int]:

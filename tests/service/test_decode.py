@@ -106,7 +106,7 @@ def test_requests_of_up_to_inline_pixels_in_all_are_decoded_on_the_loop():
 def test_a_busy_gate_answers_503_decode_busy_with_its_retry_after():
     async def scenario() -> ServiceUnavailable:
         settings = Settings(max_concurrent_decodes=1, max_decode_waiters=0, retry_after_s=7)
-        gate = DecodeGate(settings, Metrics())
+        gate = DecodeGate(settings.limits, Metrics())
         async with gate.slot():
             with pytest.raises(ServiceUnavailable) as error:
                 async with gate.slot():

@@ -36,7 +36,7 @@ class EchoEngine:
 def test_tensor_requests_decode_on_the_loop_only_when_small(request_bytes, on_loop):
     settings = Settings()
     state = SimpleNamespace(
-        engine=EchoEngine(), gate=DecodeGate(settings, Metrics()), settings=settings
+        engine=EchoEngine(), gate=DecodeGate(settings.limits, Metrics()), settings=settings
     )
     view = SimpleNamespace(name="m", version=1, metadata=None, serving=None)
     decoded_on: list[int] = []

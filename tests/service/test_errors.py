@@ -197,7 +197,7 @@ def test_multipart_errors_are_422(client):
 
 
 def test_body_over_the_limit_is_413_before_it_is_read(client, settings):
-    limit = settings.max_body_bytes
+    limit = settings.limits.max_body_bytes
     response = client.post(
         "/predict", content=b"x" * (limit + 1), headers={"Content-Type": "application/json"}
     )

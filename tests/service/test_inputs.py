@@ -103,6 +103,9 @@ def test_the_pixel_bound_names_the_routes_image_field(model, field):
 def test_a_body_at_the_inline_size_is_parsed_on_the_loop_and_a_larger_one_is_guarded_in_a_worker(
     settings, monkeypatch
 ):
+    """``inputs.read_json``, what the routes call: the app's limits; a small body parsed on the event
+    loop (cheaper than a thread hop), a large one in a worker; a bomb of either size refused before
+    it is parsed."""
     threads: list[str] = []
     real = PredictRequest.model_validate_json
 
@@ -130,13 +133,14 @@ def test_a_body_at_the_inline_size_is_parsed_on_the_loop_and_a_larger_one_is_gua
         assert inline.status_code == 200 and threads[-1] == inline.json()["loop"]
         worker = client.post("/echo", content=sized(INLINE_JSON_BYTES + 1), headers=headers)
         assert worker.status_code == 200 and threads[-1] != worker.json()["loop"]
-        # a large bomb: still bounded by the app's limits in the worker
-        bomb = b'{"images": [{"pixels": [' + b",".join([b"[]"] * 40_000) + b"]}]}"
-        assert len(bomb) > INLINE_JSON_BYTES
-        refused = client.post("/echo", content=bomb, headers=headers)
-        assert refused.status_code == 413, refused.text
-        assert "max_json_values=2048" in refused.json()["error"]["message"]
-    assert len(threads) == 2
+        # a bomb on the loop, and a large one in the worker: bounded by the app's limits in both
+        for count in (3000, 40_000):
+            bomb = b'{"images": [{"pixels": [' + b",".join([b"[]"] * count) + b"]}]}"
+            assert (len(bomb) > INLINE_JSON_BYTES) == (count > 3000)
+            refused = client.post("/echo", content=bomb, headers=headers)
+            assert refused.status_code == 413, refused.text
+            assert "max_json_values=2048" in refused.json()["error"]["message"]
+    assert len(threads) == 2  # the bombs were refused before they were parsed
 
 
 def test_base64_with_line_breaks_and_a_data_url_decodes_to_the_bytes_sent(png):

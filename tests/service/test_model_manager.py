@@ -9,7 +9,6 @@ event loop; scans are called by hand (poll mode's own scan is an hour away).
 from __future__ import annotations
 
 import asyncio
-import logging
 import shutil
 from pathlib import Path
 
@@ -40,25 +39,9 @@ def repository(model_repository: Path, tmp_path: Path) -> Path:
     return copy
 
 
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture
-def records():
-    handler = Records()
-    logger = logging.getLogger("vitserve")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield handler.messages
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+def records(service_log) -> list[str]:
+    return service_log.messages
 
 
 def manager_for(repository: Path, **settings: object) -> ModelManager:

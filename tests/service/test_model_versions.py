@@ -130,7 +130,7 @@ def test_a_new_version_is_tried_only_once_two_scans_saw_the_same_files(hand_poll
     """A version directory written in place (a corrupt graph, so that a load attempt leaves a
     mark): the scan that first sees it does not try it; the next scan, seeing the same files, does
     (and fails, counted)."""
-    version = Path(hand_polled.app.state.settings.model_repository) / MODEL_NAME / "4"
+    version = Path(hand_polled.app.state.settings.repository.model_repository) / MODEL_NAME / "4"
     version.mkdir()
     (version / "model.onnx").write_bytes(b"half of a graph")
     before = load_failures(hand_polled)
@@ -143,7 +143,7 @@ def test_a_new_version_is_tried_only_once_two_scans_saw_the_same_files(hand_poll
 
 
 def test_files_that_change_between_scans_are_not_tried_until_they_stop(hand_polled):
-    repository = Path(hand_polled.app.state.settings.model_repository)
+    repository = Path(hand_polled.app.state.settings.repository.model_repository)
     source = (repository / MODEL_NAME / "1" / "model.onnx").read_bytes()
     version = repository / MODEL_NAME / "2"
     version.mkdir()

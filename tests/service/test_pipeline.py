@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 
 import numpy as np
 import onnxruntime as ort
@@ -37,22 +36,9 @@ def series(metrics: Metrics, name: str, **labels: str) -> float | None:
     return metrics.registry.get_sample_value(name, labels)
 
 
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture
-def records():
-    handler = Records()
-    logger = logging.getLogger("vitserve")
-    logger.addHandler(handler)
-    yield handler.messages
-    logger.removeHandler(handler)
+def records(service_log) -> list[str]:
+    return service_log.messages
 
 
 def test_a_pipeline_runs_its_version_and_counts_its_requests(loaded, model_repository):

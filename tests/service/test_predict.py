@@ -137,8 +137,8 @@ def test_models_health_and_openapi(client, settings):
     assert info["input"] == FASHION_INPUT
     assert info["provider"] == "CPUExecutionProvider"
     assert info["grid"] == [4, 4] and info["pooling"] == "mean"
-    assert info["batching"]["max_batch_size"] == settings.max_batch_size
-    assert info["limits"]["max_images_per_request"] == settings.max_images_per_request
+    assert info["batching"]["max_batch_size"] == settings.batching.max_batch_size
+    assert info["limits"]["max_images_per_request"] == settings.limits.max_images_per_request
     assert client.get(f"/models/{MODEL_NAME}").json() == info
     assert client.get("/health/live").json() == {"status": "live", "ready": True}
     assert client.get("/health/ready").json() == {"status": "ready", "ready": True}

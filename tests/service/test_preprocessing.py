@@ -11,6 +11,7 @@ from PIL import Image
 from service.contract.model_repository import ModelMetadata
 from service.contract.preprocessing import Preprocessor, should_invert
 from service.errors import InvalidInput, UnsupportedMediaType
+from tests.model_metadata import classifier_metadata
 from tests.support import encode
 
 MEAN, STD = 0.286, 0.353
@@ -19,37 +20,21 @@ MEAN, STD = 0.286, 0.353
 def metadata(
     channels: int = 1, height: int = 28, width: int = 28, polarity: str = "light-on-dark"
 ) -> ModelMetadata:
-    return ModelMetadata.model_validate(
-        {
-            "format": 1,
-            "graph": "classifier",
-            "name": "m",
-            "version": 1,
-            "labels": ["a", "b"],
-            "input": {
-                "name": "images",
-                "layout": "NCHW",
-                "dtype": "float32",
-                "channels": channels,
-                "height": height,
-                "width": width,
-            },
-            "preprocessing": {
-                "color": "grayscale" if channels == 1 else "rgb",
-                "resize": "fit-pad",
-                "pad_value": 0,
-                "polarity": polarity,
-                "scale": 1 / 255,
-                "mean": [MEAN] * channels,
-                "std": [STD] * channels,
-            },
-            "patch": {"size": 4, "grid": [height // 4, width // 4]},
-            "pooling": "mean",
-            "class_token": False,
-            "tokens": (height // 4) * (width // 4),
-            "depth": 1,
-            "heads": 1,
-        }
+    return classifier_metadata(
+        name="m",
+        channels=channels,
+        height=height,
+        width=width,
+        patch=4,
+        preprocessing={
+            "color": "grayscale" if channels == 1 else "rgb",
+            "resize": "fit-pad",
+            "pad_value": 0,
+            "polarity": polarity,
+            "scale": 1 / 255,
+            "mean": [MEAN] * channels,
+            "std": [STD] * channels,
+        },
     )
 
 

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from service.contract.model_repository import ModelMetadata
 from service.contract.preprocessing import Preprocessor
+from tests.model_metadata import classifier_metadata
 from tests.support import encode
 
 MEAN = (0.485, 0.456, 0.406)
@@ -22,36 +23,22 @@ FILTERS = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BI
 
 def photo_metadata(size: int = 224, channels: int = 3, **preprocessing: object) -> ModelMetadata:
     """A 16-pixel-patch RGB (or grey) model of ``size`` x ``size`` with ImageNet's mean and std."""
-    return ModelMetadata.model_validate(
-        {
-            "format": 1,
-            "graph": "classifier",
-            "name": "photo",
-            "version": 1,
-            "labels": ["a", "b"],
-            "input": {
-                "name": "images",
-                "layout": "NCHW",
-                "dtype": "float32",
-                "channels": channels,
-                "height": size,
-                "width": size,
-            },
-            "preprocessing": {
-                "color": "rgb" if channels == 3 else "grayscale",
-                "polarity": "natural",
-                "scale": 1 / 255,
-                "mean": list(MEAN[:channels]),
-                "std": list(STD[:channels]),
-                **preprocessing,
-            },
-            "patch": {"size": 16, "grid": [size // 16, size // 16]},
-            "pooling": "token",
-            "class_token": True,
-            "tokens": (size // 16) ** 2 + 1,
-            "depth": 1,
-            "heads": 1,
-        }
+    return classifier_metadata(
+        name="photo",
+        channels=channels,
+        height=size,
+        width=size,
+        patch=16,
+        preprocessing={
+            "color": "rgb" if channels == 3 else "grayscale",
+            "polarity": "natural",
+            "scale": 1 / 255,
+            "mean": list(MEAN[:channels]),
+            "std": list(STD[:channels]),
+            **preprocessing,
+        },
+        pooling="token",
+        class_token=True,
     )
 
 

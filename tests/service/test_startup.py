@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from service.contract.model_repository import ModelLoadError
 from service.frontend.app import create_app
 from service.launcher.http_server import _Server
-from service.settings import Settings
+from service.settings import Settings, setting_fields
 from tests.support import (
     MODEL_NAME,
     REPO,
@@ -205,18 +205,21 @@ def test_settings_from_the_environment(monkeypatch):
     monkeypatch.setenv("VITSERVE_API_KEY", "hunter2-secret")
     monkeypatch.setenv("PORT", "18123")
     settings = Settings()
-    assert settings.max_batch_size == 4 and settings.port == 18123
-    assert settings.api_key is not None and settings.api_key.get_secret_value() == "hunter2-secret"
+    assert settings.batching.max_batch_size == 4 and settings.server.port == 18123
+    assert (
+        settings.server.api_key is not None
+        and settings.server.api_key.get_secret_value() == "hunter2-secret"
+    )
     assert "hunter2" not in repr(settings)
     monkeypatch.setenv("VITSERVE_PORT", "18124")
-    assert Settings().port == 18124
+    assert Settings().server.port == 18124
     with pytest.raises(
         ValueError, match=r"max_queue_size \(4\) must be at least max_images_per_request \(8\)"
     ):
         Settings(max_queue_size=4, max_images_per_request=8)
     with pytest.raises(ValueError, match="provider"):
         Settings(provider="tpu")
-    for name, field in Settings.model_fields.items():
+    for name, field in setting_fields().items():
         assert field.description, (
             f"setting {name} has no description (the README table is built from them)"
         )
@@ -250,8 +253,8 @@ HEAVY = ("fastapi", "starlette", "uvicorn", "grpc", "onnxruntime", "service.engi
 def test_the_supervisor_and_the_entry_points_of_its_processes_import_nothing_heavy():
     """The supervisor imports only what it needs before it starts its processes, and each process
     imports the module of its entry point again (spawn) before doing its part: the web stack and the
-    engine are imported by the processes that run them (each was a second's CPU in all four
-    processes at start-up: BENCHMARKS.md)."""
+    engine are imported by the processes that run them (each costs a second's CPU in every process
+    that imports it at start-up: BENCHMARKS.md)."""
     script = f"""
 import sys
 import service.launcher.supervisor, service.launcher.processes
@@ -316,12 +319,16 @@ def test_an_api_key_that_no_header_can_carry_is_refused():
     for key in ("cl\u00e9", "tab\tkey", " lead", "trail ", "\u00a0", "\x00"):
         with pytest.raises(ValueError, match="api_key"):
             Settings(api_key=key)
-    assert Settings(api_key="a key-with_printable.ASCII~").api_key is not None
+    assert Settings(api_key="a key-with_printable.ASCII~").server.api_key is not None
 
 
 def test_deadline_defaults_let_a_proxy_less_deployment_live():
-    defaults = Settings()
-    assert defaults.header_timeout_s <= 60  # issue 17: half-sent headers closed within 60 s
-    assert defaults.body_timeout_s <= 60
+    default_settings = Settings()
+    # half-sent headers closed within 60 s
+    assert default_settings.server.header_timeout_s <= 60
+    assert default_settings.server.body_timeout_s <= 60
     # a 16 MiB body at the slowest rate that is never cut off takes under 20 minutes
-    assert defaults.max_body_bytes / defaults.body_min_bytes_per_s < 20 * 60
+    assert (
+        default_settings.limits.max_body_bytes / default_settings.server.body_min_bytes_per_s
+        < 20 * 60
+    )

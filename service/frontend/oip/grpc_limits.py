@@ -1,4 +1,4 @@
-"""Bounds on what a gRPC client can make the server hold (issue 25), as grpc server options.
+"""Bounds on what a gRPC client can make the server hold, as grpc server options.
 
 - messages: at most ``max_body_bytes`` (RESOURCE_EXHAUSTED beyond);
 - metadata (gRPC's headers): at most ``max_header_bytes``, the HTTP listener's header bound; a call
@@ -18,9 +18,9 @@ def grpc_server_options(settings: Settings, reuse_port: bool = False) -> list[tu
     """The options of ``grpc.aio.server`` for ``settings``; ``reuse_port`` when several front ends
     share the port."""
     return [
-        ("grpc.max_receive_message_length", settings.max_body_bytes),
-        ("grpc.max_metadata_size", settings.max_header_bytes),
-        ("grpc.absolute_max_metadata_size", settings.max_header_bytes),
+        ("grpc.max_receive_message_length", settings.limits.max_body_bytes),
+        ("grpc.max_metadata_size", settings.server.max_header_bytes),
+        ("grpc.absolute_max_metadata_size", settings.server.max_header_bytes),
         ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
         ("grpc.so_reuseport", int(reuse_port)),
     ]

@@ -87,7 +87,9 @@ def _rpc(protected: bool) -> Callable[[Callable[..., Awaitable[Any]]], Callable[
             try:
                 with tracing.server_span(SERVICE, method.__name__, metadata):
                     if protected:
-                        check_api_key(headers.get("authorization"), self.state.settings.api_key)
+                        check_api_key(
+                            headers.get("authorization"), self.state.settings.server.api_key
+                        )
                     return await method(self, request, context, request_id)
             except ServiceError as error:
                 log_error_answer(error.status_code, error.code, request_id, error.message)
@@ -190,7 +192,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: Any, context: Context, request_id: str) -> Any:
         name = _required_name(request.model_name, "model_name")
         served = served_version(self.state, name, request.model_version or None)
-        limit = served.settings.max_images_per_request
+        limit = served.settings.limits.max_images_per_request
         decoded: list[Decoded] = []
 
         def decode() -> Any:
@@ -306,8 +308,8 @@ class GrpcServer:
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
             InferenceServicer(self.state, self.version), server
         )
-        host = f"[{settings.host}]" if ":" in settings.host else settings.host
-        address = f"{host}:{settings.grpc_port}"
+        host = f"[{settings.server.host}]" if ":" in settings.server.host else settings.server.host
+        address = f"{host}:{settings.server.grpc_port}"
         try:
             self.port = server.add_insecure_port(address)
         except RuntimeError as error:

@@ -178,13 +178,13 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
     served = served_version(frontend_state(request), name, version)
     body = await request.body()
     header_length = request.headers.get(HEADER_LENGTH)
-    limit = served.settings.max_images_per_request
+    limit = served.settings.limits.max_images_per_request
     decoded: list = []
 
     def decode() -> Any:
         decoded.extend(
             decode_request(
-                body, header_length, served.metadata, limit, served.settings.max_json_values
+                body, header_length, served.metadata, limit, served.settings.limits.max_json_values
             )
         )
         return decoded[1].batch

@@ -21,6 +21,25 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+# The form fields every inference route takes beside its image parts.
+_OPTION_FIELDS = {
+    "top_k": {"type": "integer", "minimum": 1, "default": 5},
+    "invert": {"type": "string", "enum": ["auto", "always", "never"], "default": "auto"},
+}
+
+
+def multipart_schema(
+    part: str, images: dict[str, Any], **options: dict[str, Any]
+) -> dict[str, Any]:
+    """The multipart/form-data schema of an inference route: its image part (``part``, described by
+    ``images``), its own ``options``, then the options every inference route takes."""
+    return {
+        "type": "object",
+        "required": [part],
+        "properties": {part: images, **options, **_OPTION_FIELDS},
+    }
+
+
 def request_body(
     json_model: str,
     multipart_schema: dict[str, Any],

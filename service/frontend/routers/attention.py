@@ -17,7 +17,7 @@ from service.frontend.inputs import (
     require_body_type,
 )
 from service.frontend.predictions import check_top_k, prediction
-from service.frontend.routers._openapi import ERROR_RESPONSES, request_body
+from service.frontend.routers._openapi import ERROR_RESPONSES, multipart_schema, request_body
 from service.frontend.routers._routes import add_model_routes
 from service.frontend.schemas import (
     EXAMPLE_PNG_B64,
@@ -28,23 +28,17 @@ from service.frontend.schemas import (
 )
 from service.frontend.serving import Call, ServedVersion
 
-router = APIRouter(
-    tags=["inference"]
-)  # the routes check the API key (service/frontend/routers/_routes.py)
+# The routes check the API key (service/frontend/routers/_routes.py).
+router = APIRouter(tags=["inference"])
 
-_MULTIPART = {
-    "type": "object",
-    "required": ["file"],
-    "properties": {
-        "file": {"type": "string", "format": "binary", "description": "One image file."},
-        "method": {"type": "string", "enum": ["rollout", "raw"], "default": "rollout"},
-        "layer": {"type": "integer", "minimum": 0},
-        "head": {"type": "integer", "minimum": 0},
-        "format": {"type": "string", "enum": ["json", "png"], "default": "json"},
-        "top_k": {"type": "integer", "minimum": 1, "default": 5},
-        "invert": {"type": "string", "enum": ["auto", "always", "never"], "default": "auto"},
-    },
-}
+_MULTIPART = multipart_schema(
+    "file",
+    {"type": "string", "format": "binary", "description": "One image file."},
+    method={"type": "string", "enum": ["rollout", "raw"], "default": "rollout"},
+    layer={"type": "integer", "minimum": 0},
+    head={"type": "integer", "minimum": 0},
+    format={"type": "string", "enum": ["json", "png"], "default": "json"},
+)
 _EXAMPLES = {
     "rollout": {"summary": "Rollout as JSON", "value": {"image": {"b64": EXAMPLE_PNG_B64}}},
     "raw": {

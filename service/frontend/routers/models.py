@@ -17,17 +17,17 @@ from service.frontend.schemas import (
 from service.frontend.security import require_api_key
 from service.frontend.state import frontend_state
 from service.link.protocol import ModelTable, ModelView
-from service.settings import Settings
+from service.settings import LimitSettings, Settings
 
 router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key)])
 
 
-def _limits(settings: Settings) -> LimitsInfo:
+def _limits(limits: LimitSettings) -> LimitsInfo:
     return LimitsInfo(
-        max_body_bytes=settings.max_body_bytes,
-        max_images_per_request=settings.max_images_per_request,
-        max_pixels_per_image=settings.max_pixels_per_image,
-        max_pixels_per_request=settings.max_pixels_per_request,
+        max_body_bytes=limits.max_body_bytes,
+        max_images_per_request=limits.max_images_per_request,
+        max_pixels_per_image=limits.max_pixels_per_image,
+        max_pixels_per_request=limits.max_pixels_per_request,
         accepted_formats=list(ACCEPTED_FORMATS),
     )
 
@@ -41,7 +41,7 @@ def model_info(settings: Settings, table: ModelTable, model: ModelView) -> Model
         "name": model.name,
         "default": model.name == table.default_name,
         "versions": versions,
-        "limits": _limits(settings),
+        "limits": _limits(settings.limits),
     }
     view = model.view()
     if view is None:
@@ -64,7 +64,7 @@ def model_info(settings: Settings, table: ModelTable, model: ModelView) -> Model
         batching=BatchingInfo(
             max_batch_size=serving.max_batch_size,
             preferred_batch_sizes=list(serving.preferred_batch_sizes),
-            attention_max_batch_size=settings.attention_max_batch_size,
+            attention_max_batch_size=settings.batching.attention_max_batch_size,
             max_queue_delay_ms=serving.max_queue_delay_s * 1000.0,
             max_queue_size=serving.max_queue_size,
             request_timeout_s=serving.request_timeout_s,

@@ -15,7 +15,7 @@ from service.frontend.inputs import (
     require_body_type,
 )
 from service.frontend.predictions import check_top_k, predictions
-from service.frontend.routers._openapi import ERROR_RESPONSES, request_body
+from service.frontend.routers._openapi import ERROR_RESPONSES, multipart_schema, request_body
 from service.frontend.routers._routes import add_model_routes
 from service.frontend.schemas import (
     EXAMPLE_PNG_B64,
@@ -25,23 +25,17 @@ from service.frontend.schemas import (
 )
 from service.frontend.serving import Call, ServedVersion
 
-router = APIRouter(
-    tags=["inference"]
-)  # the routes check the API key (service/frontend/routers/_routes.py)
+# The routes check the API key (service/frontend/routers/_routes.py).
+router = APIRouter(tags=["inference"])
 
-_MULTIPART = {
-    "type": "object",
-    "required": ["files"],
-    "properties": {
-        "files": {
-            "type": "array",
-            "items": {"type": "string", "format": "binary"},
-            "description": "One or more image files (PNG, JPEG, WebP, BMP, GIF), each a part named 'files'.",
-        },
-        "top_k": {"type": "integer", "minimum": 1, "default": 5},
-        "invert": {"type": "string", "enum": ["auto", "always", "never"], "default": "auto"},
+_MULTIPART = multipart_schema(
+    "files",
+    {
+        "type": "array",
+        "items": {"type": "string", "format": "binary"},
+        "description": "One or more image files (PNG, JPEG, WebP, BMP, GIF), each a part named 'files'.",
     },
-}
+)
 _EXAMPLES = {
     "b64": {"summary": "A base64 PNG", "value": {"images": [{"b64": EXAMPLE_PNG_B64}], "top_k": 3}},
     "pixels": {
@@ -52,7 +46,7 @@ _EXAMPLES = {
 
 
 async def predict(request: Request, served: ServedVersion) -> Response:
-    limit = served.settings.max_images_per_request
+    limit = served.settings.limits.max_images_per_request
     if require_body_type(request) == MULTIPART:
         images, options = await read_multipart(request, "files", limit, PredictOptions)
         if not images:
