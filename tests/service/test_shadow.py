@@ -7,6 +7,7 @@ here on both versions' files, never against the service's own comparison code.
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 import threading
@@ -31,6 +32,7 @@ from service.contract.model_config import (
     write_model_config,
 )
 from service.frontend.app import create_app
+from service.promote import EXIT_PROMOTED, EXIT_ROLLED_BACK, EXIT_WAIT, Thresholds, decide
 from tests.support import MODEL_NAME, Reference, assert_error, make_settings, metric, wait_until
 
 
@@ -65,6 +67,7 @@ def repository(model_repository: Path, tmp_path: Path) -> Path:
     shutil.copytree(model_repository, copy)
     shutil.copytree(copy / MODEL_NAME / "1", copy / MODEL_NAME / "2")
     perturb(copy / MODEL_NAME / "2" / "model.onnx")
+    (copy / MODEL_NAME / "2" / "attention.onnx").unlink()  # it would disagree with model.onnx
     return copy
 
 
@@ -290,3 +293,44 @@ def test_a_config_with_a_bad_share_is_refused_naming_it_and_the_served_one_stays
     assert "vitserve_shadow_percent needs vitserve_candidate_version" in orphan.json()["error"]
     assert (kept["candidate_version"], kept["shadow_percent"]) == (2, 100)
     assert answer.status_code == 200 and answer.json()["model"]["version"] == 1
+
+
+def requester(client: TestClient):
+    """``python -m service.promote``'s requests, made to an in-process app."""
+
+    def request(method: str, path: str) -> dict:
+        answer = client.request(method, path)
+        if answer.status_code != 200:
+            raise RuntimeError(f"{method} {path}: {answer.status_code} {answer.text}")
+        return answer.json()
+
+    return request
+
+
+def test_the_promotion_command_decides_on_the_evidence_and_logs_its_numbers(
+    repository, fashion_images, caplog
+):
+    configure(repository, **{CANDIDATE_VERSION: 2, SHADOW_PERCENT: 100})
+    live = probabilities(repository / MODEL_NAME / "1" / "model.onnx", fashion_images)
+    candidate = probabilities(repository / MODEL_NAME / "2" / "model.onnx", fashion_images)
+    agreement = (live.argmax(axis=1) == candidate.argmax(axis=1)).mean()
+    strict = Thresholds(min_agreement=0.99, min_requests=24, max_latency_ratio=100.0)
+    lenient = Thresholds(min_agreement=agreement, min_requests=24, max_latency_ratio=100.0)
+    decisions = logging.getLogger("vitserve.promote")
+    decisions.addHandler(caplog.handler)  # the service's loggers do not propagate to the root
+    with serve(repository) as client:
+        request = requester(client)
+        assert decide(request, MODEL_NAME, strict) == EXIT_WAIT  # nothing compared yet
+        for image in fashion_images:
+            client.post("/predict", json=body(image))
+        compared(client, len(fashion_images))
+        assert decide(request, MODEL_NAME, strict, dry_run=True) == EXIT_ROLLED_BACK
+        assert shadow(client)["candidate_version"] == 2  # a dry run changes nothing
+        assert decide(request, MODEL_NAME, lenient) == EXIT_PROMOTED
+        answer = client.post("/predict", json=body(fashion_images[0])).json()
+    decisions.removeHandler(caplog.handler)
+    assert answer["model"]["version"] == 2
+    logged = caplog.text
+    assert f"top-1 agreement {agreement:.4f} (min 0.99)" in logged
+    assert "would rollback (top-1 agreement" in logged
+    assert "promoted; live version 1 -> 2" in logged
