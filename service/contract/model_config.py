@@ -293,6 +293,11 @@ SHADOW_PERCENT = "vitserve_shadow_percent"
 CANARY_PERCENT = "vitserve_canary_percent"
 SHADOW_QUEUE_SIZE = "vitserve_shadow_queue_size"
 SHADOW_TIMEOUT_MS = "vitserve_shadow_timeout_ms"
+# automatic promotion in poll mode: all three thresholds, or none
+PROMOTE_MIN_REQUESTS = "vitserve_promote_min_requests"
+PROMOTE_MIN_AGREEMENT = "vitserve_promote_min_agreement"
+PROMOTE_MAX_LATENCY_RATIO = "vitserve_promote_max_latency_ratio"
+PROMOTE_MAX_P99_DIFFERENCE = "vitserve_promote_max_p99_difference"
 CANDIDATE_PARAMETERS = (CANDIDATE_VERSION, SHADOW_PERCENT, CANARY_PERCENT)
 DEFAULT_SHADOW_QUEUE_SIZE = 64
 DEFAULT_SHADOW_TIMEOUT_MS = 10_000
@@ -315,6 +320,15 @@ class CandidatePlan:
     canary_percent: float = 0.0
     shadow_queue_size: int = DEFAULT_SHADOW_QUEUE_SIZE
     shadow_timeout_s: float = DEFAULT_SHADOW_TIMEOUT_MS / 1000
+    # automatic promotion (poll mode): the thresholds of ``python -m service.promote``, or None
+    promote_min_requests: int | None = None
+    promote_min_agreement: float | None = None
+    promote_max_latency_ratio: float | None = None
+    promote_max_p99_difference: float | None = None
+
+    @property
+    def promoting(self) -> bool:
+        return self.candidate_version is not None and self.promote_min_requests is not None
 
     @property
     def shadowing(self) -> bool:
@@ -344,6 +358,10 @@ def candidate_plan(config: ModelConfig) -> CandidatePlan:
         CANARY_PERCENT,
         SHADOW_QUEUE_SIZE,
         SHADOW_TIMEOUT_MS,
+        PROMOTE_MIN_REQUESTS,
+        PROMOTE_MIN_AGREEMENT,
+        PROMOTE_MAX_LATENCY_RATIO,
+        PROMOTE_MAX_P99_DIFFERENCE,
     }
     unknown = sorted(k for k in config.parameters if k.startswith("vitserve_") and k not in known)
     if unknown:
@@ -354,7 +372,27 @@ def candidate_plan(config: ModelConfig) -> CandidatePlan:
     canary = _parameter_number(config, CANARY_PERCENT, float)
     queue = _parameter_number(config, SHADOW_QUEUE_SIZE, int)
     timeout_ms = _parameter_number(config, SHADOW_TIMEOUT_MS, float)
+    min_requests = _parameter_number(config, PROMOTE_MIN_REQUESTS, int)
+    min_agreement = _parameter_number(config, PROMOTE_MIN_AGREEMENT, float)
+    max_ratio = _parameter_number(config, PROMOTE_MAX_LATENCY_RATIO, float)
+    max_p99 = _parameter_number(config, PROMOTE_MAX_P99_DIFFERENCE, float)
     problems = []
+    required = (PROMOTE_MIN_REQUESTS, PROMOTE_MIN_AGREEMENT, PROMOTE_MAX_LATENCY_RATIO)
+    given = [v is not None for v in (min_requests, min_agreement, max_ratio)]
+    if (any(given) or max_p99 is not None) and not all(given):
+        problems.append(f"automatic promotion needs all of {', '.join(required)}")
+    if min_requests is not None and min_requests < 1:
+        problems.append(f"{PROMOTE_MIN_REQUESTS} must be 1 or more, got {min_requests}")
+    if min_agreement is not None and not 0 <= min_agreement <= 1:
+        problems.append(f"{PROMOTE_MIN_AGREEMENT} must lie in 0..1, got {min_agreement:g}")
+    for key, most in (
+        (PROMOTE_MAX_LATENCY_RATIO, max_ratio),
+        (PROMOTE_MAX_P99_DIFFERENCE, max_p99),
+    ):
+        if most is not None and not most > 0:
+            problems.append(f"{key} must be above 0, got {most:g}")
+    if all(given) and candidate is None:
+        problems.append(f"automatic promotion needs {CANDIDATE_VERSION}")
     for key, version in ((LIVE_VERSION, live), (CANDIDATE_VERSION, candidate)):
         if version is not None and version < 1:
             problems.append(f"{key} must be a version number (1 or more), got {version}")
@@ -378,6 +416,10 @@ def candidate_plan(config: ModelConfig) -> CandidatePlan:
         canary_percent=canary or 0.0,
         shadow_queue_size=queue or DEFAULT_SHADOW_QUEUE_SIZE,  # type: ignore[arg-type]
         shadow_timeout_s=(timeout_ms or DEFAULT_SHADOW_TIMEOUT_MS) / 1000,
+        promote_min_requests=min_requests,  # type: ignore[arg-type]
+        promote_min_agreement=min_agreement,
+        promote_max_latency_ratio=max_ratio,
+        promote_max_p99_difference=max_p99,
     )
 
 
@@ -390,6 +432,10 @@ def with_candidate_plan(config: ModelConfig, plan: CandidatePlan) -> ModelConfig
         CANDIDATE_VERSION: plan.candidate_version,
         SHADOW_PERCENT: plan.shadow_percent or None,
         CANARY_PERCENT: plan.canary_percent or None,
+        PROMOTE_MIN_REQUESTS: plan.promote_min_requests,
+        PROMOTE_MIN_AGREEMENT: plan.promote_min_agreement,
+        PROMOTE_MAX_LATENCY_RATIO: plan.promote_max_latency_ratio,
+        PROMOTE_MAX_P99_DIFFERENCE: plan.promote_max_p99_difference,
     }
     for key, value in values.items():
         if value is None:

@@ -50,6 +50,7 @@ class Engine:
         self.shadows = Shadows(self.manager, metrics.shadow)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task | None = None
+        self._promoter: asyncio.Task | None = None  # poll mode's automatic promotion
         self._failed_at_deadline = 0
         self._generation = 0
         self._last_signature: tuple = ()
@@ -77,6 +78,9 @@ class Engine:
         if self.phase == "starting":  # a signal may have arrived while loading
             self.phase = "ready"
             self.metrics.ready.set(1)
+        if self.settings.model_control == "poll":
+            every_s = self.settings.repository_poll_s
+            self._promoter = self._loop.create_task(promotion.watch(self, every_s))
 
     def begin_shutdown(self) -> None:
         """Readiness turns false at once; queued images run without waiting for a batch to fill, and
@@ -105,6 +109,8 @@ class Engine:
         timeout = self.settings.graceful_shutdown_s
         if self._drain is not None:
             self._drain.cancel()
+        if self._promoter is not None:
+            self._promoter.cancel()
         failed = self._failed_at_deadline + await self.manager.stop(timeout)
         self.shadows.close()
         self.phase = "stopped"

@@ -6,11 +6,13 @@ it had. Either is written into the model's ``config.pbtxt`` atomically, then the
 from it, as an explicit load would: the decision is the repository's, so it survives a restart, and
 editing the file by hand then loading it (``/v2/repository/models/{name}/load``, or the next poll) does
 the same. The versions the policy keeps stay loaded, so a promotion can be undone the same way. Which
-thresholds justify a promotion is the caller's to decide (``python -m service.promote``).
+thresholds justify a promotion is the caller's to decide (``python -m service.promote``), or, in poll
+mode, the model's own parameters' (:func:`watch`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -19,6 +21,7 @@ from service.contract.model_config import CandidatePlan, with_candidate_plan, wr
 from service.contract.model_repository import CONFIG_FILE, ModelLoadError
 from service.engine.model_versions import model_config
 from service.errors import ServiceError
+from service.promote import Thresholds, judge
 
 if TYPE_CHECKING:
     from service.engine.core import Engine
@@ -52,7 +55,16 @@ async def decide(engine: Engine, op: str, name: str, version: int | None) -> dic
     before = model.live_version()
     repository = manager.repository
     on_disk = model_config(repository, model.name)
-    ended = replace(plan, candidate_version=None, shadow_percent=0.0, canary_percent=0.0)
+    ended = replace(
+        plan,
+        candidate_version=None,
+        shadow_percent=0.0,
+        canary_percent=0.0,
+        promote_min_requests=None,
+        promote_min_agreement=None,
+        promote_max_latency_ratio=None,
+        promote_max_p99_difference=None,
+    )
     # either way the live version is pinned: unpinned, the newest loaded version would be live, and
     # after a rollback that is often the candidate itself
     decided: CandidatePlan = replace(ended, live_version=candidate if op == "promote" else before)
@@ -92,3 +104,34 @@ async def decide(engine: Engine, op: str, name: str, version: int | None) -> dic
         "live_version_before": before,
         "live_version": after,
     }
+
+
+async def watch(engine: Engine, every_s: float) -> None:
+    """Poll mode's automatic promotion: every ``every_s``, each model whose parameters give the
+    thresholds (``vitserve_promote_*``) has its candidate judged as ``python -m service.promote``
+    would, and promoted or rolled back once the evidence is in. Runs until cancelled."""
+    while True:
+        await asyncio.sleep(every_s)
+        for name, model in list(engine.manager.models.items()):
+            plan = model.plan
+            if not plan.promoting:
+                continue
+            thresholds = Thresholds(
+                plan.promote_min_agreement,  # type: ignore[arg-type]
+                plan.promote_min_requests,  # type: ignore[arg-type]
+                plan.promote_max_latency_ratio,  # type: ignore[arg-type]
+                plan.promote_max_p99_difference,
+            )
+            verdict = judge(engine.shadows.report(name), thresholds)
+            if verdict.action == "wait":
+                continue
+            logger.warning(
+                "%s: automatic %s%s",
+                verdict.summary,
+                verdict.action,
+                f" ({'; '.join(verdict.reasons)})" if verdict.reasons else "",
+            )
+            try:
+                await decide(engine, verdict.action, name, plan.candidate_version)
+            except ServiceError as error:
+                logger.error("automatic %s of %s failed: %s", verdict.action, name, error.message)

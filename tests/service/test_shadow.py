@@ -334,3 +334,33 @@ def test_the_promotion_command_decides_on_the_evidence_and_logs_its_numbers(
     assert f"top-1 agreement {agreement:.4f} (min 0.99)" in logged
     assert "would rollback (top-1 agreement" in logged
     assert "promoted; live version 1 -> 2" in logged
+
+
+@pytest.mark.parametrize(("min_agreement", "live_after"), [(0.5, 2), (0.99, 1)])
+def test_poll_mode_promotes_or_rolls_back_by_the_models_own_thresholds(
+    repository, fashion_images, min_agreement, live_after
+):
+    """Agreement here is 2/3 (onnxruntime on both files, the first test): 0.5 promotes, 0.99 rolls
+    back; either way only once 24 requests were compared."""
+    configure(
+        repository,
+        **{
+            CANDIDATE_VERSION: 2,
+            SHADOW_PERCENT: 100,
+            "vitserve_promote_min_requests": 24,
+            "vitserve_promote_min_agreement": min_agreement,
+            "vitserve_promote_max_latency_ratio": 100,
+        },
+    )
+    with serve(repository, model_control="poll", repository_poll_s=0.1) as client:
+        for image in fashion_images[:23]:
+            client.post("/predict", json=body(image))
+        compared(client, 23)
+        waiting = shadow(client)["candidate_version"]
+        client.post("/predict", json=body(fashion_images[23]))
+        wait_until(lambda: shadow(client)["candidate_version"] is None, "a decision")
+        answer = client.post("/predict", json=body(fashion_images[0])).json()
+    assert waiting == 2  # 23 compared: not evidence enough yet
+    assert answer["model"]["version"] == live_after
+    parameters = read_model_config(repository / MODEL_NAME / "config.pbtxt").parameters
+    assert {k: v.string_value for k, v in parameters.items()} == {LIVE_VERSION: str(live_after)}

@@ -170,6 +170,7 @@ def test_the_parameters_are_read_and_refused_by_name():
         ("vitserve_canary_percent", "-1", "vitserve_canary_percent must lie in 0..100, got -1"),
         ("vitserve_live_version", "3", "must differ from vitserve_live_version (3)"),
         ("vitserve_shadow_queue_size", "0", "vitserve_shadow_queue_size must be 1 or more"),
+        ("vitserve_promote_min_requests", "500", "automatic promotion needs all of"),
     ):
         wrong = ModelConfig()
         wrong.CopyFrom(config)
