@@ -14,6 +14,7 @@ import threading
 from collections import Counter
 from pathlib import Path
 
+import httpx
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -33,7 +34,16 @@ from service.contract.model_config import (
 )
 from service.frontend.app import create_app
 from service.promote import EXIT_PROMOTED, EXIT_ROLLED_BACK, EXIT_WAIT, Thresholds, decide
-from tests.support import MODEL_NAME, Reference, assert_error, make_settings, metric, wait_until
+from tests.support import (
+    MODEL_NAME,
+    SERVICE,
+    Reference,
+    assert_error,
+    make_settings,
+    metric,
+    running_server,
+    wait_until,
+)
 
 
 def perturb(model_file: Path, seed: int = 2, scale: float = 0.15) -> None:
@@ -364,3 +374,46 @@ def test_poll_mode_promotes_or_rolls_back_by_the_models_own_thresholds(
     assert answer["model"]["version"] == live_after
     parameters = read_model_config(repository / MODEL_NAME / "config.pbtxt").parameters
     assert {k: v.string_value for k, v in parameters.items()} == {LIVE_VERSION: str(live_after)}
+
+
+def test_the_comparison_and_promotion_over_the_process_link(repository, fashion_images, tmp_path):
+    """``python -m service``: the engine in its own process shadows, answers the comparison and
+    promotes through the link's control calls; the front ends route by the table it publishes."""
+    configure(repository, **{CANDIDATE_VERSION: 2, SHADOW_PERCENT: 100})
+    live = probabilities(repository / MODEL_NAME / "1" / "model.onnx", fashion_images)
+    candidate = probabilities(repository / MODEL_NAME / "2" / "model.onnx", fashion_images)
+    log = tmp_path / "service.log"
+    with (
+        running_server(repository, log, suite=SERVICE) as server,
+        httpx.Client(base_url=server.url, timeout=30) as http,
+    ):
+        versions = {
+            http.post("/predict", json=body(image)).json()["model"]["version"]
+            for image in fashion_images
+        }
+        pair = wait_until(
+            lambda: (
+                (
+                    found := (http.get(f"/models/{MODEL_NAME}/shadow").json()["pairs"] or [{}])[0]
+                ).get("images_compared")
+                == len(fashion_images)
+                and found
+            ),
+            "every image compared",
+        )
+        decision = http.post(f"/models/{MODEL_NAME}/shadow/promote", params={"version": 2})
+        after = wait_until(
+            lambda: (
+                {
+                    http.post("/predict", json=body(fashion_images[0])).json()["model"]["version"]
+                    for _ in range(4)
+                }
+                == {2}
+            ),
+            "every front end routing to version 2",
+        )
+    assert versions == {1}
+    agreement = (live.argmax(axis=1) == candidate.argmax(axis=1)).mean()
+    assert pair["top1_agreement"] == pytest.approx(agreement)
+    assert decision.status_code == 200 and decision.json()["live_version"] == 2
+    assert after
