@@ -40,7 +40,7 @@ logger = logging.getLogger("vitserve")
 
 WINDOW = 100_000  # the latest images (and requests) the p99s are taken over
 RETRY_S = 0.005  # a queue left waiting for busy versions is looked at again after this long
-OUTCOMES = ("compared", "shed", "failed", "timeout", "live_failed")
+OUTCOMES = ("compared", "shed", "failed", "timeout", "live_failed", "incompatible")
 DIFFERENCE = "per image, the largest |p_live - p_candidate| over its classes"
 
 
@@ -171,7 +171,12 @@ class ModelShadow:
         plan: CandidatePlan,
     ) -> None:
         """A copy of ``rows`` for the candidate once ``call`` is answered; shed when the queue is
-        full. The rows are copied now: the caller's may be freed once it is answered."""
+        full. The rows are copied now: the caller's may be freed once it is answered. A candidate
+        that takes other rows (another input or preprocessing) cannot run the live version's: its
+        copies are counted incompatible."""
+        if candidate.view.preprocessing_key != live.view.preprocessing_key:
+            comparison.count("incompatible")
+            return
         if self.pending >= plan.shadow_queue_size:
             comparison.count("shed")
             return

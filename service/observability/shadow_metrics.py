@@ -20,7 +20,8 @@ class ShadowSeries:
             "vitserve_shadow_requests",
             "Shadow copies of live requests, by model, live and candidate version and outcome: "
             "compared, shed (the shadow queue was full or the candidate gone), failed, timeout, "
-            "live_failed (the live answer was an error: nothing to compare).",
+            "live_failed (the live answer was an error: nothing to compare), incompatible (the "
+            "candidate takes other rows than the live version).",
             [*_PAIR, "outcome"],
             registry=registry,
         )

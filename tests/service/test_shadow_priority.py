@@ -64,6 +64,7 @@ def version(number: int, model: Gated, metrics: Metrics, batch: int) -> SimpleNa
         classifier=batcher,
         runtime=SimpleNamespace(classify_with=lambda instance: model),
         serving=SimpleNamespace(max_batch_size=batch),
+        view=SimpleNamespace(preprocessing_key=("input", "preprocessing")),
         accepting=True,
         hold=lambda: None,
         release=lambda: None,
@@ -141,6 +142,31 @@ def test_under_load_the_shadow_is_shed_first_and_no_live_request_waits_behind_it
             await batcher.stop(5)
 
     asyncio.run(scenario())
+
+
+def test_a_candidate_that_takes_other_rows_is_never_run_on_the_live_ones():
+    async def scenario() -> Comparison:
+        metrics = Metrics()
+        live_model, candidate_model = Gated(), Gated()
+        live = version(1, live_model, metrics, batch=1)
+        candidate = version(2, candidate_model, metrics, batch=4)
+        candidate.view = SimpleNamespace(preprocessing_key=("input", "another normalisation"))
+        live.classifier.start()
+        comparison = Comparison("m", 1, 2, metrics.shadow)
+        shadow = ModelShadow("m")
+        rows = np.ones((1, 1, 1, 1), dtype=np.float32)
+        call = Call(live, live.classifier, live.classifier.enqueue(rows), 0)  # type: ignore[arg-type]
+        plan = CandidatePlan(candidate_version=2, shadow_percent=100)
+        shadow.offer(call, rows, live, candidate, comparison, plan)  # type: ignore[arg-type]
+        live_model.open()
+        await until(lambda: call.answered, "the live answer")
+        await asyncio.sleep(0.05)
+        assert candidate_model.started == 0 and shadow.pending == 0 and not shadow.ready
+        shadow.close()
+        await live.classifier.stop(5)
+        return comparison
+
+    assert dict(asyncio.run(scenario()).outcomes) == {"incompatible": 1}
 
 
 def test_a_client_key_decides_the_canary_alone():

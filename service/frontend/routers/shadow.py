@@ -49,7 +49,10 @@ class PairComparison(BaseModel):
     model_ms: ModelTimes
     confusion: list[Confusion]
     outcomes: dict[str, int] = Field(
-        description="what became of the shadow copies: compared, shed, failed, timeout, live_failed"
+        description=(
+            "what became of the shadow copies: compared, shed, failed, timeout, live_failed, "
+            "incompatible"
+        )
     )
 
 
