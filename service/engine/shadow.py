@@ -40,6 +40,7 @@ logger = logging.getLogger("vitserve")
 
 WINDOW = 100_000  # the latest images (and requests) the p99s are taken over
 RETRY_S = 0.005  # a queue left waiting for busy versions is looked at again after this long
+FAILURE_LOG_S = 60.0  # a candidate that keeps failing is logged once a minute (and always counted)
 OUTCOMES = ("compared", "shed", "failed", "timeout", "live_failed", "incompatible")
 DIFFERENCE = "per image, the largest |p_live - p_candidate| over its classes"
 
@@ -159,6 +160,7 @@ class ModelShadow:
         self.ready: deque[_Copy] = deque()  # copies whose live answer has come
         self.running = False
         self._retry: asyncio.TimerHandle | None = None
+        self._failure_logged = -FAILURE_LOG_S
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"vitserve-shadow-{name}")
 
     def offer(
@@ -253,12 +255,16 @@ class ModelShadow:
     def _compare(self, batch: list[_Copy], done: asyncio.Future) -> None:
         error = done.exception() if not done.cancelled() else asyncio.CancelledError()
         if error is not None:
-            logger.warning(
-                "the shadow of %s on candidate version %s failed: %r",
-                self.name,
-                batch[0].candidate.version,
-                error,
-            )
+            now = time.monotonic()
+            if now - self._failure_logged >= FAILURE_LOG_S:
+                self._failure_logged = now
+                logger.warning(
+                    "the shadow of %s on candidate version %s failed: %r (counted in its "
+                    "outcomes; logged at most once a minute)",
+                    self.name,
+                    batch[0].candidate.version,
+                    error,
+                )
             self._settle(batch, "failed")
             return
         outputs, seconds = done.result()
