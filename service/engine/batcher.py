@@ -128,6 +128,11 @@ class DynamicBatcher:
         """Takes new work: started, not failed, not closing."""
         return self.healthy and not self._closing
 
+    @property
+    def spare(self) -> bool:
+        """Nothing waits and an instance is idle: work of lower priority may run now."""
+        return not self._pending and bool(self._idle)
+
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(
             self._loop(), name=f"batcher-{self.model}-{self.graph}"

@@ -17,9 +17,10 @@ import numpy as np
 from msgspec.structs import replace
 
 from service.contract.model_repository import ModelLoadError
-from service.engine import reports
+from service.engine import promotion, reports
 from service.engine.model_manager import ModelManager
 from service.engine.pipeline import Call
+from service.engine.shadow import Shadows
 from service.errors import ServiceError
 from service.link.protocol import Graph, ModelTable, Phase
 from service.observability.metrics import Metrics
@@ -27,7 +28,17 @@ from service.settings import Settings
 
 logger = logging.getLogger("vitserve")
 
-CONTROL_OPS = ("index", "load", "unload", "config", "statistics", "metrics")
+CONTROL_OPS = (
+    "index",
+    "load",
+    "unload",
+    "config",
+    "statistics",
+    "metrics",
+    "shadow",
+    "promote",
+    "rollback",
+)
 
 
 class Engine:
@@ -36,8 +47,10 @@ class Engine:
         self.metrics = metrics
         self.phase: Phase = "starting"
         self.manager = ModelManager(settings, metrics)
+        self.shadows = Shadows(self.manager, metrics.shadow)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain: asyncio.Task | None = None
+        self._promoter: asyncio.Task | None = None  # poll mode's automatic promotion
         self._failed_at_deadline = 0
         self._generation = 0
         self._last_signature: tuple = ()
@@ -54,6 +67,7 @@ class Engine:
         if self.phase == "stopped":  # the same app started again (a second TestClient)
             self.phase = "starting"
             self.manager = ModelManager(self.settings, self.metrics)
+            self.shadows = Shadows(self.manager, self.metrics.shadow)
         self._loop = asyncio.get_running_loop()
         try:
             await self.manager.start()
@@ -64,6 +78,9 @@ class Engine:
         if self.phase == "starting":  # a signal may have arrived while loading
             self.phase = "ready"
             self.metrics.ready.set(1)
+        if self.settings.model_control == "poll":
+            every_s = self.settings.repository_poll_s
+            self._promoter = self._loop.create_task(promotion.watch(self, every_s))
 
     def begin_shutdown(self) -> None:
         """Readiness turns false at once; queued images run without waiting for a batch to fill, and
@@ -92,7 +109,10 @@ class Engine:
         timeout = self.settings.server.graceful_shutdown_s
         if self._drain is not None:
             self._drain.cancel()
+        if self._promoter is not None:
+            self._promoter.cancel()
         failed = self._failed_at_deadline + await self.manager.stop(timeout)
+        self.shadows.close()
         self.phase = "stopped"
         if failed:
             logger.error(
@@ -163,7 +183,9 @@ class Engine:
         event loop, so an idle model runs it at once (``DynamicBatcher.enqueue``), and a lone image of
         a fast model is answered before this returns (``Call.answered``)."""
         pipeline = self.manager.pipeline_for(name, version, requested, key)
-        return pipeline.call(graph, rows, request_id, alone)
+        call = pipeline.call(graph, rows, request_id, alone)
+        self.shadows.offer(pipeline, graph, call, rows)
+        return call
 
     def record_failure(self, name: str, version: int, ns: int) -> None:
         """A request for this version failed in a front end (its input was refused while decoding):
@@ -185,6 +207,10 @@ class Engine:
             return reports.served_config(manager, arguments["name"], arguments.get("version"))
         if op == "statistics":
             return reports.statistics(manager, arguments.get("name"), arguments.get("version"))
+        if op == "shadow":
+            return self.shadows.report(arguments["name"])
+        if op in ("promote", "rollback"):
+            return await promotion.decide(self, op, arguments["name"], arguments.get("version"))
         if op in ("load", "unload"):
             mode = self.settings.repository.model_control
             if mode != "explicit":

@@ -7,15 +7,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from service.contract.candidates import live_version
 from service.contract.model_config import (
     DEFAULT_INSTANCE_COUNT,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_QUEUE_SIZE,
     DEFAULT_QUEUE_DELAY_US,
     DEFAULT_REQUEST_TIMEOUT_US,
+    CandidatePlan,
     ModelConfig,
     ModelConfigError,
     ServingConfig,
+    candidate_plan,
     read_model_config,
     serving_config,
 )
@@ -54,6 +57,21 @@ class ManagedModel:
     config: ModelConfig | None = None  # the config.pbtxt being served, parsed once per change
     config_problem: str = ""  # why the file on disk is not the one served, if it is not
 
+    _plan: tuple[ModelConfig | None, CandidatePlan] = (None, CandidatePlan())
+
+    @property
+    def plan(self) -> CandidatePlan:
+        """Its candidate on live traffic, from the config served (checked as it was loaded; read
+        once per config, not per request)."""
+        if self._plan[0] is not self.config:
+            plan = candidate_plan(self.config) if self.config is not None else CandidatePlan()
+            self._plan = (self.config, plan)
+        return self._plan[1]
+
+    def live_version(self) -> int | None:
+        plan = self.plan
+        return live_version(self.ready_versions(), plan.live_version, plan.candidate_version)
+
     def ready_versions(self) -> list[int]:
         return sorted(v for v, s in self.versions.items() if s.state == "READY" and s.pipeline)
 
@@ -65,12 +83,16 @@ class ManagedModel:
             ready={v: self.versions[v].pipeline.view for v in self.ready_versions()},  # type: ignore[union-attr]
             unloaded=self.unloaded,
             problem=self.config_problem,
+            live_pin=self.plan.live_version,
+            candidate=self.plan.candidate_version,
+            canary_percent=self.plan.canary_percent,
         )
 
     def pipeline(self, version: int | None = None) -> ModelPipeline | None:
         ready = self.ready_versions()
         if version is None:
-            return self.versions[ready[-1]].pipeline if ready else None
+            live = self.live_version()
+            return None if live is None else self.versions[live].pipeline
         return self.versions[version].pipeline if version in ready else None
 
 
@@ -96,7 +118,7 @@ def served_model_config(model: ManagedModel, version: int | None = None) -> Mode
     read; 503 naming the problem when that file is refused (or no valid one was ever read). Parsed
     when the file changed, never per request."""
     ready = model.ready_versions()
-    number = version if version is not None else (ready[-1] if ready else None)
+    number = version if version is not None else model.live_version()
     config = model.versions[number].config if number in ready else None
     if config is None:
         if model.config is None or model.config_problem:
@@ -141,6 +163,7 @@ def serving_settings(
         overrides["version_policy"] = ("specific", (pinned_version,))
     try:
         serving = serving_config(config, overrides)
+        candidate_plan(config)  # refused at load, never found wrong per request
     except ModelConfigError as error:
         raise ModelLoadError(f"{name}/{CONFIG_FILE}: {error}") from error
     serving = replace(

@@ -199,6 +199,19 @@ class Call:
     def answered(self) -> bool:
         return self._request.future.done()
 
+    def observe(self, seen: Callable[[Outputs | None, int], None]) -> None:
+        """``seen(outputs, model_ns)`` once the call is answered (outputs None when it failed;
+        ``model_ns``: its batches' time in the model). A shadow reads the live answer this way,
+        from a callback of its own: it cannot change what the caller gets."""
+        request = self._request
+
+        def done(future: asyncio.Future) -> None:
+            failed = future.cancelled() or future.exception() is not None
+            model_ns = sum(times.compute_infer_ns for times in request.batches)
+            seen(None if failed else future.result(), model_ns)
+
+        request.future.add_done_callback(done)
+
     def finish(self, answer: Callable[[Outputs | None, Exception | None], None]) -> None:
         """``answer(outputs, None)`` once every row has run, or ``answer(None, error)``: now when
         the call is answered already (``DynamicBatcher.finish``)."""

@@ -23,7 +23,7 @@ from service.frontend.oip import repository as oip_repository
 from service.frontend.oip import routes as oip
 from service.frontend.oip.grpc_service import GrpcServer
 from service.frontend.oip.schemas import HEADER_LENGTH, InferRequest
-from service.frontend.routers import attention, demo, health, metrics, models, predict
+from service.frontend.routers import attention, demo, health, metrics, models, predict, shadow
 from service.frontend.schemas import AttentionRequest, PredictRequest
 from service.frontend.security import OPENAPI_SECURITY, SECURITY_SCHEMES, require_api_key
 from service.frontend.state import FrontendState
@@ -175,6 +175,7 @@ def create_app(
         predict.router,
         attention.router,
         models.router,
+        shadow.router,
         health.router,
         metrics.router,
         oip.router,

@@ -80,6 +80,18 @@ class EngineClient(ABC):
         """Triton's ``model_stats`` entries."""
         return await self.control("statistics", name, version)
 
+    async def shadow(self, name: str) -> dict[str, Any]:
+        """The model's shadow comparison (service/engine/shadow.py)."""
+        return await self.control("shadow", name)
+
+    async def promote(self, name: str, version: int | None = None) -> dict[str, Any]:
+        """The candidate becomes live (service/engine/promotion.py); ``version``: the one expected."""
+        return await self.control("promote", name, version)
+
+    async def rollback(self, name: str) -> dict[str, Any]:
+        """The candidate's trial ends; the live version stays."""
+        return await self.control("rollback", name)
+
     async def publish_metrics(self) -> None:
         """The engine's statistics written to their Prometheus series, before a scrape."""
         await self.control("metrics")

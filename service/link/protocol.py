@@ -29,6 +29,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from service import errors
+from service.contract.candidates import in_canary, live_version
 from service.contract.model_repository import ModelMetadata
 from service.errors import NotFound, ServiceError, ServiceUnavailable
 
@@ -39,7 +40,9 @@ Phase = Literal["starting", "ready", "shutting_down", "stopped"]
 Graph = Literal["classifier", "attention"]  # the graphs a version runs
 # what running a request's rows gives: every output of the graph, each stacked over its images in order
 Outputs = list[np.ndarray]
-ControlOp = Literal["index", "load", "unload", "config", "statistics", "metrics"]
+ControlOp = Literal[
+    "index", "load", "unload", "config", "statistics", "metrics", "shadow", "promote", "rollback"
+]
 
 # bounds of what a message may hold: far above anything a front end sends, far below what would hurt
 MAX_TEXT = 1024  # a model name, a request id, a trace header
@@ -119,6 +122,10 @@ class ModelView(msgspec.Struct, frozen=True):
     ready: dict[int, VersionView] = msgspec.field(default_factory=dict)
     unloaded: bool = False
     problem: str = ""  # why its config.pbtxt on disk is refused, if it is
+    # a candidate version on live traffic (service/contract/candidates.py)
+    live_pin: int | None = None
+    candidate: int | None = None
+    canary_percent: float = 0.0
 
     def why_not_ready(self, version: int | None = None) -> str:
         """Why ``version`` (None: the model) is not ready, as the repository index says it."""
@@ -137,10 +144,18 @@ class ModelView(msgspec.Struct, frozen=True):
         return sorted(self.ready)
 
     def view(self, version: int | None = None) -> VersionView | None:
-        """The version a request for ``version`` goes to (the newest ready one for None)."""
+        """The version a request for ``version`` goes to (the live one for None)."""
         if version is None:
-            return self.ready[max(self.ready)] if self.ready else None
+            live = live_version(list(self.ready), self.live_pin, self.candidate)
+            return None if live is None else self.ready[live]
         return self.ready.get(version)
+
+    def canary(self, client_key: str | None) -> VersionView | None:
+        """The candidate, when it answers this unversioned request (its canary share); else None."""
+        candidate = self.ready.get(self.candidate) if self.candidate is not None else None
+        if candidate is None or not in_canary(self.canary_percent, client_key):
+            return None
+        return candidate
 
 
 class ModelTable(msgspec.Struct, frozen=True):
@@ -205,6 +220,18 @@ class ModelTable(msgspec.Struct, frozen=True):
             retry_after_s=self.retry_after_s,
         )
 
+    def route(
+        self, name: str | None, version: int | None, client_key: str | None = None
+    ) -> VersionView:
+        """The version that answers a request: :meth:`resolve`'s, or for an unversioned request
+        the model's candidate when its canary share picks it (sticky per ``client_key``)."""
+        view = self.resolve(name, version)
+        if version is None:
+            model = self.models[view.name]
+            if model.candidate is not None and model.candidate != view.version:
+                return model.canary(client_key) or view
+        return view
+
 
 def not_loaded(name: str, problem: str = "") -> NotFound:
     """Explicit mode: a model that is not loaded stays so until asked; retrying will not help.
@@ -265,8 +292,10 @@ class Remote(msgspec.Struct, tag="remote", array_like=True, frozen=True):
     version: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
     def arguments(self) -> dict[str, Any]:
-        if self.op in ("load", "unload"):
+        if self.op in ("load", "unload", "shadow", "rollback"):
             return {"name": self.name}
+        if self.op == "promote":
+            return {"name": self.name, "version": self.version}
         if self.op in ("config", "statistics"):
             return {"name": self.name, "version": self.version}
         return {}
@@ -352,6 +381,9 @@ RESULT_TYPES: dict[str, Any] = {
     "load": None,
     "unload": None,
     "metrics": None,
+    "shadow": dict[str, Any],
+    "promote": dict[str, Any],
+    "rollback": dict[str, Any],
 }
 
 

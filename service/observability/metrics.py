@@ -46,6 +46,8 @@ from prometheus_client import (
 )
 from prometheus_client.mmap_dict import _INITIAL_MMAP_SIZE, MmapedDict
 
+from service.observability.shadow_metrics import ShadowSeries
+
 logger = logging.getLogger("vitserve")
 
 _LATENCY_BUCKETS = (
@@ -198,6 +200,7 @@ class Metrics:
             )
             for key, text in TRITON_METRICS.items()
         }
+        self.shadow = ShadowSeries(r)
 
     def triton_series(self, model: str, version: int) -> dict[str, Gauge]:
         """Triton's ``nv_inference_*`` series of one model version, by ``TRITON_METRICS`` key."""

@@ -275,3 +275,39 @@ def test_the_person_picks_the_model(browser, model_repository, tmp_path, correct
     assert 'vitserve_batch_size_count{graph="classifier",model="plain"} 1.0' in metrics
     # every batcher's series exist from the start, at 0: the model not picked ran no batch
     assert f'vitserve_batch_size_count{{graph="classifier",model="{MODEL_NAME}"}} 0.0' in metrics
+
+
+def test_the_page_shows_a_candidates_comparison(browser, model_repository, tmp_path, correct_image):
+    """A model trying version 2 (the same files as version 1, so onnxruntime gives both the same
+    answer: agreement 100%) in the shadow of every request: after one upload the page says so."""
+    import shutil
+
+    from service.contract.model_config import read_model_config, write_model_config
+
+    repository = tmp_path / "models"
+    shutil.copytree(model_repository, repository)
+    shutil.copytree(repository / MODEL_NAME / "1", repository / MODEL_NAME / "2")
+    config = read_model_config(repository / MODEL_NAME / "config.pbtxt")
+    config.version_policy.specific.versions[:] = [1, 2]
+    config.parameters["vitserve_candidate_version"].string_value = "2"
+    config.parameters["vitserve_shadow_percent"].string_value = "100"
+    write_model_config(config, repository / MODEL_NAME / "config.pbtxt")
+    image, label = correct_image
+    with running_server(repository, tmp_path / "service.log", suite=INTEROP) as trying:
+        context = browser.new_context()
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(f"{trying.url}/")
+        page.wait_for_function(
+            "() => document.getElementById('shadow').textContent.includes('no request compared')"
+        )
+        page.set_input_files("#file-input", str(image))
+        page.wait_for_function(
+            "() => document.getElementById('shadow').textContent.includes('requests compared: 1,')"
+        )
+        shown = page.locator("#shadow").inner_text()
+        assert page.locator("#prediction-label").inner_text() == label
+        assert "version 1 says" in page.locator("#status").inner_text()  # live answered
+        context.close()
+    assert shown.startswith("Candidate version 2 against live version 1 (shadow 100%, canary 0%)")
+    assert "top-1 agreement 100.0%" in shown and "0 shed" in shown

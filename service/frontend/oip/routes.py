@@ -84,7 +84,7 @@ def version_number(version: str | None) -> int | None:
 def served_version(state: FrontendState, name: str, version: str | None) -> ServedVersion:
     """The model version a protocol request goes to (every transport)."""
     requested = version_number(version)
-    return ServedVersion(state, state.engine.table.resolve(name, requested), requested)
+    return ServedVersion(state, state.engine.table.route(name, requested), requested)
 
 
 def metadata_of(state: FrontendState, name: str, version: str | None) -> ModelMetadataResponse:

@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Path, Request
 
+from service.contract.candidates import CLIENT_KEY_HEADER
 from service.frontend.hot_routes import hot
 from service.frontend.security import OPENAPI_SECURITY, check_request_api_key
 from service.frontend.serving import ServedVersion
@@ -27,7 +28,7 @@ Handler = Callable[[Request, ServedVersion], Awaitable[Any]]
 async def _serve(handler: Handler, request: Request, name: str | None, version: int | None) -> Any:
     check_request_api_key(request)
     state = frontend_state(request)
-    view = state.engine.table.resolve(name, version)
+    view = state.engine.table.route(name, version, request.headers.get(CLIENT_KEY_HEADER))
     return await handler(request, ServedVersion(state, view, version))
 
 

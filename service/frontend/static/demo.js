@@ -1,6 +1,7 @@
 // vitserve demo page: plain JavaScript, no build step, nothing loaded from elsewhere.
 // Calls /models (the models and their descriptions), /models/{name}/predict (top classes) and
-// /models/{name}/attention with format=png (overlay).
+// /models/{name}/attention with format=png (overlay), and /models/{name}/shadow (a candidate version
+// compared with the live one on live requests, when the model tries one).
 "use strict";
 
 (() => {
@@ -121,13 +122,71 @@
       const fallback = models.find((model) => model.default) || models[0];
       modelSelect.value = models.some((m) => m.name === chosen) ? chosen : fallback && fallback.name;
       describe(models.find((model) => model.name === modelSelect.value));
+      showShadow();
     } catch (error) {
       info.textContent = `Cannot reach the service (${error.message}).`;
     }
   }
-  modelSelect.addEventListener("change", () =>
-    describe(models.find((model) => model.name === modelSelect.value)),
-  );
+  modelSelect.addEventListener("change", () => {
+    describe(models.find((model) => model.name === modelSelect.value));
+    showShadow();
+  });
+
+  const percent = (value) => (value == null ? "–" : `${(100 * value).toFixed(1)}%`);
+
+  // The candidate the selected model tries on live traffic, if any: how it compares with the live
+  // version on the same requests (GET /models/{name}/shadow).
+  async function showShadow() {
+    const line = $("shadow");
+    const name = modelSelect.value;
+    if (!name) return;
+    try {
+      const response = await fetch(`/models/${encodeURIComponent(name)}/shadow`, {
+        headers: authHeaders(),
+      });
+      const report = response.ok ? await response.json() : null;
+      if (name !== modelSelect.value) return;
+      if (!report || report.candidate_version == null) {
+        line.hidden = true;
+        return;
+      }
+      const pair = report.pairs.find(
+        (p) => p.live_version === report.live_version && p.candidate_version === report.candidate_version,
+      );
+      const trial =
+        `Candidate version ${report.candidate_version} against live version ${report.live_version} ` +
+        `(shadow ${report.shadow_percent}%, canary ${report.canary_percent}%): `;
+      if (!pair) {
+        line.textContent = `${trial}no request compared yet.`;
+      } else {
+        const moves = pair.confusion
+          .filter((c) => c.live_class !== c.candidate_class)
+          .sort((a, b) => b.images - a.images)
+          .slice(0, 3)
+          .map((c) => `${labelOf(c.live_class)} → ${labelOf(c.candidate_class)} (${c.images})`);
+        const ratio = pair.model_ms.ratio_p50;
+        line.textContent =
+          `${trial}requests compared: ${pair.requests_compared}, top-1 agreement ` +
+          `${percent(pair.top1_agreement)}, probability difference mean ` +
+          `${fmt(pair.probability_difference.mean)} p99 ${fmt(pair.probability_difference.p99)}, ` +
+          `model time ${ratio == null ? "–" : ratio.toFixed(2) + "×"} the live version's, ` +
+          `${pair.outcomes.shed} shed.` +
+          (moves.length ? ` Moves: ${moves.join(", ")}.` : "");
+      }
+      line.hidden = false;
+    } catch (error) {
+      line.hidden = true;
+    }
+  }
+
+  setInterval(showShadow, 2000);
+
+  const fmt = (value) => (value == null ? "–" : value.toFixed(4));
+
+  function labelOf(index) {
+    const model = selectedModel();
+    return model && model.labels && model.labels[index] != null ? model.labels[index] : `class ${index}`;
+  }
 
   function selectedModel() {
     return models.find((model) => model.name === modelSelect.value);
@@ -188,6 +247,7 @@
       if (ticket !== latest) return;
       renderPrediction(body.predictions[0]);
       statusLine.textContent = `${body.model.name} version ${body.model.version} says:`;
+      showShadow(); // and again every few seconds: the shadow runs once the live answer is in
       if (attended === null) {
         showError("This model has no attention graph, so there is no overlay.");
       } else if (attended.ok) {
