@@ -78,8 +78,8 @@ class Engine:
         if self.phase == "starting":  # a signal may have arrived while loading
             self.phase = "ready"
             self.metrics.ready.set(1)
-        if self.settings.model_control == "poll":
-            every_s = self.settings.repository_poll_s
+        if self.settings.repository.model_control == "poll":
+            every_s = self.settings.repository.repository_poll_s
             self._promoter = self._loop.create_task(promotion.watch(self, every_s))
 
     def begin_shutdown(self) -> None:
