@@ -165,59 +165,67 @@ def hello(server: EngineServer, sent: list | None = None) -> wire.Link:
 
 
 class CancelWatchingEngine:
-    """An engine whose calls report, as they are answered, whether their client had gone
+    """An engine whose requests report, as they are answered, whether their client had gone
     (``gone_at_start``), and, told to ``hold``, are answered only once it has; told to run
-    ``inline``, a call that came alone is answered at once (as an idle fast model's lone image is),
-    else in the loop's next turn (as a batch's calls are)."""
+    ``inline``, a request that came alone is answered at once (as an idle fast model's lone image
+    is), else in the loop's next turn (as a batch's requests are)."""
 
     def __init__(self, hold: bool = False, inline: bool = False) -> None:
         self.gone_at_start: list[bool] = []
         self.alone: list[bool] = []
+        self.routes: list[tuple] = []
         self.hold = hold
         self.inline = inline
         self.started = 0
         self.released = 0
         self.current = READY
 
-    def call(self, name, version, requested, key, graph, rows, request_id, alone):
-        self.alone.append(alone)
-        return WatchedCall(self, [np.full((len(rows), 2), rows.sum(), np.float32)], alone)
+    def submit(self, route, requests, alone=False):
+        self.routes.append((tuple(route), len(requests)))
+        for request in requests:
+            self.alone.append(alone)
+            WatchedRequest(self, request, alone)
 
     def table(self) -> ModelTable:
         return self.current
 
 
-class WatchedCall:
-    """``service/engine/pipeline.py``'s ``Call`` as the engine server uses it."""
+class WatchedRequest:
+    """A request queued as ``service/engine/batcher.py`` queues one: this is its owner."""
 
-    def __init__(self, engine: CancelWatchingEngine, outputs: list, alone: bool) -> None:
+    def __init__(self, engine: CancelWatchingEngine, request, alone: bool) -> None:
         self.engine = engine
-        self._outputs = outputs
-        self.answered = alone and engine.inline
+        self.request = request
         self.cancelled = False
-        self._answer = None
+        self.delivered = False
         self._held = engine.hold
-
-    def finish(self, answer) -> None:
-        self.engine.started += 1
-        self._answer = answer
-        if self.answered:
+        request.owner = self
+        engine.started += 1
+        rows = request.rows
+        self._outputs = [np.full((len(rows), 2), rows.sum(), np.float32)]
+        if alone and engine.inline:
             self._deliver()
         elif not self._held:
             asyncio.get_running_loop().call_soon(self._deliver)
 
-    def cancel(self) -> None:
+    def ended(self, request, outputs, error) -> None:
+        """Only a cancel ends a request here before it is answered: a held one is answered now."""
         self.cancelled = True
-        if self._held and self._answer is not None:
+        if self._held:
             self._held = False
             self.engine.released += 1
             self._deliver()
 
     def _deliver(self) -> None:
-        answer, self._answer = self._answer, None
-        if answer is not None:
-            self.engine.gone_at_start.append(self.cancelled)
-            answer(self._outputs, None)
+        if self.delivered:
+            return
+        self.delivered = True
+        self.engine.gone_at_start.append(self.cancelled)
+        request, request.owner = self.request, None
+        if request.done:  # cancelled (its rows let go): answered all the same
+            request.reply(request, self._outputs, None)
+        else:
+            request.deliver(0, self._outputs)
 
 
 @pytest.mark.parametrize("cancelled", [False, True])
