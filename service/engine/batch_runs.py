@@ -25,7 +25,7 @@ from service.engine.request import Request
 from service.engine.statistics import BatchTimes, ModelStatistics
 from service.errors import InferenceFailed
 from service.observability import tracing
-from service.observability.metrics import Metrics
+from service.observability.metrics import Metrics, observe_times
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -109,11 +109,14 @@ class Instances:
         model runs here instead."""
         instance = self.idle.pop()
         started = loop.time()
-        observe = self._queue_wait.observe
+        # every image's wait; the requests queued in one turn (most of a batch) share theirs
+        enqueued, images_then = batch[0][0].enqueued, 0
         for request, _, count in batch:
-            waited = started - request.enqueued
-            for _ in range(count):
-                observe(waited)
+            if request.enqueued != enqueued:
+                observe_times(self._queue_wait, started - enqueued, images_then)
+                enqueued, images_then = request.enqueued, 0
+            images_then += count
+        observe_times(self._queue_wait, started - enqueued, images_then)
         span = tracing.start_batch(
             self.model, self.graph, instance.index, (segment[0].queue_trace for segment in batch)
         )

@@ -23,7 +23,6 @@ how many images it had to fail.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -294,9 +293,11 @@ class DynamicBatcher:
             self._wakeup.clear()
             oldest = self._oldest()
             if oldest is not None and self._instances.idle:  # not due: wait out its delay
-                due = oldest.enqueued + self.max_queue_delay_s - loop.time()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wakeup.wait(), max(due, 0.0))
+                timer = loop.call_at(oldest.enqueued + self.max_queue_delay_s, self._wakeup.set)
+                try:
+                    await self._wakeup.wait()
+                finally:
+                    timer.cancel()
             else:
                 await self._wakeup.wait()
 

@@ -54,6 +54,7 @@ class Engine:
         self._failed_at_deadline = 0
         self._generation = 0
         self._last_signature: tuple = ()
+        self._table: ModelTable | None = None
         self.metrics.ready.set(0)
 
     @property
@@ -119,32 +120,17 @@ class Engine:
     # --- what front ends see ----------------------------------------------------------------------
 
     def table(self) -> ModelTable:
-        """The models as front ends see them; its generation grows whenever anything in it changes."""
-        routing = self.manager.routing()
-        models = routing.models
-        signature = (
-            self.phase,
-            self.manager.ready,
-            self.manager.default_name,
-            tuple(
-                (
-                    m.name,
-                    m.unloaded,
-                    tuple(sorted(m.versions.items())),
-                    tuple(map(id, m.ready.values())),
-                )
-                for m in models.values()
-            ),
-        )
-        if signature != self._last_signature:
+        """The models as front ends see them; its generation grows whenever anything in it changes.
+        Built again only then (front ends are sent it every few milliseconds)."""
+        ready = self.manager.ready
+        signature = (self.phase, ready, self.manager.routing_signature())
+        if signature != self._last_signature or self._table is None:
             self._last_signature = signature
             self._generation += 1
-        return replace(
-            routing,
-            generation=self._generation,
-            phase=self.phase,
-            healthy=self.manager.ready,
-        )
+            self._table = replace(
+                self.manager.routing(), generation=self._generation, phase=self.phase, healthy=ready
+            )
+        return self._table
 
     # --- work -------------------------------------------------------------------------------------
 

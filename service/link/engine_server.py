@@ -86,7 +86,8 @@ class EngineServer:
         self._calls: dict[tuple[wire.Link, int], Request | object | None] = {}
         self._arrived: list[tuple[wire.Link, Infer, list]] = []  # calls to start
         self._running: set[asyncio.Task] = set()  # control calls
-        self._publish_now = asyncio.Event()
+        self._publish_now = asyncio.Event()  # a control call may have changed the table
+        self._publish_due = asyncio.Event()  # the next look at the table is due
         self._tasks: list[asyncio.Task] = []
         # sent with every table: a restarted engine that got its predecessor's pid is still new
         self._process = (os.getpid(), time.time_ns())
@@ -120,6 +121,9 @@ class EngineServer:
         return TableUpdate(*self._process, self.engine.table())
 
     async def _publish(self) -> None:
+        """The table to every front end when it has changed (looked at every ``TABLE_CHECK_S``, or
+        at once when ``_publish_now`` is set) and at least every ``HEARTBEAT_S``. A timer wakes it,
+        not ``wait_for``: a task and its cancellation every few milliseconds cost more than the look."""
         published, last = -1, 0.0
         loop = asyncio.get_running_loop()
         while True:
@@ -130,8 +134,12 @@ class EngineServer:
                     link.outbox.put(update)
                 published, last = update.table.generation, now
             self._publish_now.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._publish_now.wait(), TABLE_CHECK_S)
+            timer = loop.call_later(TABLE_CHECK_S, self._publish_due.set)
+            try:
+                await self._publish_due.wait()
+            finally:
+                timer.cancel()
+            self._publish_due.clear()
             if self._publish_now.is_set():
                 published = -1
 
@@ -294,6 +302,7 @@ class EngineServer:
             answer = Refusal(message.call, ErrorInfo.of(failure))
         self._answer(link, answer)
         self._publish_now.set()  # a load or unload changes the table
+        self._publish_due.set()
 
 
 def _peer_pid(link: wire.Link) -> int | None:
