@@ -40,6 +40,7 @@ from service.engine.model_versions import (
     file_signature,
     model_config,
     relative,
+    report_loaded,
     scan_version,
     serving_settings,
 )
@@ -224,20 +225,12 @@ class ModelManager:
 
     def routing_signature(self) -> tuple:
         """What :meth:`routing` is made of: an equal signature, an equal table (and much cheaper to
-        build: the engine looks at it every few milliseconds)."""
+        build: the engine looks at it ten times a second)."""
         return (
             self.default_name,
             self.repository_names,
             self._first_load,
-            tuple(
-                (
-                    m.name,
-                    m.unloaded,
-                    m.config_problem,
-                    tuple((v, s.state, s.reason, id(s.pipeline)) for v, s in m.versions.items()),
-                )
-                for m in self.models.values()
-            ),
+            tuple(model.signature() for model in self.models.values()),
         )
 
     def known_names(self) -> set[str]:
@@ -358,22 +351,7 @@ class ModelManager:
             version, "READY", pipeline=pipeline, signature=signature, config=model.config
         )
         model.unloaded = False
-        labels = (model.name, str(version))
-        self.metrics.model_load_seconds.labels(*labels, "load").set(runtime.load_seconds)
-        self.metrics.model_load_seconds.labels(*labels, "warmup").set(runtime.warmup_seconds)
-        self.metrics.model_info.labels(*labels, runtime.provider, runtime.metadata.precision).set(1)
-        logger.info(
-            "serving %s version %s from %s on %s (loaded in %.2f s, warmed up in %.2f s; "
-            "max batch %d, %d instance(s))",
-            model.name,
-            version,
-            files.directory,
-            runtime.provider,
-            runtime.load_seconds,
-            runtime.warmup_seconds,
-            model.serving.max_batch_size,
-            model.serving.instance_count,
-        )
+        report_loaded(self.metrics, model, version, runtime, files)
         if old is not None:
             self._release(old)
         return None

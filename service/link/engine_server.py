@@ -57,7 +57,9 @@ from service.observability import tracing
 
 logger = logging.getLogger("vitserve")
 
-TABLE_CHECK_S = 0.02
+# how often the engine looks for a change of its table: as often as it writes its readiness for the
+# health port (ENGINE_BEAT_S); a control call's change goes at once. Each look wakes the idle engine.
+TABLE_CHECK_S = 0.1
 HEARTBEAT_S = 0.5
 ROW_DTYPE = np.dtype(np.float32)  # every version's input (the model contract's InputSpec)
 _PEER = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
