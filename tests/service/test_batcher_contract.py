@@ -831,3 +831,56 @@ def test_the_finite_check_finds_the_rows_holding_nan_or_infinity_and_no_others()
     nan_in_second[0, 3] = np.nan
     assert finite_rows([np.zeros((2, 1), np.float32), nan_in_second], 2).tolist() == [False, True]
     assert finite_rows([np.ones((2, 3), np.float32), np.arange(2)], 2) is None
+
+
+def test_a_batch_of_requests_from_two_turns_observes_every_image_s_wait():
+    """Each image's wait goes into the queue-wait histogram once, whether or not the requests of
+    its batch were queued in one turn (their waits are observed together, weighted)."""
+
+    async def scenario():
+        model = Model(held=1)  # the first batch holds the one instance
+        b = make(model, max_batch_size=5)
+        b.start()
+        first = asyncio.create_task(submit(b, rows(0)))
+        await asyncio.sleep(0.05)
+        waiting = [asyncio.create_task(submit(b, rows(1, 2)))]
+        await asyncio.sleep(0.05)  # a later turn: another wait
+        waiting.append(asyncio.create_task(submit(b, rows(3, 4, 5))))
+        await asyncio.sleep(0.05)
+        model.gates[0].set()
+        await asyncio.gather(first, *waiting)
+        await b.stop(5)
+        return b, model
+
+    b, model = asyncio.run(scenario())
+    assert model.batches == [1, 5]
+    assert sample(b, "vitserve_queue_wait_seconds_count") == 6.0  # one per image
+    assert sample(b, "vitserve_queue_wait_seconds_bucket", le="+Inf") == 6.0
+
+
+def test_observe_times_is_observe_repeated():
+    """Against prometheus-client's own ``observe`` called once per image: the same buckets, count
+    and sum, for waits on a bucket bound, between bounds and past the last."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from service.observability.metrics import observe_times
+
+    def histogram() -> tuple[CollectorRegistry, Histogram]:
+        registry = CollectorRegistry()
+        return registry, Histogram("wait", "w", ["g"], buckets=(0.1, 1.0), registry=registry)
+
+    (reference_registry, reference), (registry, weighted) = histogram(), histogram()
+    for amount, times in ((0.1, 3), (0.5, 1), (0.5, 4), (7.0, 2), (0.0, 5)):
+        for _ in range(times):
+            reference.labels("x").observe(amount)
+        observe_times(weighted.labels("x"), amount, times)
+
+    def samples(registry: CollectorRegistry) -> list:
+        return [
+            (s.name, s.labels, s.value)
+            for f in registry.collect()
+            for s in f.samples
+            if not s.name.endswith("_created")
+        ]
+
+    assert samples(registry) == samples(reference_registry)

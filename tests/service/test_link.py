@@ -433,3 +433,42 @@ def test_the_engine_lets_go_of_a_gone_front_end_s_shared_memory(tmp_path):
     assert seen == [True, False]
     answer, raw = calls_answered(answers)[1]
     assert isinstance(answer, Answer) and np.frombuffer(raw[0], np.float32).tolist() == [4.0] * 2
+
+
+def test_the_calls_of_one_turn_are_handed_to_the_engine_once_per_route(tmp_path):
+    """Calls that arrive in one turn for one model, version and graph reach the engine as one group
+    (the version resolved once, the queue looked at once); another version or graph is a group of
+    its own; each call is answered its own rows' outputs."""
+    engine = CancelWatchingEngine()
+    sent: list = []
+
+    async def scenario():
+        server = EngineServer(engine, wire.Addresses.in_directory(str(tmp_path)))
+        link = hello(server, sent)
+        calls = [
+            infer(1, ROWS),
+            infer(2, ROWS * 2),
+            Infer(3, "m", 2, 2, ("k", "k"), "classifier", ROWS.shape, ROWS.dtype.str, None),
+            infer(4, ROWS * 3),
+            Infer(5, "m", 1, None, ("k", "k"), "attention", ROWS.shape, ROWS.dtype.str, None),
+        ]
+        rows = [ROWS, ROWS * 2, ROWS, ROWS * 3, ROWS]
+        items = [(call, [r.tobytes()]) for call, r in zip(calls, rows, strict=True)]
+        server.take(link, wire.unpack(memoryview(wire.pack(items)), protocol.to_engine))
+        await until(lambda: not server._calls)
+        await asyncio.sleep(0)  # the answers' flush
+        await server.close()
+
+    asyncio.run(scenario())
+    assert engine.routes == [
+        (("m", 1, None, ("k", "k"), "classifier"), 3),
+        (("m", 2, 2, ("k", "k"), "classifier"), 1),
+        (("m", 1, None, ("k", "k"), "attention"), 1),
+    ]
+    answers = {
+        item.call: np.frombuffer(raw[0], np.float32)[0]
+        for message in sent
+        for item, raw in wire.unpack(memoryview(message), protocol.to_front_end)
+        if isinstance(item, Answer)
+    }
+    assert answers == {1: 6.0, 2: 12.0, 3: 6.0, 4: 18.0, 5: 6.0}  # each its own rows' sum

@@ -136,3 +136,40 @@ async def until_handed(handed: list, seconds: float = 5) -> None:
     async with asyncio.timeout(seconds):
         while not handed:
             await asyncio.sleep(0.005)
+
+
+def test_requests_queued_at_different_times_each_time_out_at_their_own_deadline():
+    """One timer serves every deadline of a batcher: each request queued behind a held batch is
+    answered 503 once its own timeout has passed since it was queued, in the order they came."""
+    model = Model()
+
+    async def scenario() -> list[tuple[str, float, str]]:
+        loop = asyncio.get_running_loop()
+        b = batcher(model, timeout_s=0.2, max_queue_delay_s=0.0)
+        b.start()
+        model.gate.clear()  # the first batch holds the instance past every deadline
+        ended: list[tuple[str, float, str]] = []
+        queued: dict[str, float] = {}
+
+        def enqueue(name: str) -> None:
+            queued[name] = loop.time()
+
+            def reply(request: Request, outputs: object, error: Exception) -> None:
+                ended.append((name, loop.time(), getattr(error, "code", None)))
+
+            b.enqueue([Request(rows(1), reply)])
+
+        for name in ("held", "first", "second", "third"):
+            enqueue(name)
+            await asyncio.sleep(0.07)
+        async with asyncio.timeout(5):
+            while len(ended) < 4:
+                await asyncio.sleep(0.01)
+        model.gate.set()
+        await b.stop(5)
+        return [(name, at - queued[name], code) for name, at, code in ended]
+
+    ended = run(scenario())
+    assert [name for name, _, _ in ended] == ["held", "first", "second", "third"]
+    assert all(code == "timeout" for _, _, code in ended)
+    assert all(waited >= 0.2 for _, waited, _ in ended), ended  # never before its own deadline
