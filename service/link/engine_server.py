@@ -278,7 +278,11 @@ class EngineServer:
             route = (message.name, message.version, message.requested, message.key, message.graph)
             routes.setdefault(route, []).append(request)
         for route, requests in routes.items():
-            self.engine.submit(Route(*route), requests, alone)
+            try:
+                self.engine.submit(Route(*route), requests, alone)
+            except Exception as error:  # a fault of the engine's: these calls alone are answered
+                for request in requests:
+                    request.fail(error)
         for request in cancelled:
             request.cancel()
 

@@ -472,3 +472,38 @@ def test_the_calls_of_one_turn_are_handed_to_the_engine_once_per_route(tmp_path)
         if isinstance(item, Answer)
     }
     assert answers == {1: 6.0, 2: 12.0, 3: 6.0, 4: 18.0, 5: 6.0}  # each its own rows' sum
+
+
+def test_an_engine_fault_on_one_route_fails_only_its_calls(tmp_path):
+    """An engine that raises while taking one route's calls: those calls are answered 500 at once,
+    the calls of the other routes in the same turn are answered their outputs."""
+
+    class Faulty(CancelWatchingEngine):
+        def submit(self, route, requests, alone=False):
+            if route.graph == "attention":
+                raise RuntimeError("a bug")
+            super().submit(route, requests, alone)
+
+    engine, sent = Faulty(), []
+
+    async def scenario():
+        server = EngineServer(engine, wire.Addresses.in_directory(str(tmp_path)))
+        link = hello(server, sent)
+        attention = Infer(2, "m", 1, None, ("k", "k"), "attention", ROWS.shape, "<f4", None)
+        items = [(infer(1, ROWS), [ROWS.tobytes()]), (attention, [ROWS.tobytes()])]
+        server.take(link, wire.unpack(memoryview(wire.pack(items)), protocol.to_engine))
+        async with asyncio.timeout(5):
+            while server._calls:
+                await asyncio.sleep(0.005)
+        await asyncio.sleep(0)  # the answers' flush
+        await server.close()
+
+    asyncio.run(scenario())
+    answered = {
+        item.call: item
+        for message in sent
+        for item, _ in wire.unpack(memoryview(message), protocol.to_front_end)
+        if not isinstance(item, TableUpdate)
+    }
+    assert isinstance(answered[1], Answer)
+    assert answered[2].error.status_code == 500 and answered[2].error.code == "inference_failed"
