@@ -35,6 +35,7 @@ from service.engine.request import ClientGone, Request, TimedOut
 from service.engine.statistics import ModelStatistics
 from service.errors import ClientDisconnected, ServiceError, ServiceUnavailable
 from service.link.protocol import Outputs
+from service.observability import tracing
 from service.observability.metrics import Metrics
 
 logger = logging.getLogger("vitserve")
@@ -177,6 +178,7 @@ class DynamicBatcher:
                 self.refuse(request, error)
                 continue
             request.owner = self
+            request.queue_trace = tracing.enter_queue(request.count)
             request.enqueued = now
             request.deadline = deadline
             if self._lease is not None:

@@ -77,7 +77,7 @@ class Request:
         self.entered = time.perf_counter_ns()  # for the statistics' request duration
         self.enqueued = 0.0  # event-loop time, set as it is queued
         self.deadline = float("inf")  # event-loop time
-        self.queue_trace = tracing.enter_queue(self.count)  # its span in the queue, when tracing
+        self.queue_trace: tracing.QueueTrace | None = None  # its span in the queue, when tracing
         self.parts: list[tuple[int, list[np.ndarray]]] = []  # (first image, its outputs' rows)
         self.non_finite = 0  # images whose outputs held NaN or Infinity
         # for the statistics: when its last batch started, and what each of its batches took

@@ -267,24 +267,27 @@ class EngineServer:
                 del self._calls[key]
                 self._answer_error(link, message.call, message.request_id, error)
                 continue
-            if message.trace is None:
-                request = Request(rows, self._reply, message.request_id, key)
-            else:
-                with tracing.attached(message.trace):  # its queue span, in the caller's trace
-                    request = Request(rows, self._reply, message.request_id, key)
+            request = Request(rows, self._reply, message.request_id, key)
             if self._calls[key] is CANCELLED:
                 cancelled.append(request)
             self._calls[key] = request
             route = (message.name, message.version, message.requested, message.key, message.graph)
-            routes.setdefault(route, []).append(request)
+            if message.trace is None:
+                routes.setdefault(route, []).append(request)
+            else:  # queued on its own, in its caller's trace
+                with tracing.attached(message.trace):
+                    self._submit(route, [request], alone)
         for route, requests in routes.items():
-            try:
-                self.engine.submit(Route(*route), requests, alone)
-            except Exception as error:  # a fault of the engine's: these calls alone are answered
-                for request in requests:
-                    request.fail(error)
+            self._submit(route, requests, alone)
         for request in cancelled:
             request.cancel()
+
+    def _submit(self, route: tuple, requests: list[Request], alone: bool) -> None:
+        try:
+            self.engine.submit(Route(*route), requests, alone)
+        except Exception as error:  # a fault of the engine's: these calls alone are answered
+            for request in requests:
+                request.fail(error)
 
     def _reply(self, request: Request, outputs: Outputs | None, error: Exception | None) -> None:
         """A call has ended: its answer into its front end's outbox."""
