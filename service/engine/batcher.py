@@ -220,12 +220,13 @@ class DynamicBatcher:
             self.statistics.record_request(
                 round((request.started - request.enqueued) * 1e9), request.batches
             )
-            try:
-                require_finite(
-                    request.non_finite, request.count, self.model, self.graph, self._metrics
-                )
-            except ServiceError as failure:
-                outputs, error = None, failure
+            if request.non_finite:
+                try:
+                    require_finite(
+                        request.non_finite, request.count, self.model, self.graph, self._metrics
+                    )
+                except ServiceError as failure:
+                    outputs, error = None, failure
         elif type(error) is ClientGone:
             self._metrics.cancelled.labels(*self._labels).inc(request.remaining)
             error = ClientDisconnected(
