@@ -274,15 +274,6 @@ class VisionTransformer(nn.Module):
             attention = without_tokens(attention, self.config.unmapped_tokens)
         return self.logits(features), attention
 
-    def get_attention_output(self, images: torch.Tensor, layer: int, head: int) -> torch.Tensor:
-        """The attention probabilities of one layer and head, (batch, tokens, tokens)."""
-        if not 0 <= layer < self.config.depth:
-            raise ValueError(f"layer must be in [0, {self.config.depth}), got {layer}")
-        if not 0 <= head < self.config.heads:
-            raise ValueError(f"head must be in [0, {self.config.heads}), got {head}")
-        _, maps = self.forward_with_attention(images)
-        return maps[:, layer, head]
-
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 

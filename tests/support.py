@@ -39,7 +39,9 @@ from bench import server_process
 from bench.machine import tree_memory_kib
 from export.config import ViTConfig
 from export.data import FASHION_MNIST_LABELS, get_dataset_spec
+from service.engine.batcher import DynamicBatcher
 from service.engine.pipeline import ModelPipeline
+from service.engine.request import awaited
 from service.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -444,3 +446,32 @@ def held(pipeline: ModelPipeline) -> Iterator[ModelPipeline]:
         yield pipeline
     finally:
         pipeline.release()
+
+
+async def submit(
+    batcher: DynamicBatcher,
+    rows: np.ndarray,
+    request_id: str | None = None,
+    disconnected: object | None = None,
+    alone: bool = False,
+) -> list[np.ndarray]:
+    """A request of ``rows`` queued on ``batcher`` as the engine queues one, and awaited as a front
+    end's own engine awaits it: every output, stacked over the rows in order, or its error."""
+    return await awaited(lambda r: batcher.enqueue([r], alone), rows, request_id, disconnected)  # type: ignore[arg-type]
+
+
+async def run_on(
+    pipeline: ModelPipeline,
+    graph: str,
+    rows: np.ndarray,
+    request_id: str | None = None,
+    disconnected: object | None = None,
+    alone: bool = False,
+) -> list[np.ndarray]:
+    """:func:`submit` on one graph of a model version (``ModelPipeline.submit``)."""
+    return await awaited(
+        lambda r: pipeline.submit(graph, [r], alone),  # type: ignore[arg-type]
+        rows,
+        request_id,
+        disconnected,  # type: ignore[arg-type]
+    )

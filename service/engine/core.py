@@ -1,17 +1,18 @@
 """The engine: every model version, its batchers and sessions, and the engine's phase. No transport.
 
 Front ends reach it through ``service/link/`` (in their own process, or over the process link): they read
-its :class:`~service.link.protocol.ModelTable`, send rows to :meth:`Engine.call` with a request id (the
-:class:`~service.engine.pipeline.Call` it returns is answered, or waited for with a signal that completes
-when the client has gone), and call :meth:`Engine.control` for the repository index, explicit load and
-unload, the served configuration and Triton's statistics.
+its :class:`~service.link.protocol.ModelTable`, hand it requests (:class:`~service.engine.request.Request`:
+rows, a request id and a reply) with the :class:`Route` they resolved, to :meth:`Engine.submit`, or
+await one with :meth:`Engine.infer`, and call :meth:`Engine.control` for the repository index, explicit
+load and unload, the served configuration and Triton's statistics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, NamedTuple
 
 import numpy as np
 from msgspec.structs import replace
@@ -19,10 +20,10 @@ from msgspec.structs import replace
 from service.contract.model_repository import ModelLoadError
 from service.engine import promotion, reports
 from service.engine.model_manager import ModelManager
-from service.engine.pipeline import Call
+from service.engine.request import Request, awaited
 from service.engine.shadow import Shadows
 from service.errors import ServiceError
-from service.link.protocol import Graph, ModelTable, Phase
+from service.link.protocol import Graph, ModelTable, Outputs, Phase
 from service.observability.metrics import Metrics
 from service.settings import Settings
 
@@ -41,6 +42,18 @@ CONTROL_OPS = (
 )
 
 
+class Route(NamedTuple):
+    """Where a front end resolved a request: model ``name``'s ``version`` (``requested``: the
+    version the client asked for, None for the newest; ``key``: the version's preprocessing key),
+    and the graph to run."""
+
+    name: str
+    version: int
+    requested: int | None
+    key: tuple[str, str]
+    graph: Graph
+
+
 class Engine:
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
@@ -54,6 +67,7 @@ class Engine:
         self._failed_at_deadline = 0
         self._generation = 0
         self._last_signature: tuple = ()
+        self._table: ModelTable | None = None
         self.metrics.ready.set(0)
 
     @property
@@ -126,32 +140,17 @@ class Engine:
     # --- what front ends see ----------------------------------------------------------------------
 
     def table(self) -> ModelTable:
-        """The models as front ends see them; its generation grows whenever anything in it changes."""
-        routing = self.manager.routing()
-        models = routing.models
-        signature = (
-            self.phase,
-            self.manager.ready,
-            self.manager.default_name,
-            tuple(
-                (
-                    m.name,
-                    m.unloaded,
-                    tuple(sorted(m.versions.items())),
-                    tuple(map(id, m.ready.values())),
-                )
-                for m in models.values()
-            ),
-        )
-        if signature != self._last_signature:
+        """The models as front ends see them; its generation grows whenever anything in it changes.
+        Built again only then (front ends are sent it every few milliseconds)."""
+        ready = self.manager.ready
+        signature = (self.phase, ready, self.manager.routing_signature())
+        if signature != self._last_signature or self._table is None:
             self._last_signature = signature
             self._generation += 1
-        return replace(
-            routing,
-            generation=self._generation,
-            phase=self.phase,
-            healthy=self.manager.ready,
-        )
+            self._table = replace(
+                self.manager.routing(), generation=self._generation, phase=self.phase, healthy=ready
+            )
+        return self._table
 
     # --- work -------------------------------------------------------------------------------------
 
@@ -167,25 +166,35 @@ class Engine:
         """Raise the 503 that :meth:`call` would raise now for ``count`` images."""
         self.manager.pipeline_for(name, version, requested, key).batcher(graph).admit(count)
 
-    def call(
+    def submit(self, route: Route, requests: list[Request], alone: bool = False) -> None:
+        """Queue ``requests`` (each rows of one image each, preprocessed for ``route``'s version) on
+        ``route``'s graph, together: the version is resolved once for all of them. Each ends through
+        its reply, answered or refused. ``alone``: no other request can join these in this turn of
+        the event loop, so an idle model runs them at once, and a lone image of a fast model is
+        answered before this returns (``DynamicBatcher.enqueue``)."""
+        try:
+            pipeline = self.manager.pipeline_for(
+                route.name, route.version, route.requested, route.key
+            )
+        except Exception as error:
+            for request in requests:
+                request.fail(error)
+            return
+        self.shadows.offer(pipeline, route.graph, requests)
+        pipeline.submit(route.graph, requests, alone)
+
+    async def infer(
         self,
-        name: str,
-        version: int,
-        requested: int | None,
-        key: tuple[str, str],
-        graph: Graph,
+        route: Route,
         rows: np.ndarray,
         request_id: str | None = None,
-        alone: bool = False,
-    ) -> Call:
-        """Queue ``rows`` (one image each, preprocessed for ``version`` of model ``name``) on
-        ``graph``, or raise why not. ``alone``: no other call can join this one in this turn of the
-        event loop, so an idle model runs it at once (``DynamicBatcher.enqueue``), and a lone image of
-        a fast model is answered before this returns (``Call.answered``)."""
-        pipeline = self.manager.pipeline_for(name, version, requested, key)
-        call = pipeline.call(graph, rows, request_id, alone)
-        self.shadows.offer(pipeline, graph, call, rows)
-        return call
+        disconnected: Awaitable[object] | None = None,
+    ) -> Outputs:
+        """:meth:`submit` one request of ``rows`` and wait for its outputs (a front end's own
+        engine); ``disconnected`` completes when its client has gone."""
+        return await awaited(
+            lambda request: self.submit(route, [request]), rows, request_id, disconnected
+        )
 
     def record_failure(self, name: str, version: int, ns: int) -> None:
         """A request for this version failed in a front end (its input was refused while decoding):

@@ -40,12 +40,13 @@ from service.engine.model_versions import (
     file_signature,
     model_config,
     relative,
+    report_loaded,
     scan_version,
     serving_settings,
 )
 from service.engine.pipeline import ModelPipeline
 from service.engine.runtime import Runtime
-from service.errors import NotFound, ServiceUnavailable
+from service.errors import NotFound
 from service.link.protocol import ModelTable, ModelView
 from service.observability.metrics import Metrics
 from service.settings import Settings
@@ -218,10 +219,19 @@ class ModelManager:
                 for status in model.versions.values()
                 if status.pipeline is not None
             )
-        try:
-            return self.resolve().healthy
-        except (NotFound, ServiceUnavailable):
-            return False
+        model = self.models.get(self.default_name) if self.default_name is not None else None
+        pipeline = model.pipeline() if model is not None else None  # what resolve() would give
+        return pipeline is not None and pipeline.healthy
+
+    def routing_signature(self) -> tuple:
+        """What :meth:`routing` is made of: an equal signature, an equal table (and much cheaper to
+        build: the engine looks at it ten times a second)."""
+        return (
+            self.default_name,
+            self.repository_names,
+            self._first_load,
+            tuple(model.signature() for model in self.models.values()),
+        )
 
     def known_names(self) -> set[str]:
         """The repository's models (kept for the front ends' table) and the models managed."""
@@ -341,22 +351,7 @@ class ModelManager:
             version, "READY", pipeline=pipeline, signature=signature, config=model.config
         )
         model.unloaded = False
-        labels = (model.name, str(version))
-        self.metrics.model_load_seconds.labels(*labels, "load").set(runtime.load_seconds)
-        self.metrics.model_load_seconds.labels(*labels, "warmup").set(runtime.warmup_seconds)
-        self.metrics.model_info.labels(*labels, runtime.provider, runtime.metadata.precision).set(1)
-        logger.info(
-            "serving %s version %s from %s on %s (loaded in %.2f s, warmed up in %.2f s; "
-            "%s, %d instance(s))",
-            model.name,
-            version,
-            files.directory,
-            runtime.provider,
-            runtime.load_seconds,
-            runtime.warmup_seconds,
-            runtime.batching,
-            model.serving.instance_count,
-        )
+        report_loaded(self.metrics, model, version, runtime, files)
         if old is not None:
             self._release(old)
         return None

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from service.contract.candidates import live_version
 from service.contract.model_config import (
@@ -33,6 +34,11 @@ from service.errors import ServiceUnavailable
 from service.link.protocol import ModelView
 from service.settings import Settings
 
+if TYPE_CHECKING:
+    from service.engine.runtime import Runtime
+    from service.observability.metrics import Metrics
+
+logger = logging.getLogger("vitserve")
 State = Literal["LOADING", "READY", "UNAVAILABLE", "UNLOADING"]
 Signature = tuple
 
@@ -74,6 +80,16 @@ class ManagedModel:
 
     def ready_versions(self) -> list[int]:
         return sorted(v for v, s in self.versions.items() if s.state == "READY" and s.pipeline)
+
+    def signature(self) -> tuple:
+        """What :meth:`view` is made of: an equal signature, an equal view."""
+        return (
+            self.name,
+            self.unloaded,
+            self.config_problem,
+            tuple((v, s.state, s.reason, id(s.pipeline)) for v, s in self.versions.items()),
+            self.plan,  # the live version, the candidate and the canary's share
+        )
 
     def view(self) -> ModelView:
         """This model as front ends see it (service/link/protocol.py)."""
@@ -189,3 +205,26 @@ def scan_version(
         return files, files.signature(), ""
     except (ModelLoadError, OSError) as error:
         return None, ("unreadable", str(error)), str(error)
+
+
+def report_loaded(
+    metrics: Metrics, model: ManagedModel, version: int, runtime: Runtime, files: VersionFiles
+) -> None:
+    """A version now serving: its load and warm-up times and its info series, and the log line."""
+    labels = (model.name, str(version))
+    metrics.model_load_seconds.labels(*labels, "load").set(runtime.load_seconds)
+    metrics.model_load_seconds.labels(*labels, "warmup").set(runtime.warmup_seconds)
+    metrics.model_info.labels(*labels, runtime.provider, runtime.metadata.precision).set(1)
+    assert model.serving is not None
+    logger.info(
+        "serving %s version %s from %s on %s (loaded in %.2f s, warmed up in %.2f s; "
+        "%s, %d instance(s))",
+        model.name,
+        version,
+        files.directory,
+        runtime.provider,
+        runtime.load_seconds,
+        runtime.warmup_seconds,
+        runtime.batching,
+        model.serving.instance_count,
+    )

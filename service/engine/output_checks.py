@@ -1,4 +1,4 @@
-"""Strict JSON out (issue 25): no answer carries NaN or Infinity.
+"""Strict JSON out: no answer carries NaN or Infinity.
 
 A model whose outputs for an image hold a non-finite number answers that image's request 500 naming
 the model (``non_finite_output``), counted in ``vitserve_non_finite_outputs_total``; the other

@@ -1,29 +1,26 @@
 """One served model version in the engine: its runtime and its batchers.
 
-Every request that runs a model comes here as rows (already decoded and preprocessed by a front end) with
-the graph to run them on and a request id, and becomes a :class:`Call`: queued at once, then answered
-(at once too, when an idle model ran a lone image inline) or waited for, with a signal that completes
-when its client has gone. A pipeline counts the calls it holds, so that a version being replaced is
-released only once they are answered.
+Every request that runs a model comes here as a :class:`~service.engine.request.Request` (rows already
+decoded and preprocessed by a front end, a request id, a reply) with the graph to run it on, and is
+queued on that graph's batcher, or refused on its own. A pipeline counts the requests it holds (the
+batchers' lease), so that a version being replaced is released only once they have ended.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
 from service.contract.model_config import ServingConfig
-from service.engine.batch_request import BatchRequest, ClientGone
 from service.engine.batcher import DynamicBatcher
+from service.engine.request import Request
 from service.engine.runtime import Runtime
 from service.engine.statistics import ModelStatistics
-from service.errors import InvalidInput, NotFound
-from service.link.protocol import Graph, Outputs, Serving, VersionView
+from service.errors import InvalidInput, NotFound, ServiceError
+from service.link.protocol import Graph, Serving, VersionView
 from service.observability.metrics import Metrics
 from service.settings import Settings
 
@@ -58,6 +55,7 @@ class ModelPipeline:
             "metrics": metrics,
             "model": name,
             "idle_dispatch": settings.batching.idle_dispatch,
+            "lease": self,
         }
         self.classifier = DynamicBatcher(
             "classifier",
@@ -106,8 +104,8 @@ class ModelPipeline:
             batcher.start()
 
     def hold(self) -> None:
-        """Held by every call from its arrival to its answer (:class:`Call`): a retired version
-        waits for these. Each hold is given back once, by :meth:`release`."""
+        """Held by every request from its being queued to its end (the batchers' lease): a retired
+        version waits for these. Each hold is given back once, by :meth:`release`."""
         self.in_flight += 1
         self._drained.clear()
 
@@ -128,32 +126,36 @@ class ModelPipeline:
             )
         return self.attention
 
-    def call(
-        self, graph: Graph, rows: np.ndarray, request_id: str | None = None, alone: bool = False
-    ) -> Call:
-        """Queue ``rows`` on ``graph``'s batcher (``alone``: its ``enqueue``'s), or raise why not:
-        rows that are not float32 images of this version's input shape never join a batch."""
-        entered = time.perf_counter_ns()
+    def submit(self, graph: Graph, requests: list[Request], alone: bool = False) -> None:
+        """Queue ``requests`` together on ``graph``'s batcher (``alone``: see its ``enqueue``). A
+        request whose rows are not float32 images of this version's input shape never joins a batch:
+        it is answered its 422 on its own, and one for a graph this version lacks its 404."""
         try:
-            self.check_rows(rows)
             batcher = self.batcher(graph)
-            request = batcher.enqueue(rows, request_id, alone)
-        except BaseException:
-            self.statistics.record_outcome(False, time.perf_counter_ns() - entered)
-            raise
-        self.hold()
-        return Call(self, batcher, request, entered)
+        except ServiceError as error:
+            for request in requests:
+                self.classifier.refuse(request, error)
+            return
+        admitted = []
+        for request in requests:
+            problem = self.rows_problem(request.rows)
+            if problem is None:
+                admitted.append(request)
+            else:
+                batcher.refuse(request, problem)
+        batcher.enqueue(admitted, alone)
 
-    def check_rows(self, rows: np.ndarray) -> None:
-        """One bad call must not fail the batch it would join: 422 for rows that are not at least
+    def rows_problem(self, rows: np.ndarray) -> InvalidInput | None:
+        """One bad call must not fail the batch it would join: a 422 for rows that are not at least
         one float32 image of this version's ``(channels, height, width)``."""
-        if rows.dtype != np.float32 or rows.shape[1:] != self.view.row_shape or not len(rows):
-            raise InvalidInput(
-                f"rows of {rows.dtype} {list(rows.shape)} for {self.name!r} version "
-                f"{self.version}, which takes float32 [N, {', '.join(map(str, self.view.row_shape))}]",
-                field="rows",
-                code="invalid_rows",
-            )
+        if rows.dtype == np.float32 and rows.shape[1:] == self.view.row_shape and len(rows):
+            return None
+        return InvalidInput(
+            f"rows of {rows.dtype} {list(rows.shape)} for {self.name!r} version "
+            f"{self.version}, which takes float32 [N, {', '.join(map(str, self.view.row_shape))}]",
+            field="rows",
+            code="invalid_rows",
+        )
 
     def flush(self) -> None:
         """Run what is queued without waiting for the queue delay (shutdown has begun)."""
@@ -179,64 +181,3 @@ class ModelPipeline:
             failed += await batcher.stop(timeout_s)
         self.statistics.publish()  # its last numbers: nothing publishes a retired version's
         return failed
-
-
-class Call:
-    """One request in a pipeline, from its rows being queued to its answer: it holds the pipeline's
-    lease until then, and its outcome and time go into the pipeline's statistics as it ends. Ended
-    by :meth:`finish` (its answer handed to a callback: the engine process's way, inline run or
-    batched alike) or by :meth:`wait` (awaited: a front end's own engine)."""
-
-    def __init__(
-        self, pipeline: ModelPipeline, batcher: DynamicBatcher, request: BatchRequest, entered: int
-    ) -> None:
-        self._pipeline = pipeline
-        self._batcher = batcher
-        self._request = request
-        self._entered = entered
-
-    @property
-    def answered(self) -> bool:
-        return self._request.future.done()
-
-    def observe(self, seen: Callable[[Outputs | None, int], None]) -> None:
-        """``seen(outputs, model_ns)`` once the call is answered (outputs None when it failed;
-        ``model_ns``: its batches' time in the model). A shadow reads the live answer this way,
-        from a callback of its own: it cannot change what the caller gets."""
-        request = self._request
-
-        def done(future: asyncio.Future) -> None:
-            failed = future.cancelled() or future.exception() is not None
-            model_ns = sum(times.compute_infer_ns for times in request.batches)
-            seen(None if failed else future.result(), model_ns)
-
-        request.future.add_done_callback(done)
-
-    def finish(self, answer: Callable[[Outputs | None, Exception | None], None]) -> None:
-        """``answer(outputs, None)`` once every row has run, or ``answer(None, error)``: now when
-        the call is answered already (``DynamicBatcher.finish``)."""
-
-        def ended(outputs: Outputs | None, error: Exception | None) -> None:
-            self._end(error is None)
-            answer(outputs, error)
-
-        self._batcher.finish(self._request, ended)
-
-    def cancel(self) -> None:
-        """Its client has gone: the rows still queued never run, and it ends as a 499."""
-        self._request.fail(ClientGone())
-
-    async def wait(self, disconnected: Awaitable[object] | None = None) -> Outputs:
-        """The outputs once every row has run (see ``DynamicBatcher.answer``), or the error."""
-        answered = False
-        try:
-            outputs = await self._batcher.answer(self._request, disconnected)
-            answered = True
-            return outputs
-        finally:
-            self._end(answered)
-
-    def _end(self, answered: bool) -> None:
-        pipeline = self._pipeline
-        pipeline.statistics.record_outcome(answered, time.perf_counter_ns() - self._entered)
-        pipeline.release()

@@ -256,7 +256,7 @@ def _check_graph(
             raise ModelLoadError(
                 f"{path}: output {name!r} missing; the graph has {sorted(outputs)}"
             )
-        if types[name] != "tensor(float)":  # the whole contract: outputs too (issue 25)
+        if types[name] != "tensor(float)":  # the whole contract: outputs too
             raise ModelLoadError(
                 f"{path}: output {name!r} is {types[name]}, expected tensor(float)"
             )

@@ -22,6 +22,7 @@ import logging
 import random
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,8 @@ from service.observability.shadow_metrics import ShadowSeries
 if TYPE_CHECKING:
     from service.contract.model_config import CandidatePlan
     from service.engine.model_manager import ModelManager
-    from service.engine.pipeline import Call, ModelPipeline
+    from service.engine.pipeline import ModelPipeline
+    from service.engine.request import Request
 
 logger = logging.getLogger("vitserve")
 
@@ -43,6 +45,20 @@ RETRY_S = 0.005  # a queue left waiting for busy versions is looked at again aft
 FAILURE_LOG_S = 60.0  # a candidate that keeps failing is logged once a minute (and always counted)
 OUTCOMES = ("compared", "shed", "failed", "timeout", "live_failed", "incompatible")
 DIFFERENCE = "per image, the largest |p_live - p_candidate| over its classes"
+
+
+def observe(request: Request, seen: Callable[[Outputs | None, int], None]) -> None:
+    """``seen(outputs, model_ns)`` once ``request`` has ended, after its own reply (outputs None when
+    it failed; ``model_ns``: its batches' time in the model). A shadow reads the live answer this
+    way: it cannot change what the caller gets."""
+    reply = request.reply
+
+    def replied(ended: Request, outputs: Outputs | None, error: Exception | None) -> None:
+        reply(ended, outputs, error)
+        model_ns = sum(times.compute_infer_ns for times in ended.batches)
+        seen(None if error is not None else outputs, model_ns)
+
+    request.reply = replied
 
 
 def probabilities(logits: np.ndarray) -> np.ndarray:
@@ -165,14 +181,13 @@ class ModelShadow:
 
     def offer(
         self,
-        call: Call,
-        rows: np.ndarray,
+        request: Request,
         live: ModelPipeline,
         candidate: ModelPipeline,
         comparison: Comparison,
         plan: CandidatePlan,
     ) -> None:
-        """A copy of ``rows`` for the candidate once ``call`` is answered; shed when the queue is
+        """A copy of ``request``'s rows for the candidate once it is answered; shed when the queue is
         full. The rows are copied now: the caller's may be freed once it is answered. A candidate
         that takes other rows (another input or preprocessing) cannot run the live version's: its
         copies are counted incompatible."""
@@ -183,7 +198,7 @@ class ModelShadow:
             comparison.count("shed")
             return
         self.pending += 1
-        copy = _Copy(np.array(rows, copy=True), live, candidate, comparison)
+        copy = _Copy(np.array(request.rows, copy=True), live, candidate, comparison)
 
         def answered(outputs: Outputs | None, model_ns: int) -> None:
             if outputs is None:
@@ -195,7 +210,7 @@ class ModelShadow:
             self.ready.append(copy)
             self.pump(plan)
 
-        call.observe(answered)
+        observe(request, answered)
 
     def pump(self, plan: CandidatePlan) -> None:
         """Start the next shadow batch if the model has nothing else to do; else look again soon
@@ -312,9 +327,9 @@ class Shadows:
         self.models: dict[str, ModelShadow] = {}
         self.comparisons: dict[tuple[str, int, int], Comparison] = {}
 
-    def offer(self, pipeline: ModelPipeline, graph: Graph, call: Call, rows: np.ndarray) -> None:
-        """Shadow ``call`` when its model tries a candidate, it ran on the live version's classifier
-        and the shadow share picks it."""
+    def offer(self, pipeline: ModelPipeline, graph: Graph, requests: list[Request]) -> None:
+        """Shadow each of ``requests``, about to be queued on ``pipeline``, when its model tries a
+        candidate, they go to the live version's classifier and the shadow share picks it."""
         model = self.manager.models.get(pipeline.name)
         if graph != "classifier" or model is None:
             return
@@ -324,13 +339,14 @@ class Shadows:
         candidate = model.pipeline(plan.candidate_version)
         if candidate is None or candidate is pipeline:
             return
-        if plan.shadow_percent < 100 and random.random() * 100 >= plan.shadow_percent:
-            return
         shadow = self.models.get(pipeline.name)
         if shadow is None:
             shadow = self.models[pipeline.name] = ModelShadow(pipeline.name)
         comparison = self.comparison(model.name, pipeline.version, candidate.version)
-        shadow.offer(call, rows, pipeline, candidate, comparison, plan)
+        for request in requests:
+            if plan.shadow_percent < 100 and random.random() * 100 >= plan.shadow_percent:
+                continue
+            shadow.offer(request, pipeline, candidate, comparison, plan)
 
     def comparison(self, name: str, live: int, candidate: int) -> Comparison:
         key = (name, live, candidate)

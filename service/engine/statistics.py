@@ -85,15 +85,16 @@ class ModelStatistics:
 
     def record_request(self, queue_ns: int, batches: Iterable[BatchTimes]) -> None:
         """A request's images all ran: its wait in the queue and the batches they ran in."""
-        batches = list(batches)
-        spent = {
-            "queue": queue_ns,
-            "compute_input": sum(b.compute_input_ns for b in batches),
-            "compute_infer": sum(b.compute_infer_ns for b in batches),
-            "compute_output": sum(b.compute_output_ns for b in batches),
-        }
-        for stage, ns in spent.items():
-            self.durations[stage].add(ns)
+        compute_input = compute_infer = compute_output = 0
+        for times in batches:
+            compute_input += times.compute_input_ns
+            compute_infer += times.compute_infer_ns
+            compute_output += times.compute_output_ns
+        durations = self.durations
+        durations["queue"].add(queue_ns)
+        durations["compute_input"].add(compute_input)
+        durations["compute_infer"].add(compute_infer)
+        durations["compute_output"].add(compute_output)
 
     def record_outcome(self, succeeded: bool, ns: int) -> None:
         """A request left the pipeline, answered (``succeeded``) or with an error, after ``ns``."""

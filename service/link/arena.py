@@ -109,10 +109,6 @@ class Arena:
         """Every region free (the engine that read them is gone)."""
         self._free = [(0, self.size)]
 
-    @property
-    def free_bytes(self) -> int:
-        return sum(size for _, size in self._free)
-
     def close(self) -> None:
         with contextlib.suppress(BufferError):  # rows still referenced: unmapped when they go
             self.block.close()

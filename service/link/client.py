@@ -52,7 +52,7 @@ class EngineClient(ABC):
         request_id: str | None,
         disconnected: Awaitable[object] | None,
     ) -> Outputs:
-        """Every output, stacked over the rows in order (service/engine/core.py's ``Engine.call``)."""
+        """Every output, stacked over the rows in order (service/engine/core.py's ``Engine.submit``)."""
 
     @abstractmethod
     async def control(
@@ -144,10 +144,10 @@ class LocalEngine(EngineClient):
         request_id: str | None,
         disconnected: Awaitable[object] | None,
     ) -> Outputs:
-        call = self.engine.call(
-            view.name, view.version, requested, view.preprocessing_key, graph, rows, request_id
-        )
-        return await call.wait(disconnected)
+        from service.engine.core import Route
+
+        route = Route(view.name, view.version, requested, view.preprocessing_key, graph)
+        return await self.engine.infer(route, rows, request_id, disconnected)
 
     async def control(
         self, op: ControlOp, name: str | None = None, version: int | None = None

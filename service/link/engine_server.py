@@ -1,18 +1,19 @@
 """The engine process's end of the link: a Unix socket every front end connects to.
 
 The calls that arrive in one turn of the engine's event loop, from every front end, are queued together
-in the next, so the batcher fills its batches from all of them. A call that came alone, with nothing
-else in progress, may run there and then and be answered at once (a lone image of a fast model). Every
-call ends the same way, inline or batched: its answer handed to a callback (``Call.finish``) that puts
-it in its front end's outbox; no task and no future per call. The answers a batch completes go back to
-each front end in one message. Each front end gets the table when it connects,
+in the next, so the batcher fills its batches from all of them: the calls of one route together, the
+version resolved once. A call that came alone, with nothing else in progress, may run there and then
+and be answered at once (a lone image of a fast model). Every call is one
+:class:`~service.engine.request.Request` and ends the same way, inline, batched or refused: its reply
+puts the answer in its front end's outbox; no task and no future per call. The answers a batch
+completes go back to each front end in one message. Each front end gets the table when it connects,
 whenever it changes (looked at every ``TABLE_CHECK_S``) and at least every ``HEARTBEAT_S``. A front end
 whose connection ends (it died) has its calls cancelled: their rows still queued never run.
 
 What a front end sends is checked before it is used (``service/link/protocol.py`` checks each field's
 type and range as it decodes): its arena must be the block the process on the other end of the socket
 would own; a call's rows must lie inside that block, or fill its one raw frame, and be float32 of the
-version's input shape (``ModelPipeline.call``). A call that fails a check is refused on its own (an
+version's input shape (``ModelPipeline.submit``). A call that fails a check is refused on its own (an
 error answer); a message that breaks the protocol (undecodable, a duplicate call id, a call before
 the front end said hello) closes its sender's link. Either way nothing of another call, or of another
 front end, is touched.
@@ -34,8 +35,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from service.engine.core import Engine
-from service.engine.pipeline import Call
+from service.engine.core import Engine, Route
+from service.engine.request import Request
 from service.errors import InferenceFailed, ServiceError
 from service.link import protocol, wire
 from service.link.arena import ArenaReader, expected_block
@@ -56,7 +57,9 @@ from service.observability import tracing
 
 logger = logging.getLogger("vitserve")
 
-TABLE_CHECK_S = 0.02
+# how often the engine looks for a change of its table: as often as it writes its readiness for the
+# health port (ENGINE_BEAT_S); a control call's change goes at once. Each look wakes the idle engine.
+TABLE_CHECK_S = 0.1
 HEARTBEAT_S = 0.5
 ROW_DTYPE = np.dtype(np.float32)  # every version's input (the model contract's InputSpec)
 _PEER = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
@@ -82,10 +85,11 @@ class EngineServer:
         self._reader = ArenaReader()
         self._arenas: dict[wire.Link, str] = {}  # each front end's shared-memory block
         # the calls in progress (None: arrived, not started yet; CANCELLED: cancelled before that)
-        self._calls: dict[tuple[wire.Link, int], Call | object | None] = {}
+        self._calls: dict[tuple[wire.Link, int], Request | object | None] = {}
         self._arrived: list[tuple[wire.Link, Infer, list]] = []  # calls to start
         self._running: set[asyncio.Task] = set()  # control calls
-        self._publish_now = asyncio.Event()
+        self._publish_now = asyncio.Event()  # a control call may have changed the table
+        self._publish_due = asyncio.Event()  # the next look at the table is due
         self._tasks: list[asyncio.Task] = []
         # sent with every table: a restarted engine that got its predecessor's pid is still new
         self._process = (os.getpid(), time.time_ns())
@@ -119,6 +123,9 @@ class EngineServer:
         return TableUpdate(*self._process, self.engine.table())
 
     async def _publish(self) -> None:
+        """The table to every front end when it has changed (looked at every ``TABLE_CHECK_S``, or
+        at once when ``_publish_now`` is set) and at least every ``HEARTBEAT_S``. A timer wakes it,
+        not ``wait_for``: a task and its cancellation every few milliseconds cost more than the look."""
         published, last = -1, 0.0
         loop = asyncio.get_running_loop()
         while True:
@@ -129,8 +136,12 @@ class EngineServer:
                     link.outbox.put(update)
                 published, last = update.table.generation, now
             self._publish_now.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._publish_now.wait(), TABLE_CHECK_S)
+            timer = loop.call_later(TABLE_CHECK_S, self._publish_due.set)
+            try:
+                await self._publish_due.wait()
+            finally:
+                timer.cancel()
+            self._publish_due.clear()
             if self._publish_now.is_set():
                 published = -1
 
@@ -241,46 +252,52 @@ class EngineServer:
         self._answer(link, Refusal(call_id, ErrorInfo.of(error)))
 
     def _start_arrived(self) -> None:
-        """Queue the calls that arrived in the last turn of the loop; one that came alone, with
-        nothing else in progress, runs at once on an idle model (``Engine.call``)."""
+        """Queue the calls that arrived in the last turn of the loop: those of one route (model,
+        version, graph) together, the version resolved once for them (``Engine.submit``). One that
+        came alone, with nothing else in progress, runs at once on an idle model."""
         arrived, self._arrived = self._arrived, []
         alone = len(arrived) == 1 and len(self._calls) == 1 and not self._running
+        routes: dict[tuple, list[Request]] = {}
+        cancelled = []
         for link, message, raw in arrived:
-            self._start(link, message, raw, alone)
+            key = (link, message.call)
+            try:
+                rows = self._rows(link, message, raw)
+            except Exception as error:
+                del self._calls[key]
+                self._answer_error(link, message.call, message.request_id, error)
+                continue
+            request = Request(rows, self._reply, message.request_id, key)
+            if self._calls[key] is CANCELLED:
+                cancelled.append(request)
+            self._calls[key] = request
+            route = (message.name, message.version, message.requested, message.key, message.graph)
+            if message.trace is None:
+                routes.setdefault(route, []).append(request)
+            else:  # queued on its own, in its caller's trace
+                with tracing.attached(message.trace):
+                    self._submit(route, [request], alone)
+        for route, requests in routes.items():
+            self._submit(route, requests, alone)
+        for request in cancelled:
+            request.cancel()
 
-    def _start(self, link: wire.Link, message: Infer, raw: list, alone: bool) -> None:
-        key = (link, message.call)
+    def _submit(self, route: tuple, requests: list[Request], alone: bool) -> None:
         try:
-            rows = self._rows(link, message, raw)
-            with tracing.attached(message.trace):
-                call = self.engine.call(
-                    message.name,
-                    message.version,
-                    message.requested,
-                    message.key,
-                    message.graph,
-                    rows,
-                    message.request_id,
-                    alone,
-                )
-        except Exception as error:
-            del self._calls[key]
-            self._answer_error(link, message.call, message.request_id, error)
-            return
-        cancelled = self._calls[key] is CANCELLED
-        self._calls[key] = call
+            self.engine.submit(Route(*route), requests, alone)
+        except Exception as error:  # a fault of the engine's: these calls alone are answered
+            for request in requests:
+                request.fail(error)
 
-        def answer(outputs: Outputs | None, error: Exception | None) -> None:
-            if outputs is not None:
-                reply, frames = protocol.answer_frames(message.call, outputs)
-                self._answer(link, reply, *frames)
-            else:
-                self._answer_error(link, message.call, message.request_id, error)  # type: ignore[arg-type]
-            del self._calls[key]
-
-        call.finish(answer)
-        if cancelled and key in self._calls:
-            call.cancel()
+    def _reply(self, request: Request, outputs: Outputs | None, error: Exception | None) -> None:
+        """A call has ended: its answer into its front end's outbox."""
+        link, call_id = request.tag
+        if outputs is not None:
+            answer, frames = protocol.answer_frames(call_id, outputs)
+            self._answer(link, answer, *frames)
+        else:
+            self._answer_error(link, call_id, request.request_id, error)  # type: ignore[arg-type]
+        self._calls.pop(request.tag, None)
 
     async def _control(self, link: wire.Link, message: Remote) -> None:
         try:
@@ -294,6 +311,7 @@ class EngineServer:
             answer = Refusal(message.call, ErrorInfo.of(failure))
         self._answer(link, answer)
         self._publish_now.set()  # a load or unload changes the table
+        self._publish_due.set()
 
 
 def _peer_pid(link: wire.Link) -> int | None:

@@ -10,9 +10,8 @@ refused before anything is allocated for it, and a message whose items do not de
 structs, or whose frames do not add up, is refused whole. Either way the link it came on is closed
 (:class:`~service.link.protocol.LinkViolation`); the other links, and what they carry, go on.
 
-The sockets are asyncio's own Unix-socket transports (:class:`Link`), not ZeroMQ's: ZeroMQ hands every
-message to an I/O thread on each side, and between processes left idle by a lone client those wake-ups
-made a round trip about 1.6x as long (``python -m bench.link_rtt --gap-ms 1``: BENCHMARKS.md).
+The sockets are asyncio's own Unix-socket transports (:class:`Link`): no I/O thread between a message
+and its reader (docs/decisions.md#link-without-zeromq).
 """
 
 from __future__ import annotations
@@ -74,9 +73,8 @@ def socket_path(path: str) -> Iterator[str]:
 
 
 def pack(items: list[Item]) -> bytes:
-    """Items ``(struct, raw frames)`` as one message, to be written in one go (uvloop's
-    ``writelines`` wrote each buffer apart and woke the reader for each: a round trip took twice as
-    long)."""
+    """Items ``(struct, raw frames)`` as one message, to be written in one go (one wake-up of the
+    reader: docs/decisions.md#link-without-zeromq)."""
     headers, raw = [], []
     for message, frames in items:
         views = [memoryview(frame).cast("B") for frame in frames]
@@ -208,8 +206,7 @@ def _ignore(link: Link, items: list[Item]) -> None:
 class Outbox:
     """Items to send on a link, sent together once the event loop has run what is ready; an item put
     ``at_once`` (a lone call, or its answer: nothing else in flight) goes now when nothing waits before
-    it, since no partner will join it this turn (at c=1 the wait for the loop's next turn was a third
-    of the hop: BENCHMARKS.md)."""
+    it, since no partner will join it this turn (docs/decisions.md#outbox-at-once)."""
 
     def __init__(self, send: Callable[[bytes], None]) -> None:
         self._send = send

@@ -207,6 +207,21 @@ class Metrics:
         return {key: gauge.labels(model, str(version)) for key, gauge in self.triton.items()}
 
 
+def observe_times(histogram: Any, amount: float, times: int) -> None:
+    """``histogram.observe(amount)`` ``times`` over (a histogram with its labels set), in two writes
+    of its shared values instead of ``2 * times``: prometheus-client's own ``Histogram.observe``
+    (0.26), with ``times`` as the weight of the one bucket it adds to."""
+    if times == 1:
+        histogram.observe(amount)
+        return
+    histogram._raise_if_not_observable()
+    histogram._sum.inc(amount * times)
+    for i, bound in enumerate(histogram._upper_bounds):
+        if amount <= bound:
+            histogram._buckets[i].inc(times)
+            break
+
+
 def exposition(registry: CollectorRegistry) -> bytes:
     """The metrics in Prometheus' text format: this app's, or every process's in multiprocess mode
     (there ``process_*`` describes the front-end process that answers the scrape)."""

@@ -103,10 +103,6 @@ def activate(provider: trace.TracerProvider | None) -> None:
     _tracer = None if provider is None else provider.get_tracer(TRACER_NAME)
 
 
-def enabled() -> bool:
-    return _tracer is not None
-
-
 def current_ids() -> tuple[str | None, str | None]:
     """The current trace id and span id in hex (as log fields); None when there is none."""
     if _tracer is None:

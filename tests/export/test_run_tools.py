@@ -95,8 +95,8 @@ def test_report_writes_every_layers_and_heads_attention_and_the_rollout(shapes_r
     images = test.images[[entry["split_index"] for entry in index]]
     mean, std = (torch.tensor(values).view(1, 3, 1, 1) for values in (spec.mean, spec.std))
     with torch.inference_mode():
-        heads = model.get_attention_output((images.float() / 255 - mean) / std, layer=1, head=0)
         _, maps = model.forward_with_attention((images.float() / 255 - mean) / std)
+    heads = maps[:, 1, 0]  # layer 1, head 0
     for number, entry in enumerate(index):
         folder = target / entry["folder"]
         names = sorted(path.name for path in folder.iterdir())

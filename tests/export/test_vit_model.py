@@ -224,25 +224,6 @@ def test_attention_rows_are_probabilities():
     assert logits.shape == (3, 10) and maps2.shape == maps.shape
 
 
-def test_get_attention_output_selects_layer_and_head_and_validates():
-    torch.manual_seed(0)
-    model = VisionTransformer(small(depth=3, heads=2)).eval()
-    images = torch.randn(2, 1, 16, 16)
-    _, maps = model.forward_with_attention(images)
-    for layer in range(3):
-        for head in range(2):
-            torch.testing.assert_close(
-                model.get_attention_output(images, layer, head), maps[:, layer, head]
-            )
-    assert not torch.allclose(maps[:, 0, 0], maps[:, 2, 1])
-    with pytest.raises(ValueError, match=r"layer must be in \[0, 3\), got 3"):
-        model.get_attention_output(images, 3, 0)
-    with pytest.raises(ValueError, match=r"layer must be in \[0, 3\), got -1"):
-        model.get_attention_output(images, -1, 0)
-    with pytest.raises(ValueError, match=r"head must be in \[0, 2\), got 2"):
-        model.get_attention_output(images, 0, 2)
-
-
 # -- pooling -----------------------------------------------------------------------------------
 def test_token_pooling_reads_only_the_class_token():
     model = VisionTransformer(small(pooling="token", representation_size=8)).eval()

@@ -473,9 +473,9 @@ def test_shutdown_lets_the_calls_in_flight_finish(model_repository, reference, f
         caller.start()
         pipeline = app_client.app.state.engine.manager.resolve(MODEL_NAME)
         deadline = time.monotonic() + 10
-        while not pipeline.classifier._pending and time.monotonic() < deadline:
+        while not pipeline.classifier.queued and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert pipeline.classifier._pending, "the call never reached the queue"
+        assert pipeline.classifier.queued, "the call never reached the queue"
     caller.join(30)
     (answer,) = answers
     assert not isinstance(answer, Exception), answer

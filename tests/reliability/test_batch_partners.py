@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from service.contract.preprocessing import normalise
 from service.frontend.app import create_app
-from tests.support import RELIABILITY, REPO, make_settings
+from tests.support import RELIABILITY, REPO, make_settings, submit
 
 INT8 = "fashion-mnist-vit-int8"
 
@@ -52,7 +52,7 @@ def test_an_image_gets_the_same_logits_whatever_it_is_batched_with(client, fashi
     batcher = pipeline.classifier
 
     async def alone(rows: np.ndarray) -> np.ndarray:
-        return (await batcher.submit(rows))[0]
+        return (await submit(batcher, rows))[0]
 
     async def beside(rows: np.ndarray, hostile: np.ndarray) -> np.ndarray:
         mine, _ = await asyncio.gather(alone(rows), alone(hostile))

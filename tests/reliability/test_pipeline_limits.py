@@ -17,7 +17,7 @@ from service.errors import ServiceUnavailable
 from service.frontend.decode import DecodeGate
 from service.observability.metrics import Metrics
 from service.settings import Settings
-from tests.support import RELIABILITY, metric, running_server, wait_until
+from tests.support import RELIABILITY, metric, running_server, submit, wait_until
 
 
 def test_decode_slot_waiters_are_capped_and_time_out():
@@ -96,7 +96,7 @@ def test_a_dead_batcher_loop_fails_what_it_held_and_refuses_new_work():
         batcher.start()
         started = time.monotonic()
         with pytest.raises(ServiceUnavailable) as failed:
-            await batcher.submit(np.zeros((1, 1, 2, 2), dtype=np.float32))
+            await submit(batcher, np.zeros((1, 1, 2, 2), dtype=np.float32))
         waited = time.monotonic() - started
         with pytest.raises(ServiceUnavailable) as refused:
             batcher.admit(1)

@@ -11,11 +11,11 @@ import pytest
 from PIL import Image
 
 from service.contract.preprocessing import Preprocessor
-from service.engine import batcher as batcher_module
+from service.engine import batch_runs as batcher_module
 from service.engine.batcher import DynamicBatcher
 from service.errors import InferenceFailed, ServiceUnavailable
 from service.observability.metrics import Metrics
-from tests.support import HoldFirstCall, assert_error, encode
+from tests.support import HoldFirstCall, assert_error, encode, submit
 
 
 class Model:
@@ -62,7 +62,7 @@ def test_concurrent_requests_are_batched_and_get_their_own_rows():
         model = Model()
         b = batcher(model)
         b.start()
-        answers = await asyncio.gather(*(b.submit(rows(i)) for i in range(20)))
+        answers = await asyncio.gather(*(submit(b, rows(i)) for i in range(20)))
         await b.stop(5)
         return model, answers
 
@@ -77,7 +77,7 @@ def test_a_request_is_split_across_batches_in_order():
         model = Model()
         b = batcher(model, max_batch_size=3)
         b.start()
-        answer = await b.submit(rows(*range(7)))
+        answer = await submit(b, rows(*range(7)))
         await b.stop(5)
         return model, answer
 
@@ -95,9 +95,9 @@ def test_an_idle_batcher_runs_at_once_and_batches_what_arrives_while_busy():
         b = batcher(model, max_batch_size=100, max_queue_delay_s=30.0)
         b.start()
         started = time.perf_counter()
-        first = asyncio.create_task(b.submit(rows(1)))
+        first = asyncio.create_task(submit(b, rows(1)))
         await asyncio.sleep(0.2)
-        later = [asyncio.create_task(b.submit(rows(v))) for v in (2, 3)]
+        later = [asyncio.create_task(submit(b, rows(v))) for v in (2, 3)]
         await asyncio.sleep(0.2)
         model.gate.set()
         await asyncio.gather(first, *later)
@@ -120,7 +120,7 @@ def test_one_client_is_never_held_for_the_queue_delay():
         b.start()
         started = time.perf_counter()
         for value in range(6):
-            await b.submit(rows(value))
+            await submit(b, rows(value))
         took = time.perf_counter() - started
         await b.stop(5)
         return model, took
@@ -148,8 +148,8 @@ def test_a_lone_image_of_a_fast_model_runs_on_the_event_loop(monkeypatch):
         b = batcher(model)
         b.start()
         for value in range(3):
-            await b.submit(rows(value))  # lone images, one after another
-        await asyncio.gather(*(b.submit(rows(v)) for v in range(4)))  # four at once: a batch
+            await submit(b, rows(value))  # lone images, one after another
+        await asyncio.gather(*(submit(b, rows(v)) for v in range(4)))  # four at once: a batch
         await b.stop(5)
         return threading.get_ident()
 
@@ -175,7 +175,7 @@ async def inline_ready(model: Model) -> DynamicBatcher:
     timed on the thread, was short."""
     b = batcher(model)
     b.start()
-    await b.submit(rows(1))
+    await submit(b, rows(1))
     return b
 
 
@@ -185,8 +185,8 @@ def test_a_lone_image_failing_on_the_event_loop_fails_only_its_request(monkeypat
     async def scenario():
         b = await inline_ready(Model())
         with pytest.raises(InferenceFailed):
-            await b.submit(rows(-1))
-        answer = await b.submit(rows(2))
+            await submit(b, rows(-1))
+        answer = await submit(b, rows(2))
         await b.stop(5)
         return answer
 
@@ -205,12 +205,12 @@ def test_a_call_alone_on_an_idle_model_is_answered_in_its_first_step(monkeypatch
         b = await inline_ready(model)
         done_after_one_step = []
         for alone in (True, False):
-            call = asyncio.create_task(b.submit(rows(2), alone=alone))
+            call = asyncio.create_task(submit(b, rows(2), alone=alone))
             await asyncio.sleep(0)  # the call's first step runs, and nothing after it
             done_after_one_step.append(call.done())
             await call
-        queued = asyncio.create_task(b.submit(rows(3)))
-        behind = asyncio.create_task(b.submit(rows(4), alone=True))
+        queued = asyncio.create_task(submit(b, rows(3)))
+        behind = asyncio.create_task(submit(b, rows(4), alone=True))
         answers = await asyncio.gather(queued, behind)
         await b.stop(5)
         return model, done_after_one_step, answers
@@ -238,13 +238,13 @@ def test_max_queue_delay_counts_from_the_oldest_item_while_an_instance_is_busy()
             metrics=Metrics(),
         )
         b.start()
-        held = asyncio.create_task(b.submit(rows(0)))  # every instance idle: runs at once, held
+        held = asyncio.create_task(submit(b, rows(0)))  # every instance idle: runs at once, held
         await asyncio.sleep(0.1)
         started = time.perf_counter()
-        first = asyncio.create_task(b.submit(rows(1)))
+        first = asyncio.create_task(submit(b, rows(1)))
         await asyncio.sleep(0.5)
         second_sent = time.perf_counter()
-        second = asyncio.create_task(b.submit(rows(2)))
+        second = asyncio.create_task(submit(b, rows(2)))
         await asyncio.gather(first, second)
         finished = time.perf_counter()
         held_first.release.set()
@@ -266,13 +266,13 @@ def test_full_queue_rejects_at_once_with_retry_after():
         model.gate.clear()  # the model holds its first batch
         b = batcher(model, max_batch_size=2, max_queue_delay_s=0.0, max_queue_size=4)
         b.start()
-        running = asyncio.create_task(b.submit(rows(1, 2)))
+        running = asyncio.create_task(submit(b, rows(1, 2)))
         await asyncio.sleep(0.05)
-        queued = asyncio.create_task(b.submit(rows(3, 4, 5, 6)))
+        queued = asyncio.create_task(submit(b, rows(3, 4, 5, 6)))
         await asyncio.sleep(0.01)
         started = time.perf_counter()
         with pytest.raises(ServiceUnavailable) as rejected:
-            await b.submit(rows(7))
+            await submit(b, rows(7))
         waited = time.perf_counter() - started
         model.gate.set()
         answers = await asyncio.gather(running, queued)
@@ -299,9 +299,9 @@ def test_timeout_is_503_and_the_batcher_recovers():
         b = batcher(model, timeout_s=0.1, max_queue_delay_s=0.0)
         b.start()
         with pytest.raises(ServiceUnavailable) as timed_out:
-            await b.submit(rows(1))
+            await submit(b, rows(1))
         model.gate.set()
-        answer = await b.submit(rows(5))
+        answer = await submit(b, rows(5))
         await b.stop(5)
         return timed_out.value, answer
 
@@ -317,7 +317,7 @@ def test_a_failing_batch_fails_only_its_own_requests():
         b = batcher(model, max_batch_size=1, max_queue_delay_s=0.0)
         b.start()
         results = await asyncio.gather(
-            b.submit(rows(1)), b.submit(rows(-1)), b.submit(rows(3)), return_exceptions=True
+            submit(b, rows(1)), submit(b, rows(-1)), submit(b, rows(3)), return_exceptions=True
         )
         await b.stop(5)
         return results, b
@@ -338,12 +338,12 @@ def test_stop_drains_the_queue_then_refuses_work():
         model = Model(seconds=0.02)
         b = batcher(model, max_batch_size=2, max_queue_delay_s=10.0)
         b.start()
-        pending = [asyncio.create_task(b.submit(rows(i))) for i in range(5)]
+        pending = [asyncio.create_task(submit(b, rows(i))) for i in range(5)]
         await asyncio.sleep(0.01)
         await b.stop(20)  # the 10 s delay is not waited for: closing runs what is queued now
         answers = [task.result() for task in pending]
         with pytest.raises(ServiceUnavailable) as refused:
-            await b.submit(rows(9))
+            await submit(b, rows(9))
         return answers, refused.value
 
     started = time.perf_counter()

@@ -22,14 +22,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from service.engine import batcher as batcher_module
+from service.engine import batch_runs as batcher_module
 from service.engine.batcher import DynamicBatcher
 from service.engine.output_checks import finite_rows
 from service.engine.statistics import ModelStatistics
 from service.errors import ClientDisconnected, InferenceFailed, ServiceUnavailable
 from service.observability import tracing
 from service.observability.metrics import Metrics
-from tests.support import HoldFirstCall
+from tests.support import HoldFirstCall, submit
 
 
 class Model:
@@ -79,7 +79,7 @@ async def held_batch(
     model.gate.clear()
     b = make(model, **options)
     b.start()
-    running = asyncio.create_task(b.submit(images))
+    running = asyncio.create_task(submit(b, images))
     await asyncio.sleep(settle_s)
     return model, b, running
 
@@ -99,7 +99,7 @@ def test_before_start_a_request_is_503_not_ready_naming_the_graph():
     async def scenario():
         b = make(Model(), graph="attention")
         with pytest.raises(ServiceUnavailable) as refused:
-            await b.submit(rows(1))
+            await submit(b, rows(1))
         return refused.value
 
     error = asyncio.run(scenario())
@@ -114,7 +114,7 @@ def test_while_closing_new_work_is_503_and_counted_as_shutting_down():
         b.start()
         await b.stop(5)
         with pytest.raises(ServiceUnavailable) as refused:
-            await b.submit(rows(1))
+            await submit(b, rows(1))
         return b, refused.value
 
     b, error = asyncio.run(scenario())
@@ -130,7 +130,7 @@ def test_a_full_batch_runs_at_once_without_waiting_for_the_delay():
         b = make(Model(), max_batch_size=2, max_queue_delay_s=30.0)
         b.start()
         started = time.perf_counter()
-        answer = await asyncio.wait_for(b.submit(rows(1, 2)), 10)
+        answer = await asyncio.wait_for(submit(b, rows(1, 2)), 10)
         waited = time.perf_counter() - started
         await b.stop(5)
         return answer, waited
@@ -145,7 +145,7 @@ def test_batches_run_on_the_graphs_own_worker_thread():
         model = Model()
         b = make(model, graph="attention")
         b.start()
-        await asyncio.gather(*(b.submit(rows(i)) for i in range(6)))
+        await asyncio.gather(*(submit(b, rows(i)) for i in range(6)))
         await b.stop(5)
         return model
 
@@ -157,7 +157,7 @@ def test_metrics_are_recorded_under_the_graphs_label():
     async def scenario():
         b = make(Model(), graph="attention", max_batch_size=3)
         b.start()
-        await asyncio.gather(b.submit(rows(1, 2)), b.submit(rows(3)))
+        await asyncio.gather(submit(b, rows(1, 2)), submit(b, rows(3)))
         depth_after = sample(b, "vitserve_queue_depth", graph="attention")
         await b.stop(5)
         return b, depth_after
@@ -184,9 +184,9 @@ def test_the_queue_depth_gauge_follows_the_queue():
             await asyncio.sleep(0.2)
             depth.append(sample(b, "vitserve_queue_depth", graph="classifier"))
 
-        first = asyncio.create_task(b.submit(rows(1, 2)))  # taken at once, held
+        first = asyncio.create_task(submit(b, rows(1, 2)))  # taken at once, held
         await settle_and_read()
-        rest = asyncio.create_task(b.submit(rows(3, 4, 5)))  # waits behind it
+        rest = asyncio.create_task(submit(b, rows(3, 4, 5)))  # waits behind it
         await settle_and_read()
         model.gates[0].set()  # the next batch takes two of the three and is held
         await settle_and_read()
@@ -204,11 +204,11 @@ def test_a_timed_out_request_leaves_the_others_queued():
         model = Model(held=1)
         b = make(model, max_batch_size=2, timeout_s=2.0)
         b.start()
-        running = asyncio.create_task(b.submit(rows(1, 2)))  # taken, held; times out at 2 s
+        running = asyncio.create_task(submit(b, rows(1, 2)))  # taken, held; times out at 2 s
         await asyncio.sleep(0.1)
-        early = asyncio.create_task(b.submit(rows(3)))  # queued; times out at 2.1 s
+        early = asyncio.create_task(submit(b, rows(3)))  # queued; times out at 2.1 s
         await asyncio.sleep(0.5)
-        late = asyncio.create_task(b.submit(rows(4)))  # queued; would time out at 2.6 s
+        late = asyncio.create_task(submit(b, rows(4)))  # queued; would time out at 2.6 s
         await asyncio.wait({running, early})  # both timed out (about 2.1 s), `late` has not
         model.gates[0].set()
         results = await asyncio.gather(running, early, late, return_exceptions=True)
@@ -225,8 +225,8 @@ def test_a_failed_batch_is_logged_with_its_graph_request_ids_and_cause(caplog):
         b = make(Model(short=True), graph="attention", max_batch_size=2, max_queue_delay_s=1.0)
         b.start()
         results = await asyncio.gather(
-            b.submit(rows(1), request_id="req-b"),
-            b.submit(rows(2), request_id="req-a"),
+            submit(b, rows(1), request_id="req-b"),
+            submit(b, rows(2), request_id="req-a"),
             return_exceptions=True,
         )
         await b.stop(5)
@@ -250,7 +250,7 @@ def test_a_failed_batch_without_request_ids_logs_a_dash(caplog):
     async def scenario():
         b = make(Model(short=True), max_batch_size=2, max_queue_delay_s=1.0)
         b.start()
-        await asyncio.gather(b.submit(rows(1)), b.submit(rows(2)), return_exceptions=True)
+        await asyncio.gather(submit(b, rows(1)), submit(b, rows(2)), return_exceptions=True)
         await b.stop(5)
 
     with caplog.at_level(logging.ERROR, logger="vitserve"):
@@ -265,7 +265,7 @@ def test_a_timed_out_request_leaves_the_queue_at_once_and_is_counted():
             rows(1, 2), max_batch_size=2, max_queue_size=4, timeout_s=0.3
         )
         with pytest.raises(ServiceUnavailable) as timed_out:
-            await b.submit(rows(3, 4, 5, 6))  # fills the queue, then times out
+            await submit(b, rows(3, 4, 5, 6))  # fills the queue, then times out
         depth = sample(b, "vitserve_queue_depth", graph="classifier")
         b.admit(4)  # its four places are free again, while the model still holds its batch
         model.gate.set()
@@ -285,7 +285,7 @@ def test_a_drain_out_of_time_fails_every_unanswered_image_with_503():
         model, b, running = await held_batch(
             rows(1, 2), max_batch_size=2, max_queue_delay_s=30.0, timeout_s=20.0, settle_s=0.2
         )
-        queued = [asyncio.create_task(b.submit(rows(i))) for i in (3, 4, 5)]
+        queued = [asyncio.create_task(submit(b, rows(i))) for i in (3, 4, 5)]
         await asyncio.sleep(0.05)
         started = time.perf_counter()
         failed = await b.stop(0.2)
@@ -314,12 +314,12 @@ def test_a_finished_instance_takes_the_next_due_batch_before_its_callers_are_ans
         b.start()
 
         async def first_caller() -> float | None:
-            await b.submit(rows(1, 2))  # taken at once, held
+            await submit(b, rows(1, 2))  # taken at once, held
             return sample(b, "vitserve_queue_depth", graph="classifier")  # as it is answered
 
         first = asyncio.create_task(first_caller())
         await asyncio.sleep(0.2)
-        waiting = asyncio.create_task(b.submit(rows(3, 4)))  # a full batch, due, behind it
+        waiting = asyncio.create_task(submit(b, rows(3, 4)))  # a full batch, due, behind it
         await asyncio.sleep(0.2)
         model.gates[0].set()
         depth_when_answered = await first
@@ -349,12 +349,12 @@ def test_preferred_batch_sizes_run_the_largest_waiting_at_once_without_the_delay
             metrics=Metrics(),
         )
         b.start()
-        held = asyncio.create_task(b.submit(rows(0)))  # all idle: runs at once, holds one instance
+        held = asyncio.create_task(submit(b, rows(0)))  # all idle: runs at once, holds one instance
         await asyncio.sleep(0.1)
-        seven = asyncio.create_task(b.submit(rows(1, 2, 3, 4, 5, 6, 7)))
+        seven = asyncio.create_task(submit(b, rows(1, 2, 3, 4, 5, 6, 7)))
         await asyncio.sleep(0.2)
         ran_before_the_eighth = list(model.batches)  # 4 of the 7; 3 wait for a preferred size
-        one = await asyncio.wait_for(b.submit(rows(8)), 5)
+        one = await asyncio.wait_for(submit(b, rows(8)), 5)
         outputs = await asyncio.wait_for(seven, 5)
         held_first.release.set()
         await held
@@ -400,7 +400,7 @@ def test_the_watchdog_logs_the_dead_loop_and_answers_a_retryable_503(caplog, mod
         break_the_loop(b)
         b.start()
         with pytest.raises(ServiceUnavailable) as failed:
-            await asyncio.wait_for(b.submit(rows(1)), 5)
+            await asyncio.wait_for(submit(b, rows(1)), 5)
         return b, failed.value
 
     with caplog.at_level(logging.ERROR, logger="vitserve"):
@@ -423,13 +423,13 @@ def test_a_loop_that_ends_or_is_cancelled_is_no_failure(caplog):
         loop.set_exception_handler(lambda _, context: callback_errors.append(context))
         drained = make(Model())
         drained.start()
-        await drained.submit(rows(1))
+        await submit(drained, rows(1))
         assert await drained.stop(5) == 0
         model = Model()
         model.gate.clear()
         cancelled = make(model)
         cancelled.start()
-        held = asyncio.create_task(cancelled.submit(rows(1)))
+        held = asyncio.create_task(submit(cancelled, rows(1)))
         await asyncio.sleep(0.1)
         assert await cancelled.stop(0.1) == 1
         await asyncio.gather(held, return_exceptions=True)
@@ -449,8 +449,8 @@ def test_fail_all_answers_503_shutting_down_by_default_and_skips_abandoned_image
 
     async def scenario():
         model, b, running = await held_batch(rows(1, 2), max_batch_size=2)
-        queued = asyncio.create_task(b.submit(rows(3)))
-        gone = asyncio.create_task(b.submit(rows(4)))
+        queued = asyncio.create_task(submit(b, rows(3)))
+        gone = asyncio.create_task(submit(b, rows(4)))
         await asyncio.sleep(0.05)
         gone.cancel()  # its client went away: its image is abandoned, nobody to answer
         await asyncio.gather(gone, return_exceptions=True)
@@ -472,7 +472,7 @@ def test_stop_joins_the_worker_threads_and_works_before_start():
     async def scenario():
         b = make(Model(), graph="joined")
         b.start()
-        await b.submit(rows(1, 2))
+        await submit(b, rows(1, 2))
         failed = await b.stop(5)
         alive = [t.name for t in threading.enumerate() if t.name.startswith("vitserve-joined")]
         never_started = make(Model(), graph="unstarted")
@@ -489,12 +489,12 @@ def test_flush_runs_what_is_queued_without_the_delay_and_keeps_accepting():
     async def scenario():
         b = make(Model(), max_queue_delay_s=30.0, idle_dispatch=False)
         b.start()
-        queued = asyncio.create_task(b.submit(rows(1)))
+        queued = asyncio.create_task(submit(b, rows(1)))
         await asyncio.sleep(0.1)
         depth = sample(b, "vitserve_queue_depth", graph="classifier")
         b.flush()
         first = await asyncio.wait_for(queued, 5)
-        later = await asyncio.wait_for(b.submit(rows(2)), 5)
+        later = await asyncio.wait_for(submit(b, rows(2)), 5)
         accepting = b.accepting
         await b.stop(5)
         return depth, first, later, accepting
@@ -512,7 +512,7 @@ def test_without_idle_dispatch_a_full_or_largest_preferred_batch_runs_at_once_ot
 
     async def timed(b: DynamicBatcher, values: tuple[float, ...]) -> tuple[float, list[float]]:
         started = time.perf_counter()
-        answer = await asyncio.wait_for(b.submit(rows(*values)), 10)
+        answer = await asyncio.wait_for(submit(b, rows(*values)), 10)
         return time.perf_counter() - started, answer[0].tolist()
 
     async def scenario():
@@ -582,11 +582,11 @@ def test_a_batch_records_its_stacking_run_and_split_times_in_the_given_statistic
         statistics = ModelStatistics()
         b = make(slow, statistics=statistics)
         b.start()
-        answer = await b.submit(rows(1, 2))
+        answer = await submit(b, rows(1, 2))
         await b.stop(5)
         split = make(slow, statistics=split_statistics, max_batch_size=1)
         split.start()
-        await split.submit(rows(1, 2))
+        await submit(split, rows(1, 2))
         await split.stop(5)
         return b, statistics, answer
 
@@ -640,7 +640,7 @@ def test_batch_spans_name_model_graph_instance_link_their_requests_and_record_fa
 
         async def request(batcher: DynamicBatcher, name: str, *values: float):
             with tracing.span(name):
-                return await batcher.submit(rows(*values))
+                return await submit(batcher, rows(*values))
 
         b.start()
         await request(b, "thread", 1)  # the first lone run is timed on the thread
@@ -732,7 +732,7 @@ def test_an_image_not_yet_due_runs_when_its_delay_ends_without_spinning():
         b.start()
         names = {task.get_name() for task in asyncio.all_tasks()}
         started, cpu = time.perf_counter(), time.thread_time()
-        answer = await asyncio.wait_for(b.submit(rows(3)), 5)
+        answer = await asyncio.wait_for(submit(b, rows(3)), 5)
         waited, spent = time.perf_counter() - started, time.thread_time() - cpu
         await b.stop(5)
         return names, answer, waited, spent
@@ -755,14 +755,14 @@ def test_the_queue_depth_gauge_counts_what_is_left_when_an_instance_stays_idle()
         model = Model()
         idle = make([model, model], max_batch_size=2)
         idle.start()
-        await idle.submit(rows(1, 2))  # one batch, on one instance
+        await submit(idle, rows(1, 2))  # one batch, on one instance
         emptied = sample(idle, "vitserve_queue_depth", graph="classifier")
         await idle.stop(5)
         waiting = make(
             [model, model], max_batch_size=2, max_queue_delay_s=30.0, idle_dispatch=False
         )
         waiting.start()
-        three = asyncio.create_task(waiting.submit(rows(3, 4, 5)))  # two run: full; one waits
+        three = asyncio.create_task(submit(waiting, rows(3, 4, 5)))  # two run: full; one waits
         await asyncio.sleep(0.2)
         left = sample(waiting, "vitserve_queue_depth", graph="classifier")
         await waiting.stop(5)  # runs the last one now
@@ -777,7 +777,7 @@ def test_a_client_that_goes_away_gets_client_disconnected_and_its_images_never_r
     async def scenario():
         model, b, running = await held_batch(rows(1), max_batch_size=1)
         gone = asyncio.get_running_loop().create_future()
-        leaving = asyncio.create_task(b.submit(rows(2, 3), disconnected=gone))
+        leaving = asyncio.create_task(submit(b, rows(2, 3), disconnected=gone))
         await asyncio.sleep(0.1)
         gone.set_result(None)  # the client hung up while its two images were queued
         with pytest.raises(ClientDisconnected) as disconnected:
@@ -803,7 +803,7 @@ def test_a_non_finite_output_fails_its_request_naming_model_and_graph():
         b = make(infinite_for_nine, graph="attention", model="tiny-vit", max_queue_delay_s=1.0)
         b.start()
         results = await asyncio.gather(
-            b.submit(rows(9, 1)), b.submit(rows(2)), return_exceptions=True
+            submit(b, rows(9, 1)), submit(b, rows(2)), return_exceptions=True
         )
         await b.stop(5)
         return b, results
@@ -831,3 +831,56 @@ def test_the_finite_check_finds_the_rows_holding_nan_or_infinity_and_no_others()
     nan_in_second[0, 3] = np.nan
     assert finite_rows([np.zeros((2, 1), np.float32), nan_in_second], 2).tolist() == [False, True]
     assert finite_rows([np.ones((2, 3), np.float32), np.arange(2)], 2) is None
+
+
+def test_a_batch_of_requests_from_two_turns_observes_every_image_s_wait():
+    """Each image's wait goes into the queue-wait histogram once, whether or not the requests of
+    its batch were queued in one turn (their waits are observed together, weighted)."""
+
+    async def scenario():
+        model = Model(held=1)  # the first batch holds the one instance
+        b = make(model, max_batch_size=5)
+        b.start()
+        first = asyncio.create_task(submit(b, rows(0)))
+        await asyncio.sleep(0.05)
+        waiting = [asyncio.create_task(submit(b, rows(1, 2)))]
+        await asyncio.sleep(0.05)  # a later turn: another wait
+        waiting.append(asyncio.create_task(submit(b, rows(3, 4, 5))))
+        await asyncio.sleep(0.05)
+        model.gates[0].set()
+        await asyncio.gather(first, *waiting)
+        await b.stop(5)
+        return b, model
+
+    b, model = asyncio.run(scenario())
+    assert model.batches == [1, 5]
+    assert sample(b, "vitserve_queue_wait_seconds_count") == 6.0  # one per image
+    assert sample(b, "vitserve_queue_wait_seconds_bucket", le="+Inf") == 6.0
+
+
+def test_observe_times_is_observe_repeated():
+    """Against prometheus-client's own ``observe`` called once per image: the same buckets, count
+    and sum, for waits on a bucket bound, between bounds and past the last."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from service.observability.metrics import observe_times
+
+    def histogram() -> tuple[CollectorRegistry, Histogram]:
+        registry = CollectorRegistry()
+        return registry, Histogram("wait", "w", ["g"], buckets=(0.1, 1.0), registry=registry)
+
+    (reference_registry, reference), (registry, weighted) = histogram(), histogram()
+    for amount, times in ((0.1, 3), (0.5, 1), (0.5, 4), (7.0, 2), (0.0, 5)):
+        for _ in range(times):
+            reference.labels("x").observe(amount)
+        observe_times(weighted.labels("x"), amount, times)
+
+    def samples(registry: CollectorRegistry) -> list:
+        return [
+            (s.name, s.labels, s.value)
+            for f in registry.collect()
+            for s in f.samples
+            if not s.name.endswith("_created")
+        ]
+
+    assert samples(registry) == samples(reference_registry)

@@ -165,59 +165,67 @@ def hello(server: EngineServer, sent: list | None = None) -> wire.Link:
 
 
 class CancelWatchingEngine:
-    """An engine whose calls report, as they are answered, whether their client had gone
+    """An engine whose requests report, as they are answered, whether their client had gone
     (``gone_at_start``), and, told to ``hold``, are answered only once it has; told to run
-    ``inline``, a call that came alone is answered at once (as an idle fast model's lone image is),
-    else in the loop's next turn (as a batch's calls are)."""
+    ``inline``, a request that came alone is answered at once (as an idle fast model's lone image
+    is), else in the loop's next turn (as a batch's requests are)."""
 
     def __init__(self, hold: bool = False, inline: bool = False) -> None:
         self.gone_at_start: list[bool] = []
         self.alone: list[bool] = []
+        self.routes: list[tuple] = []
         self.hold = hold
         self.inline = inline
         self.started = 0
         self.released = 0
         self.current = READY
 
-    def call(self, name, version, requested, key, graph, rows, request_id, alone):
-        self.alone.append(alone)
-        return WatchedCall(self, [np.full((len(rows), 2), rows.sum(), np.float32)], alone)
+    def submit(self, route, requests, alone=False):
+        self.routes.append((tuple(route), len(requests)))
+        for request in requests:
+            self.alone.append(alone)
+            WatchedRequest(self, request, alone)
 
     def table(self) -> ModelTable:
         return self.current
 
 
-class WatchedCall:
-    """``service/engine/pipeline.py``'s ``Call`` as the engine server uses it."""
+class WatchedRequest:
+    """A request queued as ``service/engine/batcher.py`` queues one: this is its owner."""
 
-    def __init__(self, engine: CancelWatchingEngine, outputs: list, alone: bool) -> None:
+    def __init__(self, engine: CancelWatchingEngine, request, alone: bool) -> None:
         self.engine = engine
-        self._outputs = outputs
-        self.answered = alone and engine.inline
+        self.request = request
         self.cancelled = False
-        self._answer = None
+        self.delivered = False
         self._held = engine.hold
-
-    def finish(self, answer) -> None:
-        self.engine.started += 1
-        self._answer = answer
-        if self.answered:
+        request.owner = self
+        engine.started += 1
+        rows = request.rows
+        self._outputs = [np.full((len(rows), 2), rows.sum(), np.float32)]
+        if alone and engine.inline:
             self._deliver()
         elif not self._held:
             asyncio.get_running_loop().call_soon(self._deliver)
 
-    def cancel(self) -> None:
+    def ended(self, request, outputs, error) -> None:
+        """Only a cancel ends a request here before it is answered: a held one is answered now."""
         self.cancelled = True
-        if self._held and self._answer is not None:
+        if self._held:
             self._held = False
             self.engine.released += 1
             self._deliver()
 
     def _deliver(self) -> None:
-        answer, self._answer = self._answer, None
-        if answer is not None:
-            self.engine.gone_at_start.append(self.cancelled)
-            answer(self._outputs, None)
+        if self.delivered:
+            return
+        self.delivered = True
+        self.engine.gone_at_start.append(self.cancelled)
+        request, request.owner = self.request, None
+        if request.done:  # cancelled (its rows let go): answered all the same
+            request.reply(request, self._outputs, None)
+        else:
+            request.deliver(0, self._outputs)
 
 
 @pytest.mark.parametrize("cancelled", [False, True])
@@ -425,3 +433,77 @@ def test_the_engine_lets_go_of_a_gone_front_end_s_shared_memory(tmp_path):
     assert seen == [True, False]
     answer, raw = calls_answered(answers)[1]
     assert isinstance(answer, Answer) and np.frombuffer(raw[0], np.float32).tolist() == [4.0] * 2
+
+
+def test_the_calls_of_one_turn_are_handed_to_the_engine_once_per_route(tmp_path):
+    """Calls that arrive in one turn for one model, version and graph reach the engine as one group
+    (the version resolved once, the queue looked at once); another version or graph is a group of
+    its own; each call is answered its own rows' outputs."""
+    engine = CancelWatchingEngine()
+    sent: list = []
+
+    async def scenario():
+        server = EngineServer(engine, wire.Addresses.in_directory(str(tmp_path)))
+        link = hello(server, sent)
+        calls = [
+            infer(1, ROWS),
+            infer(2, ROWS * 2),
+            Infer(3, "m", 2, 2, ("k", "k"), "classifier", ROWS.shape, ROWS.dtype.str, None),
+            infer(4, ROWS * 3),
+            Infer(5, "m", 1, None, ("k", "k"), "attention", ROWS.shape, ROWS.dtype.str, None),
+        ]
+        rows = [ROWS, ROWS * 2, ROWS, ROWS * 3, ROWS]
+        items = [(call, [r.tobytes()]) for call, r in zip(calls, rows, strict=True)]
+        server.take(link, wire.unpack(memoryview(wire.pack(items)), protocol.to_engine))
+        await until(lambda: not server._calls)
+        await asyncio.sleep(0)  # the answers' flush
+        await server.close()
+
+    asyncio.run(scenario())
+    assert engine.routes == [
+        (("m", 1, None, ("k", "k"), "classifier"), 3),
+        (("m", 2, 2, ("k", "k"), "classifier"), 1),
+        (("m", 1, None, ("k", "k"), "attention"), 1),
+    ]
+    answers = {
+        item.call: np.frombuffer(raw[0], np.float32)[0]
+        for message in sent
+        for item, raw in wire.unpack(memoryview(message), protocol.to_front_end)
+        if isinstance(item, Answer)
+    }
+    assert answers == {1: 6.0, 2: 12.0, 3: 6.0, 4: 18.0, 5: 6.0}  # each its own rows' sum
+
+
+def test_an_engine_fault_on_one_route_fails_only_its_calls(tmp_path):
+    """An engine that raises while taking one route's calls: those calls are answered 500 at once,
+    the calls of the other routes in the same turn are answered their outputs."""
+
+    class Faulty(CancelWatchingEngine):
+        def submit(self, route, requests, alone=False):
+            if route.graph == "attention":
+                raise RuntimeError("a bug")
+            super().submit(route, requests, alone)
+
+    engine, sent = Faulty(), []
+
+    async def scenario():
+        server = EngineServer(engine, wire.Addresses.in_directory(str(tmp_path)))
+        link = hello(server, sent)
+        attention = Infer(2, "m", 1, None, ("k", "k"), "attention", ROWS.shape, "<f4", None)
+        items = [(infer(1, ROWS), [ROWS.tobytes()]), (attention, [ROWS.tobytes()])]
+        server.take(link, wire.unpack(memoryview(wire.pack(items)), protocol.to_engine))
+        async with asyncio.timeout(5):
+            while server._calls:
+                await asyncio.sleep(0.005)
+        await asyncio.sleep(0)  # the answers' flush
+        await server.close()
+
+    asyncio.run(scenario())
+    answered = {
+        item.call: item
+        for message in sent
+        for item, _ in wire.unpack(memoryview(message), protocol.to_front_end)
+        if not isinstance(item, TableUpdate)
+    }
+    assert isinstance(answered[1], Answer)
+    assert answered[2].error.status_code == 500 and answered[2].error.code == "inference_failed"

@@ -28,10 +28,12 @@ ROWS = np.ones((1, 1, 2, 2), np.float32)  # the fake engine answers their sum, 4
 class StrictEngine(CancelWatchingEngine):
     """Serves model "m" only, as the engine does: any other name is a 404."""
 
-    def call(self, name, version, requested, key, graph, rows, request_id, alone):
-        if name != "m":
-            raise NotFound(f"unknown model '{name}'", field="model")
-        return super().call(name, version, requested, key, graph, rows, request_id, alone)
+    def submit(self, route, requests, alone=False):
+        if route.name != "m":
+            for request in requests:
+                request.fail(NotFound(f"unknown model '{route.name}'", field="model"))
+            return
+        super().submit(route, requests, alone)
 
 
 def framed(items: bytes, raw: bytes = b"", claimed: int | None = None) -> bytes:

@@ -21,7 +21,7 @@ from service.engine.model_manager import ModelManager
 from service.errors import NotFound, ServiceUnavailable
 from service.observability.metrics import Metrics
 from tests.service.test_model_versions import set_policy
-from tests.support import MODEL_NAME, held, make_settings
+from tests.support import MODEL_NAME, held, make_settings, run_on
 
 OTHER = "other-vit"
 
@@ -279,7 +279,7 @@ def test_the_drains_deadline_fails_what_is_queued_with_its_message(repository):
         await manager.start()
         pipeline = manager.resolve()
         run = asyncio.ensure_future(
-            pipeline.call("classifier", np.zeros((3, 1, 28, 28), np.float32)).wait()
+            run_on(pipeline, "classifier", np.zeros((3, 1, 28, 28), np.float32))
         )
         await asyncio.sleep(0.05)  # queued behind the 10 s delay
         assert manager.fail_unanswered() == 3

@@ -193,3 +193,31 @@ def test_a_version_that_cannot_be_read_says_why(tmp_path):
     files, signature, problem = scan_version(tmp_path, "m", 2)
     assert problem == "" and files is not None and files.version == 2
     assert signature == files.signature() and signature
+
+
+def candidate_config(version: str) -> ModelConfig:
+    config = ModelConfig()
+    config.parameters["vitserve_candidate_version"].string_value = version
+    return config
+
+
+def test_a_model_s_signature_changes_exactly_when_its_view_does():
+    """The engine rebuilds its table only when a signature changes: every change of what front ends
+    see (a state, a reason, a swapped pipeline, unloaded, a refused config) must change it, and
+    nothing else may."""
+    model = managed(v1=("READY", pipeline("1")), v2=("LOADING", pipeline("2")))
+    changes = [
+        lambda: None,  # nothing
+        lambda: setattr(model.versions[2], "state", "READY"),
+        lambda: setattr(model.versions[1], "reason", "kept the loaded files; the new ones failed"),
+        lambda: setattr(model.versions[2], "pipeline", pipeline("2 again")),
+        lambda: setattr(model, "unloaded", True),
+        lambda: setattr(model, "config_problem", "max_batch_size must be 1 or more"),
+        lambda: setattr(model, "config", candidate_config("2")),  # the shadow's and canary's plan
+        lambda: model.versions.pop(1),
+        lambda: setattr(model.versions[2], "signature", ("other files",)),  # not in the view
+    ]
+    for change in changes:
+        signature, view = model.signature(), model.view()
+        change()
+        assert (model.signature() != signature) == (model.view() != view), change

@@ -14,14 +14,14 @@ import onnxruntime as ort
 import pytest
 
 from service.contract.model_repository import version_files
-from service.engine.batch_request import ClientGone
 from service.engine.model_versions import model_config, serving_settings
 from service.engine.pipeline import ModelPipeline
+from service.engine.request import ClientGone, Request
 from service.engine.runtime import Runtime
 from service.engine.statistics import BatchTimes, ModelStatistics
 from service.errors import NotFound, ServiceError
 from service.observability.metrics import Metrics
-from tests.support import MODEL_NAME, held, make_settings
+from tests.support import MODEL_NAME, held, make_settings, run_on
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_a_pipeline_runs_its_version_and_counts_its_requests(loaded, model_repos
     async def scenario() -> tuple[ModelPipeline, list]:
         pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, metrics)
         pipeline.start()
-        answers = await pipeline.call("classifier", rows, "req-1").wait()
+        answers = await run_on(pipeline, "classifier", rows, "req-1")
         await pipeline.retire(5)
         return pipeline, answers
 
@@ -108,7 +108,7 @@ def test_a_failed_request_is_counted_failed_and_logged_with_its_id(loaded, recor
             instance.run = failing
         pipeline.start()
         with pytest.raises(ServiceError):
-            await pipeline.call("classifier", np.zeros((1, 1, 28, 28), np.float32), "req-9").wait()
+            await run_on(pipeline, "classifier", np.zeros((1, 1, 28, 28), np.float32), "req-9")
         await pipeline.retire(5)
         return pipeline
 
@@ -128,7 +128,7 @@ def test_attention_runs_on_its_own_batcher(loaded):
     async def scenario() -> list:
         pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, metrics)
         pipeline.start()
-        answers = await pipeline.call("attention", np.zeros((1, 1, 28, 28), np.float32)).wait()
+        answers = await run_on(pipeline, "attention", np.zeros((1, 1, 28, 28), np.float32))
         await pipeline.retire(5)
         return answers
 
@@ -147,7 +147,7 @@ def test_a_client_gone_while_queued_ends_the_run_at_once(loaded):
         pipeline.start()
         gone = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().call_later(0.05, gone.set_result, None)
-        run = pipeline.call("classifier", np.zeros((1, 1, 28, 28), np.float32), "r").wait(gone)
+        run = run_on(pipeline, "classifier", np.zeros((1, 1, 28, 28), np.float32), "r", gone)
         with pytest.raises((ClientGone, ServiceError)):
             await asyncio.wait_for(run, 5)  # the queue delay would hold it for 10 s
         await pipeline.retire(5)
@@ -219,7 +219,7 @@ def test_the_classifier_dispatches_at_a_preferred_batch_size_without_waiting(loa
     async def scenario() -> int:
         pipeline = ModelPipeline(MODEL_NAME, runtime, preferring, waiting, Metrics())
         pipeline.start()
-        run = pipeline.call("classifier", np.zeros((2, 1, 28, 28), np.float32)).wait()
+        run = run_on(pipeline, "classifier", np.zeros((2, 1, 28, 28), np.float32))
         answers = await asyncio.wait_for(run, 5)  # not the 10 s queue delay
         await pipeline.retire(5)
         return len(answers[0])
@@ -230,10 +230,10 @@ def test_the_classifier_dispatches_at_a_preferred_batch_size_without_waiting(loa
 def test_a_lone_call_on_an_idle_fast_model_is_answered_before_it_is_waited_for(
     loaded, model_repository
 ):
-    """``call(alone=True)`` runs a lone image inline once the model has shown it is fast: the call is
-    answered when it returns, ``outputs()`` gives the model's answer, the statistics count it and
-    the version's lease is given back; an image the model fails on is answered at once too, as its
-    error."""
+    """``submit(alone=True)`` runs a lone image inline once the model has shown it is fast: the
+    request's reply has the model's answer before ``submit`` returns, with the version's lease given
+    back first, and the statistics count it; an image the model fails on is answered at once too, as
+    its error."""
     runtime, settings, serving = loaded
     rows = np.random.default_rng(1).standard_normal((1, 1, 28, 28)).astype(np.float32)
     session = ort.InferenceSession(str(model_repository / MODEL_NAME / "1" / "model.onnx"))
@@ -242,23 +242,29 @@ def test_a_lone_call_on_an_idle_fast_model_is_answered_before_it_is_waited_for(
     async def scenario():
         pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, Metrics())
         pipeline.start()
-        await pipeline.call("classifier", rows, alone=True).wait()  # measures the lone run
-        call = pipeline.call("classifier", rows, "req-2", alone=True)
-        answered, held = call.answered, pipeline.in_flight
+        await run_on(pipeline, "classifier", rows, alone=True)  # measures the lone run
         handed: list = []
-        call.finish(lambda outputs, error: handed.append((outputs, error)))
-        (outputs, _), released = handed[0], pipeline.in_flight  # handed over before finish returned
+        held_at_reply: list[int] = []
+
+        def reply(request, outputs, error):
+            held_at_reply.append(pipeline.in_flight)
+            handed.append((outputs, error))
+
+        call = Request(rows, reply, "req-2")
+        pipeline.submit("classifier", [call], alone=True)
+        answered, held = call.done, held_at_reply[:1] == [0]  # ended before submit returned
+        (outputs, _), released = handed[0], pipeline.in_flight
         for instance in pipeline.classifier._instances:
             instance.run = failing
-        broken = pipeline.call("classifier", rows, "req-3", alone=True)
-        broken.finish(lambda outputs, error: handed.append((outputs, error)))
+        broken = Request(rows, reply, "req-3")
+        pipeline.submit("classifier", [broken], alone=True)
         failure = handed[1][1]
         stats = pipeline.statistics.as_dict(MODEL_NAME, "1")["inference_stats"]
         await pipeline.retire(5)
-        return answered, held, outputs, released, broken.answered, failure, stats
+        return answered, held, outputs, released, broken.done, failure, stats
 
     answered, held, outputs, released, broken_answered, failure, stats = asyncio.run(scenario())
-    assert answered and held == 1 and released == 0
+    assert answered and held and released == 0
     np.testing.assert_allclose(outputs[0], expected, atol=1e-5)
     assert broken_answered and failure.code == "inference_failed"
     assert stats["success"]["count"] == 2 and stats["fail"]["count"] == 1
@@ -289,28 +295,31 @@ def test_rows_that_are_not_the_version_s_input_never_join_a_batch(loaded, bad):
     async def scenario() -> tuple[list, BaseException | None]:
         pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, Metrics())
         pipeline.start()
-        calls = [pipeline.call("classifier", rows) for rows in honest[:2]]
-        refused = None
-        try:
-            calls.append(pipeline.call("classifier", bad))
-        except ServiceError as error:
-            refused = error
-        calls.append(pipeline.call("classifier", honest[2]))
-        answers = await asyncio.gather(*(call.wait() for call in calls), return_exceptions=True)
+        outcomes: dict[int, tuple] = {}
+
+        def reply(request, outputs, error):
+            outcomes[request.tag] = (outputs, error)
+
+        requests = [Request(rows, reply, tag=i) for i, rows in enumerate([*honest[:2], bad])]
+        requests.append(Request(honest[2], reply, tag=3))
+        pipeline.submit("classifier", requests)  # one turn's calls, queued together
+        refused = outcomes.get(2, (None, None))[1]  # answered before submit returned
+        while len(outcomes) < 4:
+            await asyncio.sleep(0.01)
         await pipeline.retire(5)
-        return answers, refused
+        return [outcomes[i][0] for i in (0, 1, 3)], refused
 
     answers, refused = asyncio.run(scenario())
     assert refused is not None and refused.status_code == 422 and refused.field == "rows"
     assert len(answers) == 3
     for answer, want in zip(answers, expected, strict=True):
-        assert not isinstance(answer, BaseException), answer
+        assert answer is not None
         np.testing.assert_allclose(answer[0], want, rtol=1e-4, atol=1e-5)
 
 
 def test_a_call_cancelled_before_its_batch_runs_ends_as_a_499_and_never_runs(loaded):
     """The engine process's cancel (its front end said the client went away): the call is handed
-    its 499 through ``finish``, its row never runs, and its lease is given back."""
+    its 499 through its reply, its row never runs, and its lease is given back."""
     runtime, settings, serving = loaded
     rows = np.zeros((1, 1, 28, 28), np.float32)
 
@@ -322,11 +331,13 @@ def test_a_call_cancelled_before_its_batch_runs_ends_as_a_499_and_never_runs(loa
             instance.run = lambda images, run=run: (ran.append(len(images)), run(images))[1]
         pipeline.start()
         handed: list = []
-        call = pipeline.call("classifier", rows, "gone")
-        call.finish(lambda outputs, error: handed.append((outputs, error)))
+        call = Request(
+            rows, lambda request, outputs, error: handed.append((outputs, error)), "gone"
+        )
+        pipeline.submit("classifier", [call])
         call.cancel()
         await asyncio.sleep(0.05)
-        await pipeline.call("classifier", rows, "stays").wait()
+        await run_on(pipeline, "classifier", rows, "stays")
         in_flight = pipeline.in_flight
         await pipeline.retire(5)
         return handed, ran, in_flight

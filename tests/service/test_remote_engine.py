@@ -22,6 +22,7 @@ from service.link.engine_server import EngineServer
 from service.link.protocol import Infer, ModelTable
 from service.link.remote import RemoteEngine
 from service.observability.metrics import Metrics
+from tests.service.test_arena import whole_again
 from tests.service.test_link import CancelWatchingEngine, until
 from tests.support import REPO
 
@@ -64,20 +65,19 @@ def test_answered_calls_are_forgotten_and_each_lone_call_goes_at_once(tmp_path, 
 
     monkeypatch.setattr(wire.Outbox, "put", recording)
 
-    async def scenario() -> tuple[list, int, int, int]:
+    async def scenario() -> tuple[list, int, bool]:
         server, remote = await started(CancelWatchingEngine(), tmp_path)
         answers = [
             await remote.infer(view(), None, "classifier", ROWS, None, None) for _ in range(6)
         ]
-        pending, free = len(remote._pending), remote.arena.free_bytes
-        size = remote.arena.size
+        pending, whole = len(remote._pending), whole_again(remote.arena)
         await remote.stop()
         await server.close()
-        return answers, pending, free, size
+        return answers, pending, whole
 
-    answers, pending, free, size = asyncio.run(scenario())
+    answers, pending, whole = asyncio.run(scenario())
     assert [answer[0].tolist() for answer in answers] == [[[4.0, 4.0]]] * 6
-    assert pending == 0 and free == size
+    assert pending == 0 and whole
     assert sent_at_once == [True] * 6
 
 
@@ -95,7 +95,7 @@ def test_a_call_the_engine_never_answers_is_given_up_at_its_deadline(tmp_path, m
                 await remote.infer(view(timeout_s=0.1), None, "classifier", ROWS, None, None)
         except ServiceUnavailable as error:
             refused = error
-        held = (len(remote._pending), remote.arena.free_bytes == remote.arena.size)
+        held = (len(remote._pending), whole_again(remote.arena))
         await until(lambda: engine.released == 1)  # the engine's call was cancelled
         engine.hold = False
         again = await remote.infer(view(), None, "classifier", ROWS, None, None)

@@ -22,7 +22,7 @@ from service.contract.model_config import (
     candidate_plan,
 )
 from service.engine.batcher import DynamicBatcher
-from service.engine.pipeline import Call
+from service.engine.request import Request
 from service.engine.shadow import Comparison, ModelShadow
 from service.observability.metrics import Metrics
 
@@ -43,6 +43,18 @@ class Gated:
 
     def open(self) -> None:
         self.allowed.release()
+
+
+class Live:
+    """A live request and whether its caller has been answered."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.answered = False
+        self.request = Request(rows, self._reply)
+
+    def _reply(self, request: Request, outputs: object, error: Exception | None) -> None:
+        assert error is None, error
+        self.answered = True
 
 
 def version(number: int, model: Gated, metrics: Metrics, batch: int) -> SimpleNamespace:
@@ -93,11 +105,11 @@ def test_under_load_the_shadow_is_shed_first_and_no_live_request_waits_behind_it
         shadow = ModelShadow("m")
         plan = CandidatePlan(candidate_version=2, shadow_percent=100, shadow_queue_size=2)
 
-        def request(value: float) -> Call:
-            rows = np.full((1, 1, 1, 1), value, dtype=np.float32)
-            queued = live.classifier.enqueue(rows)
-            call = Call(live, live.classifier, queued, 0)  # type: ignore[arg-type]
-            shadow.offer(call, rows, live, candidate, comparison, plan)  # type: ignore[arg-type]
+        def request(value: float) -> Live:
+            call = Live(np.full((1, 1, 1, 1), value, dtype=np.float32))
+            # as the engine does: offered to the shadow, then queued on the live version
+            shadow.offer(call.request, live, candidate, comparison, plan)  # type: ignore[arg-type]
+            live.classifier.enqueue([call.request])
             return call
 
         # overload: three live requests, one running and two waiting; the third copy is shed
@@ -154,10 +166,10 @@ def test_a_candidate_that_takes_other_rows_is_never_run_on_the_live_ones():
         live.classifier.start()
         comparison = Comparison("m", 1, 2, metrics.shadow)
         shadow = ModelShadow("m")
-        rows = np.ones((1, 1, 1, 1), dtype=np.float32)
-        call = Call(live, live.classifier, live.classifier.enqueue(rows), 0)  # type: ignore[arg-type]
+        call = Live(np.ones((1, 1, 1, 1), dtype=np.float32))
         plan = CandidatePlan(candidate_version=2, shadow_percent=100)
-        shadow.offer(call, rows, live, candidate, comparison, plan)  # type: ignore[arg-type]
+        shadow.offer(call.request, live, candidate, comparison, plan)  # type: ignore[arg-type]
+        live.classifier.enqueue([call.request])
         live_model.open()
         await until(lambda: call.answered, "the live answer")
         await asyncio.sleep(0.05)

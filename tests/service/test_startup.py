@@ -332,3 +332,34 @@ def test_deadline_defaults_let_a_proxy_less_deployment_live():
         default_settings.limits.max_body_bytes / default_settings.server.body_min_bytes_per_s
         < 20 * 60
     )
+
+
+def test_the_engine_s_table_is_built_again_exactly_when_something_in_it_changed(model_repository):
+    """Front ends are sent the table many times a second: the same table while nothing changed, a
+    new one with a higher generation, telling the change, as soon as something has (a version's
+    reason, the phase)."""
+    import asyncio
+
+    from service.engine.core import Engine
+    from service.observability.metrics import Metrics
+
+    engine = Engine(make_settings(model_repository), Metrics())
+
+    async def scenario():
+        await engine.start()
+        try:
+            first, again = engine.table(), engine.table()
+            status = engine.manager.models[MODEL_NAME].versions[1]
+            status.reason = "kept the loaded files; the new ones failed: a reason"
+            reasoned = engine.table()
+            engine.begin_shutdown()
+            stopping = engine.table()
+            return first, again, reasoned, stopping
+        finally:
+            await engine.stop()
+
+    first, again, reasoned, stopping = asyncio.run(scenario())
+    assert again is first
+    assert reasoned.generation == first.generation + 1
+    assert reasoned.models[MODEL_NAME].versions[1][1].startswith("kept the loaded files")
+    assert stopping.generation == reasoned.generation + 1 and stopping.phase == "shutting_down"
