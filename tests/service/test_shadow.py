@@ -417,3 +417,58 @@ def test_the_comparison_and_promotion_over_the_process_link(repository, fashion_
     assert pair["top1_agreement"] == pytest.approx(agreement)
     assert decision.status_code == 200 and decision.json()["live_version"] == 2
     assert after
+
+
+def test_a_promotion_under_load_fails_no_request_and_moves_every_answer_once(
+    repository, fashion_images, tmp_path
+):
+    """Four clients post without pause while the candidate is promoted: every answer is 200, each
+    client sees version 1 until it first sees version 2 and never version 1 again after that (the
+    promotion writes the config and loads the model again while the old pipeline answers what it
+    leased)."""
+    configure(repository, **{CANDIDATE_VERSION: 2, SHADOW_PERCENT: 100})
+    log = tmp_path / "service.log"
+    stop = threading.Event()
+    seen: dict[int, list[tuple[int, int | None]]] = {client: [] for client in range(4)}
+
+    def post_until_stopped(client: int, url: str) -> None:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            index = client
+            while not stop.is_set():
+                try:
+                    answer = http.post(
+                        "/predict", json=body(fashion_images[index % len(fashion_images)])
+                    )
+                except httpx.HTTPError as error:  # counted, never lost with the thread
+                    seen[client].append((0, repr(error)))  # type: ignore[arg-type]
+                    continue
+                version = answer.json()["model"]["version"] if answer.status_code == 200 else None
+                seen[client].append((answer.status_code, version))
+                index += 4
+
+    with (
+        running_server(repository, log, suite=SERVICE) as server,
+        httpx.Client(base_url=server.url, timeout=30) as http,
+    ):
+        clients = [
+            threading.Thread(target=post_until_stopped, args=(client, server.url))
+            for client in seen
+        ]
+        for thread in clients:
+            thread.start()
+        wait_until(lambda: all(len(answers) >= 20 for answers in seen.values()), "load")
+        decision = http.post(f"/models/{MODEL_NAME}/shadow/promote", params={"version": 2})
+        after = {client: len(answers) for client, answers in seen.items()}
+        wait_until(
+            lambda: all(len(seen[c]) >= after[c] + 40 for c in seen), "load after the promotion"
+        )
+        stop.set()
+        for thread in clients:
+            thread.join(timeout=30)
+    assert decision.status_code == 200, decision.text
+    for client, answers in seen.items():
+        statuses = Counter(status for status, _ in answers)
+        assert statuses == {200: len(answers)}, (client, statuses)
+        versions = [version for _, version in answers]
+        first_two = versions.index(2)
+        assert set(versions[:first_two]) == {1} and set(versions[first_two:]) == {2}, client
