@@ -57,7 +57,7 @@ def batch_parts(batch: list[Segment]) -> list[np.ndarray]:
     ]
 
 
-def _timed(run: RunBatch, parts: list[np.ndarray]) -> tuple[Sequence[np.ndarray], BatchTimes]:
+def timed_run(run: RunBatch, parts: list[np.ndarray]) -> tuple[Sequence[np.ndarray], BatchTimes]:
     """Join the batch's rows and ``run`` them, timing both (in the instance's thread, off the event
     loop, unless run inline)."""
     joining = time.perf_counter_ns()
@@ -123,7 +123,7 @@ class Instances:
         if inline and images == 1 and self._lone_run_s <= INLINE_RUN_MAX_S and not self.running:
             self._run_inline(batch, instance, started, span, loop)
             return
-        running = instance.executor.submit(_timed, instance.run, batch_parts(batch))
+        running = instance.executor.submit(timed_run, instance.run, batch_parts(batch))
         task = loop.create_task(self._finish(batch, images, instance, running, started, span))
         self.running[task] = batch
 
@@ -165,7 +165,7 @@ class Instances:
     ) -> None:
         error: Exception | None = None
         try:
-            outputs, times = _timed(instance.run, batch_parts(batch))
+            outputs, times = timed_run(instance.run, batch_parts(batch))
             _check_rows(outputs, 1)
         except Exception as failure:
             error = failure

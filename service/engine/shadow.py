@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from service.contract.probabilities import softmax
+from service.engine.batch_runs import timed_run
 from service.link.protocol import Graph, Outputs
+from service.observability.logs import Throttle
 from service.observability.shadow_metrics import ShadowSeries
 
 if TYPE_CHECKING:
@@ -59,12 +61,6 @@ def observe(request: Request, seen: Callable[[Outputs | None, int], None]) -> No
         seen(None if error is not None else outputs, model_ns)
 
     request.reply = replied
-
-
-def probabilities(logits: np.ndarray) -> np.ndarray:
-    """Softmax over the classes, in float64 (the front ends answer the same probabilities)."""
-    shifted = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
-    return shifted / shifted.sum(axis=1, keepdims=True)
 
 
 class Comparison:
@@ -176,7 +172,7 @@ class ModelShadow:
         self.ready: deque[_Copy] = deque()  # copies whose live answer has come
         self.running = False
         self._retry: asyncio.TimerHandle | None = None
-        self._failure_logged = -FAILURE_LOG_S
+        self._failure_log = Throttle(FAILURE_LOG_S)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"vitserve-shadow-{name}")
 
     def offer(
@@ -205,7 +201,7 @@ class ModelShadow:
                 self.pending -= 1
                 comparison.count("live_failed")
                 return
-            copy.probabilities = probabilities(outputs[0])
+            copy.probabilities = softmax(outputs[0])
             copy.live_s = model_ns / 1e9
             self.ready.append(copy)
             self.pump(plan)
@@ -248,7 +244,7 @@ class ModelShadow:
         candidate.hold()  # the candidate is not released under a running shadow
         rows = [copy.rows for copy in batch]
         run = candidate.runtime.classify_with(0)
-        future = loop.run_in_executor(self._executor, _timed_run, run, rows)
+        future = loop.run_in_executor(self._executor, timed_run, run, rows)
         outcome: dict[str, Any] = {}
 
         def timed_out() -> None:
@@ -270,9 +266,7 @@ class ModelShadow:
     def _compare(self, batch: list[_Copy], done: asyncio.Future) -> None:
         error = done.exception() if not done.cancelled() else asyncio.CancelledError()
         if error is not None:
-            now = time.monotonic()
-            if now - self._failure_logged >= FAILURE_LOG_S:
-                self._failure_logged = now
+            if self._failure_log.due():
                 logger.warning(
                     "the shadow of %s on candidate version %s failed: %r (counted in its "
                     "outcomes; logged at most once a minute)",
@@ -282,12 +276,13 @@ class ModelShadow:
                 )
             self._settle(batch, "failed")
             return
-        outputs, seconds = done.result()
+        outputs, times = done.result()
+        seconds = (times.compute_input_ns + times.compute_infer_ns) / 1e9  # joined and run
         at = 0
         try:
             for copy in batch:
                 count = len(copy.rows)
-                candidate = probabilities(outputs[0][at : at + count])
+                candidate = softmax(outputs[0][at : at + count])
                 if candidate.shape != copy.probabilities.shape:  # type: ignore[union-attr]
                     raise ValueError(
                         f"the candidate answered {list(candidate.shape)} for live's "
@@ -309,13 +304,6 @@ class ModelShadow:
         if self._retry is not None:
             self._retry.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _timed_run(run: Any, rows: list[np.ndarray]) -> tuple[list[np.ndarray], float]:
-    images = np.concatenate(rows) if len(rows) > 1 else rows[0]
-    started = time.perf_counter()
-    outputs = run(images)
-    return list(outputs), time.perf_counter() - started
 
 
 class Shadows:

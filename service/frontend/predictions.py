@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from service.contract.probabilities import softmax
 from service.errors import InvalidInput
 from service.frontend.schemas import Prediction
 
@@ -25,14 +26,6 @@ def check_top_k(top_k: int, labels: list[str], given: bool = True) -> int:
             field="top_k",
         )
     return top_k
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    probabilities = logits.astype(np.float64)  # a copy: the rest works in place
-    probabilities -= probabilities.max(axis=-1, keepdims=True)
-    np.exp(probabilities, out=probabilities)
-    probabilities /= probabilities.sum(axis=-1, keepdims=True)
-    return probabilities
 
 
 def predictions(logits: np.ndarray, labels: list[str], top_k: int) -> list[dict[str, Any]]:

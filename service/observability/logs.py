@@ -15,6 +15,7 @@ import copy
 import logging
 import re
 import sys
+import time
 import uuid
 from contextvars import ContextVar
 from typing import Any
@@ -30,6 +31,22 @@ _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 def request_id(incoming: str | None) -> str:
     """The client's request id when it is a plausible one (1-128 of ``A-Za-z0-9._:-``), else a new one."""
     return incoming if incoming and _VALID_REQUEST_ID.match(incoming) else uuid.uuid4().hex
+
+
+class Throttle:
+    """Whether a condition that keeps recurring is due to be logged again: the first time, then at
+    most once every ``every_s`` seconds (what it counts is counted elsewhere, every time)."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._last: float | None = None
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if self._last is not None and now - self._last < self.every_s:
+            return False
+        self._last = now
+        return True
 
 
 class ContextFilter(logging.Filter):

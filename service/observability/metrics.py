@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import time
 from typing import Any
 
 from prometheus_client import (
@@ -46,6 +45,7 @@ from prometheus_client import (
 )
 from prometheus_client.mmap_dict import _INITIAL_MMAP_SIZE, MmapedDict
 
+from service.observability.logs import Throttle
 from service.observability.shadow_metrics import ShadowSeries
 
 logger = logging.getLogger("vitserve")
@@ -271,21 +271,17 @@ class ReservedDict(MmapedDict):
         super()._init_value(key)
 
 
-class _Unshared:
+_UNSHARED = Throttle(_WARN_EVERY_S)  # once a minute in a process
+
+
+def _report_unshared(error: OSError) -> None:
     """Log, at most once a minute in a process, that values cannot be written to their files."""
-
-    last = -_WARN_EVERY_S
-
-    @classmethod
-    def report(cls, error: OSError) -> None:
-        now = time.monotonic()
-        if now - cls.last >= _WARN_EVERY_S:
-            cls.last = now
-            logger.warning(
-                "metrics: cannot write to PROMETHEUS_MULTIPROC_DIR (%s): this process's newest "
-                "values are missing from /metrics until there is room",
-                error.strerror or error,
-            )
+    if _UNSHARED.due():
+        logger.warning(
+            "metrics: cannot write to PROMETHEUS_MULTIPROC_DIR (%s): this process's newest "
+            "values are missing from /metrics until there is room",
+            error.strerror or error,
+        )
 
 
 def _degrading(shared: type) -> type:
@@ -300,20 +296,20 @@ def _degrading(shared: type) -> type:
             try:
                 self._value = shared(*args, **kwargs)
             except OSError as error:
-                _Unshared.report(error)
+                _report_unshared(error)
                 self._value = values.MutexValue(*args, **kwargs)
 
         def inc(self, amount: float) -> None:
             try:
                 self._value.inc(amount)
             except OSError as error:  # the value is kept in memory; its file had no room
-                _Unshared.report(error)
+                _report_unshared(error)
 
         def set(self, value: float, timestamp: float | None = None) -> None:
             try:
                 self._value.set(value, timestamp)
             except OSError as error:
-                _Unshared.report(error)
+                _report_unshared(error)
 
         def set_exemplar(self, exemplar: Any) -> None:
             self._value.set_exemplar(exemplar)
