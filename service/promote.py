@@ -23,74 +23,13 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
+
+from service.contract.candidates import Thresholds, judge
 
 logger = logging.getLogger("vitserve.promote")
 
 EXIT_PROMOTED, EXIT_FAILED, EXIT_WAIT, EXIT_ROLLED_BACK = 0, 1, 3, 4
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    min_agreement: float
-    min_requests: int
-    max_latency_ratio: float
-    max_p99_difference: float | None = None
-
-
-@dataclass(frozen=True)
-class Verdict:
-    action: str  # "promote", "rollback" or "wait"
-    reasons: list[str]
-    summary: str  # the numbers it was decided on
-
-
-def judge(report: dict[str, Any], thresholds: Thresholds) -> Verdict:
-    """The decision on ``report`` (``GET /models/{name}/shadow``) for its current pair."""
-    live, candidate = report["live_version"], report["candidate_version"]
-    if candidate is None:
-        raise ValueError(f"model {report['model']!r} has no candidate version to decide on")
-    pair = next(
-        (
-            p
-            for p in report["pairs"]
-            if (p["live_version"], p["candidate_version"]) == (live, candidate)
-        ),
-        None,
-    )
-    compared = pair["requests_compared"] if pair else 0
-    agreement = pair["top1_agreement"] if pair else None
-    p99 = pair["probability_difference"]["p99"] if pair else None
-    ratio = pair["model_ms"]["ratio_p50"] if pair else None
-    summary = (
-        f"{report['model']}: candidate version {candidate} against live version {live}: "
-        f"{compared} requests compared (min {thresholds.min_requests}), top-1 agreement "
-        f"{_number(agreement)} (min {thresholds.min_agreement:g}), p99 probability difference "
-        f"{_number(p99)}"
-        + (
-            f" (max {thresholds.max_p99_difference:g})"
-            if thresholds.max_p99_difference is not None
-            else ""
-        )
-        + f", model time ratio {_number(ratio)} (max {thresholds.max_latency_ratio:g})"
-    )
-    if compared < thresholds.min_requests:
-        return Verdict("wait", [f"only {compared} of {thresholds.min_requests} requests"], summary)
-    misses = []
-    if agreement is None or agreement < thresholds.min_agreement:
-        misses.append(f"top-1 agreement {_number(agreement)} < {thresholds.min_agreement:g}")
-    if thresholds.max_p99_difference is not None and (
-        p99 is None or p99 > thresholds.max_p99_difference
-    ):
-        misses.append(f"p99 difference {_number(p99)} > {thresholds.max_p99_difference:g}")
-    if ratio is None or ratio > thresholds.max_latency_ratio:
-        misses.append(f"model time ratio {_number(ratio)} > {thresholds.max_latency_ratio:g}")
-    return Verdict("rollback" if misses else "promote", misses, summary)
-
-
-def _number(value: float | None) -> str:
-    return "none" if value is None else f"{value:.4f}"
 
 
 # (method, path) -> the JSON answer; raises RuntimeError with the service's message on a refusal

@@ -1,7 +1,8 @@
 """Which version answers an unversioned request when a model tries a candidate version on live traffic.
 
 Shared by the engine (the live version its shadow compares against) and the front ends (the canary's
-choice), which import nothing heavy: no protobuf, no onnxruntime. The parameters that set it are read
+choice), which import nothing heavy: no protobuf, no onnxruntime; and the verdict on a candidate's
+evidence (``judge``), the same for the engine's poll-mode promotion and ``python -m service.promote``. The parameters that set it are read
 in ``service/contract/model_config.py`` (:class:`~service.contract.model_config.CandidatePlan`).
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 # The header a client names itself with, so that the canary answers it from one version every time.
 CLIENT_KEY_HEADER = "x-client-key"
@@ -39,3 +42,65 @@ def in_canary(percent: float, client_key: str | None) -> bool:
         digest = hashlib.sha256(client_key.encode("utf-8", "surrogateescape")).digest()
         draw = int.from_bytes(digest[:8], "big") / 2**64
     return draw * 100 < percent
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    min_agreement: float
+    min_requests: int
+    max_latency_ratio: float
+    max_p99_difference: float | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: str  # "promote", "rollback" or "wait"
+    reasons: list[str]
+    summary: str  # the numbers it was decided on
+
+
+def judge(report: dict[str, Any], thresholds: Thresholds) -> Verdict:
+    """The decision on ``report`` (``GET /models/{name}/shadow``) for its current pair."""
+    live, candidate = report["live_version"], report["candidate_version"]
+    if candidate is None:
+        raise ValueError(f"model {report['model']!r} has no candidate version to decide on")
+    pair = next(
+        (
+            p
+            for p in report["pairs"]
+            if (p["live_version"], p["candidate_version"]) == (live, candidate)
+        ),
+        None,
+    )
+    compared = pair["requests_compared"] if pair else 0
+    agreement = pair["top1_agreement"] if pair else None
+    p99 = pair["probability_difference"]["p99"] if pair else None
+    ratio = pair["model_ms"]["ratio_p50"] if pair else None
+    summary = (
+        f"{report['model']}: candidate version {candidate} against live version {live}: "
+        f"{compared} requests compared (min {thresholds.min_requests}), top-1 agreement "
+        f"{_number(agreement)} (min {thresholds.min_agreement:g}), p99 probability difference "
+        f"{_number(p99)}"
+        + (
+            f" (max {thresholds.max_p99_difference:g})"
+            if thresholds.max_p99_difference is not None
+            else ""
+        )
+        + f", model time ratio {_number(ratio)} (max {thresholds.max_latency_ratio:g})"
+    )
+    if compared < thresholds.min_requests:
+        return Verdict("wait", [f"only {compared} of {thresholds.min_requests} requests"], summary)
+    misses = []
+    if agreement is None or agreement < thresholds.min_agreement:
+        misses.append(f"top-1 agreement {_number(agreement)} < {thresholds.min_agreement:g}")
+    if thresholds.max_p99_difference is not None and (
+        p99 is None or p99 > thresholds.max_p99_difference
+    ):
+        misses.append(f"p99 difference {_number(p99)} > {thresholds.max_p99_difference:g}")
+    if ratio is None or ratio > thresholds.max_latency_ratio:
+        misses.append(f"model time ratio {_number(ratio)} > {thresholds.max_latency_ratio:g}")
+    return Verdict("rollback" if misses else "promote", misses, summary)
+
+
+def _number(value: float | None) -> str:
+    return "none" if value is None else f"{value:.4f}"

@@ -17,11 +17,11 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from service.contract.candidates import Thresholds, judge
 from service.contract.model_config import CandidatePlan, with_candidate_plan, write_model_config
 from service.contract.model_repository import CONFIG_FILE, ModelLoadError
 from service.engine.model_versions import model_config
 from service.errors import ServiceError
-from service.promote import Thresholds, judge
 
 if TYPE_CHECKING:
     from service.engine.core import Engine
