@@ -245,7 +245,7 @@ class ModelManager:
 
     def _serving(self, name: str, config: ModelConfig) -> ServingConfig:
         pinned = self.settings.repository.model_version if name == self.default_name else None
-        return serving_settings(config, name, self.settings, pinned)
+        return serving_settings(config, name, self.settings.batching, self.settings.limits, pinned)
 
     async def _sync_model(self, name: str, initial: bool = False) -> list[str]:
         """Bring one model in line with the repository: load what its policy wants and is new or
@@ -339,12 +339,21 @@ class ModelManager:
         if previous is None:
             model.versions[version] = VersionStatus(version, "LOADING", signature=signature)
         try:
-            runtime = await asyncio.to_thread(Runtime.load, files, self.settings, model.serving)
+            runtime = await asyncio.to_thread(
+                Runtime.load, files, self.settings.runtime, model.serving, self.settings.batching
+            )
         except (ModelLoadError, MemoryError) as error:  # never left LOADING
             reason = relative(str(error) or "out of memory (MemoryError)", self.repository)
             self._record_failure(model, version, previous, signature, reason)
             return reason
-        pipeline = ModelPipeline(model.name, runtime, model.serving, self.settings, self.metrics)
+        pipeline = ModelPipeline(
+            model.name,
+            runtime,
+            model.serving,
+            self.settings.batching,
+            self.settings.limits,
+            self.metrics,
+        )
         pipeline.start()
         old = previous.pipeline if previous is not None else None
         model.versions[version] = VersionStatus(

@@ -32,7 +32,7 @@ from service.contract.model_repository import (
 from service.engine.pipeline import ModelPipeline
 from service.errors import ServiceUnavailable
 from service.link.protocol import ModelView
-from service.settings import Settings
+from service.settings import BatchingSettings, LimitSettings
 
 if TYPE_CHECKING:
     from service.engine.runtime import Runtime
@@ -170,11 +170,15 @@ def model_config(repository: Path, name: str) -> ModelConfig:
 
 
 def serving_settings(
-    config: ModelConfig, name: str, settings: Settings, pinned_version: int | None = None
+    config: ModelConfig,
+    name: str,
+    batching: BatchingSettings,
+    limits: LimitSettings,
+    pinned_version: int | None = None,
 ) -> ServingConfig:
-    """The model's config with the environment's overrides. A queue without a size or timeout
+    """The model's config with the environment's batching overrides. A queue without a size or timeout
     there gets the service's bounds: an unbounded queue is not a setting this service offers."""
-    overrides: dict[str, object] = dict(settings.batching.overrides())
+    overrides: dict[str, object] = dict(batching.overrides())
     if pinned_version is not None:
         overrides["version_policy"] = ("specific", (pinned_version,))
     try:
@@ -187,10 +191,10 @@ def serving_settings(
         max_queue_size=serving.max_queue_size or DEFAULT_MAX_QUEUE_SIZE,
         request_timeout_s=serving.request_timeout_s or DEFAULT_REQUEST_TIMEOUT_US / 1e6,
     )
-    if serving.max_queue_size < settings.limits.max_images_per_request:
+    if serving.max_queue_size < limits.max_images_per_request:
         raise ModelLoadError(
             f"{name}: max_queue_size ({serving.max_queue_size}) must be at least "
-            f"max_images_per_request ({settings.limits.max_images_per_request}), or a full-sized "
+            f"max_images_per_request ({limits.max_images_per_request}), or a full-sized "
             "request could never be queued"
         )
     return serving

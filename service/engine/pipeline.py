@@ -22,7 +22,7 @@ from service.engine.statistics import ModelStatistics
 from service.errors import InvalidInput, NotFound, ServiceError
 from service.link.protocol import Graph, Serving, VersionView
 from service.observability.metrics import Metrics
-from service.settings import Settings
+from service.settings import BatchingSettings, LimitSettings
 
 logger = logging.getLogger("vitserve")
 
@@ -35,7 +35,8 @@ class ModelPipeline:
         name: str,
         runtime: Runtime,
         serving: ServingConfig,
-        settings: Settings,
+        batching: BatchingSettings,
+        limits: LimitSettings,
         metrics: Metrics,
     ) -> None:
         self.name = name
@@ -43,7 +44,6 @@ class ModelPipeline:
         self.runtime = runtime
         self.metadata = runtime.metadata
         self.serving = serving
-        self.settings = settings
         # Triton's statistics of this version, every graph, and its nv_inference_* metrics
         self.statistics = ModelStatistics(metrics.triton_series(name, self.version))
         common: dict[str, Any] = {
@@ -51,10 +51,10 @@ class ModelPipeline:
             "max_queue_delay_s": serving.max_queue_delay_s,
             "max_queue_size": serving.max_queue_size,
             "timeout_s": serving.request_timeout_s,
-            "retry_after_s": settings.limits.retry_after_s,
+            "retry_after_s": limits.retry_after_s,
             "metrics": metrics,
             "model": name,
-            "idle_dispatch": settings.batching.idle_dispatch,
+            "idle_dispatch": batching.idle_dispatch,
             "lease": self,
         }
         self.classifier = DynamicBatcher(
@@ -70,7 +70,7 @@ class ModelPipeline:
             else DynamicBatcher(
                 "attention",
                 runtime.attend,
-                max_batch_size=settings.batching.attention_max_batch_size,
+                max_batch_size=batching.attention_max_batch_size,
                 **common,
             )
         )

@@ -43,7 +43,7 @@ from service.contract.model_repository import (
 )
 from service.engine import batch_cost
 from service.machine import usable_cores
-from service.settings import Settings
+from service.settings import BatchingSettings, RuntimeSettings
 
 if TYPE_CHECKING:
     import onnx
@@ -54,33 +54,33 @@ CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
 
-def choose_providers(settings: Settings) -> list[str | tuple[str, dict[str, str]]]:
+def choose_providers(settings: RuntimeSettings) -> list[str | tuple[str, dict[str, str]]]:
     """The provider list to ask onnxruntime for, CUDA first when it is wanted and offered."""
-    if settings.runtime.provider == "cpu":
+    if settings.provider == "cpu":
         return [CPU]
     available = ort.get_available_providers()
     if CUDA not in available:
-        if settings.runtime.provider == "cuda":
+        if settings.provider == "cuda":
             raise ModelLoadError(
                 f"VITSERVE_PROVIDER=cuda but this onnxruntime offers only {', '.join(available)}; "
                 "install onnxruntime-gpu or set VITSERVE_PROVIDER=auto or cpu"
             )
         return [CPU]
     options = {
-        "device_id": str(settings.runtime.cuda_device_id),
-        "cudnn_conv_algo_search": settings.runtime.cudnn_conv_algo_search,
+        "device_id": str(settings.cuda_device_id),
+        "cudnn_conv_algo_search": settings.cudnn_conv_algo_search,
     }
-    if settings.runtime.cuda_mem_limit_bytes is not None:
-        options["gpu_mem_limit"] = str(settings.runtime.cuda_mem_limit_bytes)
+    if settings.cuda_mem_limit_bytes is not None:
+        options["gpu_mem_limit"] = str(settings.cuda_mem_limit_bytes)
     return [(CUDA, options), CPU]
 
 
-def intra_op_threads(settings: Settings, instances: int) -> int:
+def intra_op_threads(settings: RuntimeSettings, instances: int) -> int:
     """The setting when given; else every core but one, shared out among the instances (at least one
     thread each): the one left is the event loop's, which parses, decodes and answers every request
     while the model runs (BENCHMARKS.md measures the alternatives)."""
-    if settings.runtime.intra_op_threads:
-        return settings.runtime.intra_op_threads
+    if settings.intra_op_threads:
+        return settings.intra_op_threads
     return max(1, (usable_cores() - 1) // instances)
 
 
@@ -167,7 +167,7 @@ def release_free_memory() -> None:
 
 
 def session_options(
-    settings: Settings,
+    settings: RuntimeSettings,
     instances: int = 1,
     initializers: Mapping[str, ort.OrtValue] | None = None,
 ) -> ort.SessionOptions:
@@ -175,9 +175,9 @@ def session_options(
     ``initializers`` (shared with the version's other sessions) instead of the graph's own."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = intra_op_threads(settings, instances)
-    options.inter_op_num_threads = settings.runtime.inter_op_threads
+    options.inter_op_num_threads = settings.inter_op_threads
     options.add_session_config_entry(
-        "session.intra_op.allow_spinning", "1" if settings.runtime.allow_spinning else "0"
+        "session.intra_op.allow_spinning", "1" if settings.allow_spinning else "0"
     )
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3  # errors only; onnxruntime warnings are noise here
@@ -203,7 +203,7 @@ def warm_up_sizes(max_batch_size: int, session: ort.InferenceSession) -> list[in
 
 def open_session(
     path: Path,
-    settings: Settings,
+    settings: RuntimeSettings,
     instances: int = 1,
     initializers: Mapping[str, ort.OrtValue] | None = None,
 ) -> ort.InferenceSession:
@@ -218,7 +218,7 @@ def open_session(
     except Exception as error:  # onnxruntime raises several pybind classes for a bad file
         raise ModelLoadError(f"{path}: onnxruntime cannot load this model: {error}") from error
     used = session.get_providers()[0]
-    if settings.runtime.provider == "cuda" and used != CUDA:
+    if settings.provider == "cuda" and used != CUDA:
         raise ModelLoadError(
             f"{path}: VITSERVE_PROVIDER=cuda but onnxruntime fell back to {used} "
             "(are the CUDA and cuDNN libraries installed?)"
@@ -288,8 +288,15 @@ class Runtime:
     batch_cost: batch_cost.BatchCost | None = None
 
     @classmethod
-    def load(cls, files: VersionFiles, settings: Settings, serving: ServingConfig) -> Runtime:
-        """Open, check and warm up one version. Blocking: call it from a thread."""
+    def load(
+        cls,
+        files: VersionFiles,
+        settings: RuntimeSettings,
+        serving: ServingConfig,
+        batching: BatchingSettings,
+    ) -> Runtime:
+        """Open, check and warm up one version with the service's runtime settings and batching
+        overrides. Blocking: call it from a thread."""
         started = time.perf_counter()
         count = serving.instance_count
         path = files.classifier_path
@@ -315,8 +322,8 @@ class Runtime:
         runtime.shared = shared
         runtime.attention_shared = len(attention_shared)
         runtime.load_seconds = time.perf_counter() - started
-        runtime.warm_up(serving.max_batch_size, settings.batching.attention_max_batch_size)
-        runtime.choose_batch_limit(serving, chosen=settings.batching.max_batch_size is not None)
+        runtime.warm_up(serving.max_batch_size, batching.attention_max_batch_size)
+        runtime.choose_batch_limit(serving, chosen=batching.max_batch_size is not None)
         release_free_memory()
         return runtime
 

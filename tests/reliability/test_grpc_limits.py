@@ -35,7 +35,7 @@ def test_metadata_over_the_header_limit_is_refused(stub):
 
 
 def test_the_options_bound_metadata_messages_and_streams(settings):
-    options = dict(grpc_server_options(settings))
+    options = dict(grpc_server_options(settings.server, settings.limits))
     assert options["grpc.max_metadata_size"] == settings.server.max_header_bytes
     assert options["grpc.max_receive_message_length"] == settings.limits.max_body_bytes
     assert options["grpc.max_concurrent_streams"] == MAX_CONCURRENT_STREAMS

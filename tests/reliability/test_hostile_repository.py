@@ -66,14 +66,16 @@ def set_config(repository: Path, text: str) -> None:
     (repository / "second" / "config.pbtxt").write_text(text)
 
 
-def test_a_broken_config_is_named_once_and_everywhere(repository, caplog):
+def test_a_broken_config_is_named_once_and_everywhere(repository, service_log):
     with polled(repository) as client:
         manager = client.app.state.frontend.engine.engine.manager
         set_config(repository, "max_batch_size: [oops\n")
         for _ in range(3):
             client.portal.call(manager.poll_once)
-        errors = [r for r in caplog.records if r.levelname == "ERROR" and "second" in r.message]
-        assert len(errors) == 1, [r.message for r in errors]  # not at every poll
+        errors = [
+            r for r in service_log.records if r.levelname == "ERROR" and "second" in r.getMessage()
+        ]
+        assert len(errors) == 1, [r.getMessage() for r in errors]  # not at every poll
         (row,) = index(client)["second"]
         assert row["state"] == "READY" and "second/config.pbtxt" in row["reason"], row
         assert str(repository) not in row["reason"]

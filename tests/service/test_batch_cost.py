@@ -86,7 +86,9 @@ def test_a_light_model_is_not_timed_in_a_batch_and_keeps_the_configs_batches():
 @pytest.fixture
 def served(model_repository):
     settings = make_settings(model_repository, max_batch_size=None)  # the suite's sets 8
-    serving = serving_settings(model_config(model_repository, MODEL_NAME), MODEL_NAME, settings)
+    serving = serving_settings(
+        model_config(model_repository, MODEL_NAME), MODEL_NAME, settings.batching, settings.limits
+    )
     return version_files(model_repository, MODEL_NAME, 1), settings, serving
 
 
@@ -95,15 +97,17 @@ def test_the_measured_limit_is_the_classifier_batchers_and_a_light_model_keeps_i
 ):
     files, settings, serving = served
     assert serving.max_batch_size > 1 and not serving.preferred_batch_sizes
-    light = Runtime.load(files, settings, serving)
+    light = Runtime.load(files, settings.runtime, serving, settings.batching)
     assert light.batch_cost is not None and not light.batch_cost.heavy
     assert light.batch_limit == serving.max_batch_size
 
     monkeypatch.setattr(batch_cost, "measure", lambda runners, images: BatchCost(30.0, 31.0))
-    heavy = Runtime.load(files, settings, serving)
+    heavy = Runtime.load(files, settings.runtime, serving, settings.batching)
     assert heavy.batch_limit == 1
     assert "max batch 1 (measured: 30 ms an image alone, 31 ms in a batch of 4)" in heavy.batching
-    pipeline = ModelPipeline(MODEL_NAME, heavy, serving, settings, Metrics())
+    pipeline = ModelPipeline(
+        MODEL_NAME, heavy, serving, settings.batching, settings.limits, Metrics()
+    )
     assert pipeline.classifier.max_batch_size == 1
 
 
@@ -115,13 +119,17 @@ def test_a_config_with_preferred_sizes_is_not_measured(served, monkeypatch):
         raise AssertionError("a config that chose its batch sizes was timed")
 
     monkeypatch.setattr(batch_cost, "measure", measure)
-    runtime = Runtime.load(files, settings, chosen)
+    runtime = Runtime.load(files, settings.runtime, chosen, settings.batching)
     assert runtime.batch_limit == chosen.max_batch_size and runtime.batch_cost is None
 
 
 def test_a_max_batch_size_set_in_the_environment_is_not_measured(model_repository, monkeypatch):
     settings = make_settings(model_repository, max_batch_size=8)
-    serving = serving_settings(model_config(model_repository, MODEL_NAME), MODEL_NAME, settings)
+    serving = serving_settings(
+        model_config(model_repository, MODEL_NAME), MODEL_NAME, settings.batching, settings.limits
+    )
     monkeypatch.setattr(batch_cost, "measure", lambda runners, images: BatchCost(30.0, 31.0))
-    runtime = Runtime.load(version_files(model_repository, MODEL_NAME, 1), settings, serving)
+    runtime = Runtime.load(
+        version_files(model_repository, MODEL_NAME, 1), settings.runtime, serving, settings.batching
+    )
     assert runtime.batch_limit == 8 and runtime.batch_cost is None

@@ -383,8 +383,7 @@ def test_decoding_runs_at_most_max_concurrent_decodes_at_once(client, monkeypatc
     """Large images cost memory while they decode: the service bounds how many decode at once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    pipeline = client.app.state.engine.manager.resolve()
-    limit = pipeline.settings.limits.max_concurrent_decodes
+    limit = client.app.state.frontend.settings.limits.max_concurrent_decodes
     running, peak = 0, 0
     lock = threading.Lock()
     real_from_image = Preprocessor.from_image

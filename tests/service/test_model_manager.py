@@ -451,7 +451,7 @@ def test_a_load_is_timed_logged_and_a_version_loading_says_so(repository, record
         # a new version, seen twice: LOADING while its runtime loads, then out of memory
         seen: list[tuple] = []
 
-        def load(files, settings, serving):
+        def load(files, settings, serving, batching):
             state = manager.models[MODEL_NAME].versions[files.version]
             seen.append((state.version, state.state))
             raise MemoryError
@@ -479,9 +479,9 @@ def test_the_models_of_the_first_load_load_at_once(repository, monkeypatch):
     barrier = threading.Barrier(2, timeout=10)
     load = module.Runtime.load
 
-    def load_beside_the_other(files, settings, serving):
+    def load_beside_the_other(files, settings, serving, batching):
         barrier.wait()
-        return load(files, settings, serving)
+        return load(files, settings, serving, batching)
 
     monkeypatch.setattr(module.Runtime, "load", load_beside_the_other)
 

@@ -138,12 +138,14 @@ def test_answers_name_files_relative_to_the_repository(tmp_path):
 
 def test_a_queue_without_a_size_or_timeout_gets_the_services_bounds(tmp_path):
     settings = config_only(tmp_path)
-    serving = serving_settings(ModelConfig(name="m", max_batch_size=4), "m", settings)
+    serving = serving_settings(
+        ModelConfig(name="m", max_batch_size=4), "m", settings.batching, settings.limits
+    )
     assert serving.max_queue_size == 512 and serving.request_timeout_s == 30.0
     config = ModelConfig(name="m", max_batch_size=4)
     config.dynamic_batching.default_queue_policy.max_queue_size = 64
     config.dynamic_batching.default_queue_policy.default_timeout_microseconds = 2_500_000
-    serving = serving_settings(config, "m", settings)
+    serving = serving_settings(config, "m", settings.batching, settings.limits)
     assert serving.max_queue_size == 64 and serving.request_timeout_s == 2.5
 
 
@@ -151,10 +153,13 @@ def test_the_environment_overrides_the_config_and_a_pin_serves_one_version(tmp_p
     settings = config_only(tmp_path, max_batch_size=2, max_queue_delay_ms=5)
     config = ModelConfig(name="m", max_batch_size=16)
     config.version_policy.latest.num_versions = 2
-    serving = serving_settings(config, "m", settings)
+    serving = serving_settings(config, "m", settings.batching, settings.limits)
     assert serving.max_batch_size == 2 and serving.max_queue_delay_s == pytest.approx(0.005)
     assert serving.version_policy == ("latest", 2)
-    assert serving_settings(config, "m", settings, 3).version_policy == ("specific", (3,))
+    assert serving_settings(config, "m", settings.batching, settings.limits, 3).version_policy == (
+        "specific",
+        (3,),
+    )
 
 
 def test_a_bad_override_is_a_load_error_naming_the_models_config(tmp_path):
@@ -162,7 +167,7 @@ def test_a_bad_override_is_a_load_error_naming_the_models_config(tmp_path):
     config = ModelConfig(name="m", max_batch_size=16)
     config.dynamic_batching.preferred_batch_size.append(8)
     with pytest.raises(ModelLoadError) as error:
-        serving_settings(config, "m", settings)
+        serving_settings(config, "m", settings.batching, settings.limits)
     assert str(error.value).startswith("m/config.pbtxt: ")
     assert "preferred_batch_sizes must lie in 1..max_batch_size=4" in str(error.value)
 
@@ -171,10 +176,10 @@ def test_the_queue_must_hold_a_full_sized_request(tmp_path):
     settings = config_only(tmp_path, max_images_per_request=8)
     config = ModelConfig(name="m", max_batch_size=4)
     config.dynamic_batching.default_queue_policy.max_queue_size = 8
-    assert serving_settings(config, "m", settings).max_queue_size == 8
+    assert serving_settings(config, "m", settings.batching, settings.limits).max_queue_size == 8
     config.dynamic_batching.default_queue_policy.max_queue_size = 7
     with pytest.raises(ModelLoadError) as error:
-        serving_settings(config, "m", settings)
+        serving_settings(config, "m", settings.batching, settings.limits)
     assert str(error.value) == (
         "m: max_queue_size (7) must be at least max_images_per_request (8), or a full-sized "
         "request could never be queued"

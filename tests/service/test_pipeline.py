@@ -27,8 +27,12 @@ from tests.support import MODEL_NAME, held, make_settings, run_on
 @pytest.fixture(scope="module")
 def loaded(model_repository):
     settings = make_settings(model_repository)
-    serving = serving_settings(model_config(model_repository, MODEL_NAME), MODEL_NAME, settings)
-    runtime = Runtime.load(version_files(model_repository, MODEL_NAME, 1), settings, serving)
+    serving = serving_settings(
+        model_config(model_repository, MODEL_NAME), MODEL_NAME, settings.batching, settings.limits
+    )
+    runtime = Runtime.load(
+        version_files(model_repository, MODEL_NAME, 1), settings.runtime, serving, settings.batching
+    )
     return runtime, settings, serving
 
 
@@ -49,7 +53,9 @@ def test_a_pipeline_runs_its_version_and_counts_its_requests(loaded, model_repos
     expected = session.run(None, {session.get_inputs()[0].name: rows})[0]
 
     async def scenario() -> tuple[ModelPipeline, list]:
-        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, metrics)
+        pipeline = ModelPipeline(
+            MODEL_NAME, runtime, serving, settings.batching, settings.limits, metrics
+        )
         pipeline.start()
         answers = await run_on(pipeline, "classifier", rows, "req-1")
         await pipeline.retire(5)
@@ -58,7 +64,7 @@ def test_a_pipeline_runs_its_version_and_counts_its_requests(loaded, model_repos
     pipeline, answers = asyncio.run(scenario())
     np.testing.assert_allclose(answers[0], expected, atol=1e-5)
     assert (pipeline.name, pipeline.version) == (MODEL_NAME, 1)
-    assert pipeline.serving is serving and pipeline.settings is settings
+    assert pipeline.serving is serving
     assert pipeline.view.provider == runtime.provider == "CPUExecutionProvider"
     assert pipeline.view.attention and pipeline.attention is not None
     labels = {"model": MODEL_NAME, "version": "1"}
@@ -103,7 +109,9 @@ def test_a_failed_request_is_counted_failed_and_logged_with_its_id(loaded, recor
     metrics = Metrics()
 
     async def scenario() -> ModelPipeline:
-        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, metrics)
+        pipeline = ModelPipeline(
+            MODEL_NAME, runtime, serving, settings.batching, settings.limits, metrics
+        )
         for instance in pipeline.classifier._instances:
             instance.run = failing
         pipeline.start()
@@ -126,7 +134,9 @@ def test_attention_runs_on_its_own_batcher(loaded):
     metrics = Metrics()
 
     async def scenario() -> list:
-        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, metrics)
+        pipeline = ModelPipeline(
+            MODEL_NAME, runtime, serving, settings.batching, settings.limits, metrics
+        )
         pipeline.start()
         answers = await run_on(pipeline, "attention", np.zeros((1, 1, 28, 28), np.float32))
         await pipeline.retire(5)
@@ -143,7 +153,9 @@ def test_a_client_gone_while_queued_ends_the_run_at_once(loaded):
     waiting = settings.model_copy(update={"idle_dispatch": False})  # an idle batcher waits too
 
     async def scenario() -> None:
-        pipeline = ModelPipeline(MODEL_NAME, runtime, slow, waiting, Metrics())
+        pipeline = ModelPipeline(
+            MODEL_NAME, runtime, slow, waiting.batching, waiting.limits, Metrics()
+        )
         pipeline.start()
         gone = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().call_later(0.05, gone.set_result, None)
@@ -158,7 +170,12 @@ def test_a_client_gone_while_queued_ends_the_run_at_once(loaded):
 def test_a_version_without_an_attention_graph_refuses_attention(loaded):
     runtime, settings, serving = loaded
     pipeline = ModelPipeline(
-        MODEL_NAME, dataclasses.replace(runtime, attention=None), serving, settings, Metrics()
+        MODEL_NAME,
+        dataclasses.replace(runtime, attention=None),
+        serving,
+        settings.batching,
+        settings.limits,
+        Metrics(),
     )
     assert pipeline.attention is None and not pipeline.view.attention
     assert pipeline.batchers == [pipeline.classifier]
@@ -175,7 +192,9 @@ def test_retiring_waits_for_leases_within_its_timeout_and_sums_the_failed_images
     runtime, settings, serving = loaded
 
     async def scenario() -> tuple[int, list, float]:
-        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, Metrics())
+        pipeline = ModelPipeline(
+            MODEL_NAME, runtime, serving, settings.batching, settings.limits, Metrics()
+        )
         pipeline.start()
         stops: list[float] = []
 
@@ -204,7 +223,9 @@ def test_retiring_a_drained_version_fails_nothing(loaded):
     runtime, settings, serving = loaded
 
     async def scenario() -> int:
-        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, Metrics())
+        pipeline = ModelPipeline(
+            MODEL_NAME, runtime, serving, settings.batching, settings.limits, Metrics()
+        )
         pipeline.start()
         return await pipeline.retire(5)
 
@@ -217,7 +238,9 @@ def test_the_classifier_dispatches_at_a_preferred_batch_size_without_waiting(loa
     waiting = settings.model_copy(update={"idle_dispatch": False})
 
     async def scenario() -> int:
-        pipeline = ModelPipeline(MODEL_NAME, runtime, preferring, waiting, Metrics())
+        pipeline = ModelPipeline(
+            MODEL_NAME, runtime, preferring, waiting.batching, waiting.limits, Metrics()
+        )
         pipeline.start()
         run = run_on(pipeline, "classifier", np.zeros((2, 1, 28, 28), np.float32))
         answers = await asyncio.wait_for(run, 5)  # not the 10 s queue delay
@@ -240,7 +263,9 @@ def test_a_lone_call_on_an_idle_fast_model_is_answered_before_it_is_waited_for(
     expected = session.run(None, {session.get_inputs()[0].name: rows})[0]
 
     async def scenario():
-        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, Metrics())
+        pipeline = ModelPipeline(
+            MODEL_NAME, runtime, serving, settings.batching, settings.limits, Metrics()
+        )
         pipeline.start()
         await run_on(pipeline, "classifier", rows, alone=True)  # measures the lone run
         handed: list = []
@@ -293,7 +318,9 @@ def test_rows_that_are_not_the_version_s_input_never_join_a_batch(loaded, bad):
     expected = [session.run(None, {name: rows})[0] for rows in honest]
 
     async def scenario() -> tuple[list, BaseException | None]:
-        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, Metrics())
+        pipeline = ModelPipeline(
+            MODEL_NAME, runtime, serving, settings.batching, settings.limits, Metrics()
+        )
         pipeline.start()
         outcomes: dict[int, tuple] = {}
 
@@ -324,7 +351,9 @@ def test_a_call_cancelled_before_its_batch_runs_ends_as_a_499_and_never_runs(loa
     rows = np.zeros((1, 1, 28, 28), np.float32)
 
     async def scenario():
-        pipeline = ModelPipeline(MODEL_NAME, runtime, serving, settings, Metrics())
+        pipeline = ModelPipeline(
+            MODEL_NAME, runtime, serving, settings.batching, settings.limits, Metrics()
+        )
         ran: list[int] = []
         for instance in pipeline.classifier._instances:
             run = instance.run

@@ -26,12 +26,12 @@ from tests.support import MODEL_NAME
 )
 def test_intra_op_threads_leave_a_core_to_the_event_loop(monkeypatch, cores, instances, threads):
     monkeypatch.setattr(runtime, "usable_cores", lambda: cores)
-    assert runtime.intra_op_threads(Settings(), instances) == threads
+    assert runtime.intra_op_threads(Settings().runtime, instances) == threads
 
 
 def test_an_explicit_thread_count_wins(monkeypatch):
     monkeypatch.setattr(runtime, "usable_cores", lambda: 8)
-    assert runtime.intra_op_threads(Settings(intra_op_threads=3), 4) == 3
+    assert runtime.intra_op_threads(Settings(intra_op_threads=3).runtime, 4) == 3
 
 
 # --- one copy of the weights ------------------------------------------------------------------------
@@ -40,7 +40,9 @@ def test_an_explicit_thread_count_wins(monkeypatch):
 def _load(model_repository: Path, instances: int = 2) -> Runtime:
     serving = serving_config(ModelConfig(), {"instance_count": instances, "max_batch_size": 4})
     settings = Settings(provider="cpu", intra_op_threads=1)
-    return Runtime.load(version_files(model_repository, MODEL_NAME, 1), settings, serving)
+    return Runtime.load(
+        version_files(model_repository, MODEL_NAME, 1), settings.runtime, serving, settings.batching
+    )
 
 
 def _plain_session(path: Path) -> ort.InferenceSession:

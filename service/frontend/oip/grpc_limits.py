@@ -9,18 +9,20 @@
 
 from __future__ import annotations
 
-from service.settings import Settings
+from service.settings import LimitSettings, ServerSettings
 
 MAX_CONCURRENT_STREAMS = 128
 
 
-def grpc_server_options(settings: Settings, reuse_port: bool = False) -> list[tuple[str, int]]:
-    """The options of ``grpc.aio.server`` for ``settings``; ``reuse_port`` when several front ends
+def grpc_server_options(
+    server: ServerSettings, limits: LimitSettings, reuse_port: bool = False
+) -> list[tuple[str, int]]:
+    """The options of ``grpc.aio.server`` for these bounds; ``reuse_port`` when several front ends
     share the port."""
     return [
-        ("grpc.max_receive_message_length", settings.limits.max_body_bytes),
-        ("grpc.max_metadata_size", settings.server.max_header_bytes),
-        ("grpc.absolute_max_metadata_size", settings.server.max_header_bytes),
+        ("grpc.max_receive_message_length", limits.max_body_bytes),
+        ("grpc.max_metadata_size", server.max_header_bytes),
+        ("grpc.absolute_max_metadata_size", server.max_header_bytes),
         ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
         ("grpc.so_reuseport", int(reuse_port)),
     ]

@@ -303,7 +303,9 @@ class GrpcServer:
         # one front end: a port in use is an error; several share it with the supervisor, which
         # holds it (service/launcher/ports.py)
         server = grpc.aio.server(
-            options=grpc_server_options(settings, self.state.worker is not None)
+            options=grpc_server_options(
+                settings.server, settings.limits, self.state.worker is not None
+            )
         )
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
             InferenceServicer(self.state, self.version), server
