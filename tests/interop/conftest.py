@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc
@@ -33,12 +32,6 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         model_repository, log, suite=INTEROP, max_queue_delay_ms=50, max_batch_size=8
     ) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=30) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")
