@@ -11,13 +11,13 @@
 # The base images are build arguments (PYTHON_IMAGE, CUDA_IMAGE), so a build behind a mirror or
 # air-gapped names its own copies (docs/containers.md).
 #
-# The two service images differ only in their base (base-cpu, base-gpu) and in the virtual
-# environment their builder makes in /opt/venv from the pinned requirements; the rest of the image
-# is the one `service` stage below, which BuildKit builds on base-${VARIANT}. Runtime stages copy
-# the venv, so no compiler, pip cache or torch reaches a service image. Every requirement is a wheel
-# (--only-binary=:all:), so nothing is compiled in the builders either. Each builder then drops what
-# the service never runs: pip and setuptools, the packages' own test suites, and onnxruntime's
-# Python tools for building models (transformers, quantization, tools); about 50 MB.
+# The two service images differ only in their base (base-cpu, base-gpu) and in the pinned
+# requirements that the one `builder` stage installs into a virtual environment in /opt/venv; the
+# rest of the image is the one `service` stage below, which BuildKit builds on base-${VARIANT}.
+# Runtime stages copy the venv, so no compiler, pip cache or torch reaches a service image. Every
+# requirement is a wheel (--only-binary=:all:), so nothing is compiled in the builder either. It
+# then drops what the service never runs: pip and setuptools, the packages' own test suites, and
+# onnxruntime's Python tools for building models (transformers, quantization, tools); about 50 MB.
 #
 # Why apt packages are not pinned (hadolint DL3008, ignored on each apt line below): the base image
 # tag fixes the distribution release, and the archive drops superseded package versions as security
@@ -42,37 +42,32 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 # --- builders: the service's virtual environment ------------------------------------------------
+# One builder makes the venv for both images; the stage under it, builder-${VARIANT}, gives it
+# what differs: the base, the requirements file (as /tmp/requirements.txt) and, on Ubuntu, the
+# python3-venv package (the slim Python image has venv built in).
 FROM base-cpu AS builder-cpu
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 COPY requirements/serve.txt /tmp/requirements.txt
-RUN python3 -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir --only-binary=:all: -r /tmp/requirements.txt \
-    && /opt/venv/bin/python -m pip uninstall --yes --quiet pip setuptools \
-    && find /opt/venv -depth -type d -name tests -exec rm -rf {} + \
-    && rm -rf /opt/venv/lib/python3*/site-packages/onnxruntime/transformers \
-        /opt/venv/lib/python3*/site-packages/onnxruntime/quantization \
-        /opt/venv/lib/python3*/site-packages/onnxruntime/tools
 
 FROM base-gpu AS builder-gpu
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3-venv \
     && rm -rf /var/lib/apt/lists/*
 COPY requirements/serve-gpu.txt /tmp/requirements.txt
-RUN python3 -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir --only-binary=:all: -r /tmp/requirements.txt \
-    && /opt/venv/bin/python -m pip uninstall --yes --quiet pip setuptools \
-    && find /opt/venv -depth -type d -name tests -exec rm -rf {} + \
-    && rm -rf /opt/venv/lib/python3*/site-packages/onnxruntime/transformers \
-        /opt/venv/lib/python3*/site-packages/onnxruntime/quantization \
-        /opt/venv/lib/python3*/site-packages/onnxruntime/tools
 
 # DL3006 (tag images) is ignored on the two FROM lines that pick a stage of this file by VARIANT:
 # hadolint does not expand the ARG, so it takes builder-${VARIANT} and base-${VARIANT} for untagged
 # images; the images under those stages are the tagged ARGs above.
 # hadolint ignore=DL3006
 FROM builder-${VARIANT} AS builder
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+RUN python3 -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir --only-binary=:all: -r /tmp/requirements.txt \
+    && /opt/venv/bin/python -m pip uninstall --yes --quiet pip setuptools \
+    && find /opt/venv -depth -type d -name tests -exec rm -rf {} + \
+    && rm -rf /opt/venv/lib/python3*/site-packages/onnxruntime/transformers \
+        /opt/venv/lib/python3*/site-packages/onnxruntime/quantization \
+        /opt/venv/lib/python3*/site-packages/onnxruntime/tools
 
 # --- the service, on either base -----------------------------------------------------------------
 # PYTHONDONTWRITEBYTECODE: the root filesystem may be read-only (compose's read_only, Kubernetes'

@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -21,7 +22,7 @@ from fastapi.testclient import TestClient
 
 from service.frontend.app import create_app
 from service.settings import Settings
-from tests.support import MODEL_NAME, TINY, Reference, make_settings
+from tests.support import MODEL_NAME, TINY, Reference, Server, make_settings
 
 torch.set_num_threads(1)  # a training run may hold the other cores
 
@@ -206,6 +207,14 @@ def settings(model_repository: Path) -> Settings:
 def client(settings: Settings) -> Iterator[TestClient]:
     with TestClient(create_app(settings)) as test_client:
         yield test_client
+
+
+@pytest.fixture(scope="module")
+def http(server: Server) -> Iterator[httpx.Client]:
+    """A client of the module's real service process, ``server`` (a fixture of each module or
+    directory that runs one)."""
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        yield client
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@ rest fixed (two labels, one layer, one head)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from service.contract.model_repository import ModelMetadata
@@ -15,11 +16,23 @@ def classifier_metadata(
     height: int,
     width: int,
     patch: int,
-    preprocessing: dict[str, Any],
+    mean: Sequence[float],
+    std: Sequence[float],
     pooling: str = "mean",
     class_token: bool = False,
+    **preprocessing: Any,
 ) -> ModelMetadata:
+    """Preprocessing: the colour ``channels`` implies, 8-bit pixels scaled to [0, 1], normalised with
+    ``mean`` and ``std``, and the keys of ``preprocessing`` (resize, polarity, ...) added or put over
+    those."""
     grid = [height // patch, width // patch]
+    preprocessing = {
+        "color": "grayscale" if channels == 1 else "rgb",
+        "scale": 1 / 255,
+        "mean": list(mean),
+        "std": list(std),
+        **preprocessing,
+    }
     return ModelMetadata.model_validate(
         {
             "format": 1,

@@ -312,15 +312,23 @@ def free_port(ports: range) -> int:
     return server_process.free_port(ports, start=os.getpid() * 7 + int(time.monotonic() * 1000))
 
 
-def run_python(script: str, env: Mapping[str, str]) -> subprocess.CompletedProcess[str]:
-    """``python -c script`` from the repository root with ``env``; its output as text."""
+def run_python(script: str, env: Mapping[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -c script args`` from the repository root with ``env``; its output as text."""
+    return run_in_repo(["-c", script, *args], env)
+
+
+def run_in_repo(
+    argv: Sequence[str], env: Mapping[str, str], timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``python argv`` from the repository root with ``env`` and no other variable; its output as
+    text."""
     return subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, *argv],
         cwd=REPO,
+        env=dict(env),
         capture_output=True,
         text=True,
-        timeout=120,
-        env=dict(env),
+        timeout=timeout,
     )
 
 

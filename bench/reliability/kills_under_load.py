@@ -22,11 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 from bench.payloads import load_images, png_bytes
 from bench.reliability.common import dump, service
-from bench.reliability.supervision import Load, engine_and_front_ends, wait_for
+from bench.reliability.supervision import Load, engine_and_front_ends, ready, wait_for
 
 BACK_WITHIN_S = 60.0  # how long a kill may take to recover before the probe gives up
 LOG = Path("bench/results/kills_under_load.log")
@@ -39,13 +37,6 @@ def engine_connections(engine_socket: str) -> int:
     return sum(1 for row in rows if len(row) == 8 and row[7] == engine_socket and row[5] == "03")
 
 
-def health_ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health/ready", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 class Probe:
     def __init__(self, supervisor: int, url: str, engine_socket: str, workers: int):
         self.supervisor, self.url = supervisor, url
@@ -55,7 +46,7 @@ class Probe:
         return (
             engine_connections(self.engine_socket) == self.workers
             and len(engine_and_front_ends(self.supervisor)[1]) == self.workers
-            and all(health_ready(self.url) for _ in range(4))
+            and all(ready(self.url) for _ in range(4))
         )
 
     def kill_front_end(self, index: int) -> dict:
@@ -79,13 +70,13 @@ class Probe:
                 "its replacement",
             )
             replacement, _ = engine_and_front_ends(self.supervisor)
-            result["replacement_ready_when_killed"] = health_ready(self.url)
+            result["replacement_ready_when_killed"] = ready(self.url)
             killed_again = time.monotonic()
             os.kill(replacement, signal.SIGKILL)
             result["killed"] = "engine, then its replacement while it loaded"
             result["seconds_between_kills"] = round(killed_again - killed, 3)
             killed = killed_again
-        wait_for(lambda: not health_ready(self.url), 10, "not ready")
+        wait_for(lambda: not ready(self.url), 10, "not ready")
         wait_for(self.all_ready, BACK_WITHIN_S, "ready again")
         result["seconds_to_ready"] = round(time.monotonic() - killed, 3)
         return result

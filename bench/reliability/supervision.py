@@ -117,6 +117,7 @@ class Load:
 
 
 def ready(url: str) -> bool:
+    """Whether ``/health/ready`` answers 200 (on a new connection); False when nothing answers."""
     try:
         return httpx.get(url + "/health/ready", timeout=2).status_code == 200
     except httpx.HTTPError:

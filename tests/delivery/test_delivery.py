@@ -376,10 +376,22 @@ def test_dockerfile_has_the_service_and_export_targets_and_both_variants():
         assert image_stages("builder", variant)[:2] == ["builder", f"builder-{variant}"]
 
 
+def test_both_service_images_make_their_venv_in_one_builder_stage():
+    """The CPU and GPU venvs are made by the same instructions: the chain under ``builder`` runs
+    pip in one stage, the same one for both variants."""
+    stages = dockerfile_stages()
+    for variant in VARIANTS:
+        installing = [
+            name
+            for name in image_stages("builder", variant)
+            if any(i == "RUN" and "pip install" in args for i, args in stages[name])
+        ]
+        assert installing == ["builder"], (variant, installing)
+
+
 def test_the_service_stage_is_written_once():
     """One stage holds what the CPU and GPU images share; no two stages repeat more than the two
-    lines that every pip builder needs (the 16 lines that the separate CPU and GPU stages
-    repeated are gone)."""
+    lines that every pip builder needs."""
     stages = dockerfile_stages()
     serving = [
         name for name, stage in stages.items() if ("CMD", '["python", "-m", "service"]') in stage

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from export import train
 from export.config import PRESETS, ViTConfig
 from export.sample_folders import write_shapes
 from tests.export.runs import shapes_run_args, tiny_run_args
+from tests.support import run_in_repo
 
 REPO = Path(__file__).resolve().parents[2]
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -55,14 +55,7 @@ def run_module():
 
     def run(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        return subprocess.run(
-            [sys.executable, "-m", module, *args],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        return run_in_repo(["-m", module, *args], env, timeout)
 
     return run
 

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import httpx
 import numpy as np
 import pytest
+import tritonclient.grpc
 from tritonclient.grpc import service_pb2_grpc
 
 from tests.support import INTEROP, Server, running_server
@@ -35,8 +35,9 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="module")
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=30) as client:
+def grpc_client(served: tuple[Server, int]) -> Iterator[tritonclient.grpc.InferenceServerClient]:
+    """Triton's own gRPC client on the gRPC port of the module's ``served``."""
+    with tritonclient.grpc.InferenceServerClient(f"127.0.0.1:{served[1]}") as client:
         yield client
 
 

@@ -45,12 +45,6 @@ def served(model_repository: Path, tmp_path_factory) -> Iterator[tuple[Server, i
 
 
 @pytest.fixture(scope="module")
-def client(served) -> Iterator[triton.InferenceServerClient]:
-    with triton.InferenceServerClient(f"127.0.0.1:{served[1]}") as grpc_client:
-        yield grpc_client
-
-
-@pytest.fixture(scope="module")
 def server(served) -> Server:
     """The server of ``served``, for the suite's ``http`` client."""
     return served[0]
@@ -72,17 +66,17 @@ def assert_status(error: pytest.ExceptionInfo, code: grpc.StatusCode, *fragments
 # --- health, metadata, config -------------------------------------------------------------------
 
 
-def test_health_and_metadata(client, http, model_repository):
-    assert client.is_server_live() and client.is_server_ready()
-    assert client.is_model_ready(MODEL_NAME) and client.is_model_ready(MODEL_NAME, "1")
-    assert not client.is_model_ready(MODEL_NAME, "2")
-    assert not client.is_model_ready("no-such-model")
-    server = client.get_server_metadata(as_json=True)
+def test_health_and_metadata(grpc_client, http, model_repository):
+    assert grpc_client.is_server_live() and grpc_client.is_server_ready()
+    assert grpc_client.is_model_ready(MODEL_NAME) and grpc_client.is_model_ready(MODEL_NAME, "1")
+    assert not grpc_client.is_model_ready(MODEL_NAME, "2")
+    assert not grpc_client.is_model_ready("no-such-model")
+    server = grpc_client.get_server_metadata(as_json=True)
     assert server == http.get("/v2").json()
     assert {"model_configuration", "statistics", "model_repository"} <= set(server["extensions"])
     graph = onnx.load(str(model_repository / MODEL_NAME / "1" / "model.onnx")).graph
     dims = [d.dim_value or -1 for d in graph.input[0].type.tensor_type.shape.dim]
-    metadata = client.get_model_metadata(MODEL_NAME, as_json=True)
+    metadata = grpc_client.get_model_metadata(MODEL_NAME, as_json=True)
     assert metadata["inputs"] == [
         {"name": graph.input[0].name, "datatype": "FP32", "shape": [str(d) for d in dims]},
         {"name": "image", "datatype": "BYTES", "shape": ["-1", "1"]},
@@ -91,13 +85,13 @@ def test_health_and_metadata(client, http, model_repository):
     assert metadata["versions"] == ["1"] and metadata["platform"] == "onnxruntime_onnx"
 
 
-def test_model_config_is_the_file_with_the_settings_in_force(client, http, model_repository):
+def test_model_config_is_the_file_with_the_settings_in_force(grpc_client, http, model_repository):
     """The config.pbtxt parsed here with Triton's protobuf, with the server's batching settings
     (max_batch_size 8 and a 50 ms delay from the environment) in force; HTTP answers the same."""
     on_disk = text_format.Parse(
         (model_repository / MODEL_NAME / "config.pbtxt").read_text(), model_config_pb2.ModelConfig()
     )
-    config = client.get_model_config(MODEL_NAME).config
+    config = grpc_client.get_model_config(MODEL_NAME).config
     assert (config.name, config.platform) == (on_disk.name, on_disk.platform)
     # the file's inputs (the graph's), then the encoded-image input, declared as Triton declares a
     # string input; the file never holds it (Triton's ONNX Runtime backend would refuse it)
@@ -111,12 +105,12 @@ def test_model_config_is_the_file_with_the_settings_in_force(client, http, model
     assert on_disk.max_batch_size != 8 and config.max_batch_size == 8
     assert config.dynamic_batching.max_queue_delay_microseconds == 50_000
     assert config.dynamic_batching.default_queue_policy.max_queue_size > 0
-    as_json = client.get_model_config(MODEL_NAME, as_json=True)["config"]
+    as_json = grpc_client.get_model_config(MODEL_NAME, as_json=True)["config"]
     assert http.get(f"/v2/models/{MODEL_NAME}/config").json() == as_json
     assert http.get(f"/v2/models/{MODEL_NAME}/versions/1/config").json() == as_json
-    assert client.get_model_config(MODEL_NAME, "1").config == config
+    assert grpc_client.get_model_config(MODEL_NAME, "1").config == config
     with pytest.raises(InferenceServerException) as error:
-        client.get_model_config(MODEL_NAME, "7")
+        grpc_client.get_model_config(MODEL_NAME, "7")
     assert_status(error, grpc.StatusCode.NOT_FOUND, "unknown version '7'")
 
 
@@ -124,11 +118,11 @@ def test_model_config_is_the_file_with_the_settings_in_force(client, http, model
 
 
 def test_fp32_raw_contents_agree_with_onnxruntime_and_predict(
-    client, http, reference, fashion_images
+    grpc_client, http, reference, fashion_images
 ):
     images = fashion_images[:MAX_IMAGES]
     tensor = Reference.normalise(images)
-    result = client.infer(
+    result = grpc_client.infer(
         MODEL_NAME,
         [fp32_input(tensor)],
         outputs=[
@@ -155,13 +149,13 @@ def test_fp32_raw_contents_agree_with_onnxruntime_and_predict(
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHW"])
 def test_uint8_raw_contents_are_normalised_like_the_reference(
-    client, reference, fashion_images, layout
+    grpc_client, reference, fashion_images, layout
 ):
     images = fashion_images[8:14]
     tensor = np.ascontiguousarray(images[:, None] if layout == "NCHW" else images)
     infer_input = triton.InferInput("images", list(tensor.shape), "UINT8")
     infer_input.set_data_from_numpy(tensor)
-    result = client.infer(MODEL_NAME, [infer_input])  # no output named: every output
+    result = grpc_client.infer(MODEL_NAME, [infer_input])  # no output named: every output
     assert [o.name for o in result.get_response().outputs] == ["logits", "probabilities"]
     np.testing.assert_allclose(
         result.as_numpy("probabilities"), reference.probabilities(images), rtol=1e-4, atol=1e-6
@@ -225,11 +219,11 @@ def test_bad_typed_contents_are_invalid_argument(stub, request_, fragments):
         assert fragment in error.value.details(), (fragment, error.value.details())
 
 
-def test_classification_names_the_labels(client, reference, model_repository, fashion_images):
+def test_classification_names_the_labels(grpc_client, reference, model_repository, fashion_images):
     images = fashion_images[:4]
     tensor = Reference.normalise(images)
     labels = (model_repository / MODEL_NAME / "1" / "labels.txt").read_text().splitlines()
-    result = client.infer(
+    result = grpc_client.infer(
         MODEL_NAME,
         [fp32_input(tensor)],
         outputs=[triton.InferRequestedOutput("logits", class_count=3)],
@@ -247,18 +241,18 @@ def test_classification_names_the_labels(client, reference, model_repository, fa
 # --- errors ---------------------------------------------------------------------------------------
 
 
-def test_errors_are_grpc_statuses_with_the_http_message(client, http, served):
+def test_errors_are_grpc_statuses_with_the_http_message(grpc_client, http, served):
     tensor = np.zeros((1, 1, 28, 28), np.float32)
     with pytest.raises(InferenceServerException) as error:
-        client.infer("resnet50", [fp32_input(tensor)])
+        grpc_client.infer("resnet50", [fp32_input(tensor)])
     assert_status(error, grpc.StatusCode.NOT_FOUND, "unknown model 'resnet50'", MODEL_NAME)
     with pytest.raises(InferenceServerException) as error:
-        client.infer(MODEL_NAME, [fp32_input(tensor)], model_version="2")
+        grpc_client.infer(MODEL_NAME, [fp32_input(tensor)], model_version="2")
     assert_status(error, grpc.StatusCode.NOT_FOUND, "unknown version '2'")
 
     wrong_shape = np.zeros((2, 1, 27, 28), np.float32)
     with pytest.raises(InferenceServerException) as error:
-        client.infer(MODEL_NAME, [fp32_input(wrong_shape)])
+        grpc_client.infer(MODEL_NAME, [fp32_input(wrong_shape)])
     message = assert_status(error, grpc.StatusCode.INVALID_ARGUMENT, "shape [2, 1, 27, 28]")
     body = {"inputs": [{"name": "images", "shape": [2, 1, 27, 28], "datatype": "FP32"}]}
     body["inputs"][0]["data"] = [0.0] * wrong_shape.size
@@ -266,7 +260,7 @@ def test_errors_are_grpc_statuses_with_the_http_message(client, http, served):
 
     too_many = np.zeros((MAX_IMAGES + 1, 1, 28, 28), np.float32)
     with pytest.raises(InferenceServerException) as error:
-        client.infer(MODEL_NAME, [fp32_input(too_many)])
+        grpc_client.infer(MODEL_NAME, [fp32_input(too_many)])
     assert_status(error, grpc.StatusCode.INVALID_ARGUMENT, f"max_images_per_request={MAX_IMAGES}")
 
     # The body limit (256 KiB here) bounds a gRPC message too.
@@ -274,17 +268,17 @@ def test_errors_are_grpc_statuses_with_the_http_message(client, http, served):
     huge.set_data_from_numpy(np.zeros((1, 1, 28, 28), np.float32))
     huge._raw_content = bytes(300 * 1024)
     with pytest.raises(InferenceServerException) as error:
-        client.infer(MODEL_NAME, [huge])
+        grpc_client.infer(MODEL_NAME, [huge])
     assert_status(error, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
     with pytest.raises(InferenceServerException) as error:
-        client.get_system_shared_memory_status()
+        grpc_client.get_system_shared_memory_status()
     assert_status(error, grpc.StatusCode.UNIMPLEMENTED, "SystemSharedMemoryStatus")
     with pytest.raises(InferenceServerException) as error:
-        client.load_model(MODEL_NAME)  # the model control mode is 'none'
+        grpc_client.load_model(MODEL_NAME)  # the model control mode is 'none'
     message = assert_status(error, grpc.StatusCode.INVALID_ARGUMENT, "model control mode is 'none'")
     assert http.post(f"/v2/repository/models/{MODEL_NAME}/load").json() == {"error": message}
-    assert client.is_server_ready()  # and it keeps serving
+    assert grpc_client.is_server_ready()  # and it keeps serving
 
 
 class Records(logging.Handler):
@@ -357,19 +351,19 @@ def test_api_key_is_bearer_metadata(model_repository, fashion_images):
 # --- statistics -----------------------------------------------------------------------------------
 
 
-def stats_of(client: triton.InferenceServerClient) -> service_pb2.ModelStatistics:
-    (entry,) = client.get_inference_statistics(MODEL_NAME).model_stats
+def stats_of(grpc_client: triton.InferenceServerClient) -> service_pb2.ModelStatistics:
+    (entry,) = grpc_client.get_inference_statistics(MODEL_NAME).model_stats
     return entry
 
 
-def test_statistics_count_exactly_what_was_sent(client, http):
-    before = stats_of(client)
+def test_statistics_count_exactly_what_was_sent(grpc_client, http):
+    before = stats_of(grpc_client)
     sizes = [1, 3, 2]
     for size in sizes:
-        client.infer(MODEL_NAME, [fp32_input(np.zeros((size, 1, 28, 28), np.float32))])
+        grpc_client.infer(MODEL_NAME, [fp32_input(np.zeros((size, 1, 28, 28), np.float32))])
     with pytest.raises(InferenceServerException):
-        client.infer(MODEL_NAME, [fp32_input(np.zeros((1, 1, 27, 28), np.float32))])
-    after = stats_of(client)
+        grpc_client.infer(MODEL_NAME, [fp32_input(np.zeros((1, 1, 27, 28), np.float32))])
+    after = stats_of(grpc_client)
     assert (after.name, after.version) == (MODEL_NAME, "1")
     assert after.inference_count - before.inference_count == sum(sizes)
     stats, earlier = after.inference_stats, before.inference_stats

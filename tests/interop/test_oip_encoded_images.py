@@ -71,12 +71,6 @@ def http_client(served) -> Iterator[triton_http.InferenceServerClient]:
 
 
 @pytest.fixture(scope="module")
-def grpc_client(served) -> Iterator[triton_grpc.InferenceServerClient]:
-    with triton_grpc.InferenceServerClient(f"127.0.0.1:{served[1]}") as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def predicted(http: httpx.Client) -> np.ndarray:
     """``/predict``'s probabilities for FILES (multipart, the service's defaults), [files, classes]."""
     files = [("files", (f"f{i}", data)) for i, data in enumerate(FILES)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import tritonclient.http as triton
 from fastapi.testclient import TestClient
@@ -36,12 +35,6 @@ def server(model_repository: Path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server) -> Iterator[triton.InferenceServerClient]:
     with triton.InferenceServerClient(server.url.removeprefix("http://")) as http_client:
-        yield http_client
-
-
-@pytest.fixture(scope="module")
-def http(server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=30) as http_client:
         yield http_client
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from prometheus_client import CollectorRegistry, multiprocess
 
 from service.observability.metrics import ARCHIVE, retire_process
 from tests.reliability.full_disk import full_tmpfs
-from tests.support import REPO
+from tests.support import REPO, run_python
 
 MANY_ROUTES = """
 from service.observability.metrics import Metrics, exposition
@@ -42,14 +41,7 @@ def python(script: str, metrics_dir: Path, *args: str) -> subprocess.CompletedPr
         "PYTHONPATH": str(REPO),
         "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
     }
-    return subprocess.run(
-        [sys.executable, "-c", script, *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_python(script, env, *args)
 
 
 @pytest.mark.parametrize("room_kib", [0, 96], ids=["no room", "room for the first size only"])

@@ -36,7 +36,8 @@ class Model:
         return images.reshape(len(images), -1).sum(axis=1), np.full(len(images), len(images))
 
 
-def batcher(model: Model, **options) -> DynamicBatcher:
+def batcher(model: Model | list, **options) -> DynamicBatcher:
+    """A batcher of ``model`` (or of one instance per item of a list) with these tests' limits."""
     values = {
         "max_batch_size": 8,
         "max_queue_delay_s": 0.05,
@@ -227,16 +228,7 @@ def test_max_queue_delay_counts_from_the_oldest_item_while_an_instance_is_busy()
     async def scenario():
         model = Model()
         held_first = HoldFirstCall(model)
-        b = DynamicBatcher(
-            "test",
-            [held_first, held_first],
-            max_batch_size=100,
-            max_queue_delay_s=1.0,
-            max_queue_size=64,
-            timeout_s=10.0,
-            retry_after_s=2,
-            metrics=Metrics(),
-        )
+        b = batcher([held_first, held_first], max_batch_size=100, max_queue_delay_s=1.0)
         b.start()
         held = asyncio.create_task(submit(b, rows(0)))  # every instance idle: runs at once, held
         await asyncio.sleep(0.1)

@@ -337,16 +337,11 @@ def test_preferred_batch_sizes_run_the_largest_waiting_at_once_without_the_delay
     async def scenario():
         model = Model()
         held_first = HoldFirstCall(model)
-        b = DynamicBatcher(
-            "classifier",
+        b = make(
             [held_first, held_first],
             max_batch_size=8,
             preferred_batch_sizes=(2, 4),
             max_queue_delay_s=30.0,
-            max_queue_size=16,
-            timeout_s=10.0,
-            retry_after_s=7,
-            metrics=Metrics(),
         )
         b.start()
         held = asyncio.create_task(submit(b, rows(0)))  # all idle: runs at once, holds one instance

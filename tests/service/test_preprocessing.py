@@ -26,15 +26,11 @@ def metadata(
         height=height,
         width=width,
         patch=4,
-        preprocessing={
-            "color": "grayscale" if channels == 1 else "rgb",
-            "resize": "fit-pad",
-            "pad_value": 0,
-            "polarity": polarity,
-            "scale": 1 / 255,
-            "mean": [MEAN] * channels,
-            "std": [STD] * channels,
-        },
+        mean=[MEAN] * channels,
+        std=[STD] * channels,
+        resize="fit-pad",
+        pad_value=0,
+        polarity=polarity,
     )
 
 

@@ -29,16 +29,11 @@ def photo_metadata(size: int = 224, channels: int = 3, **preprocessing: object) 
         height=size,
         width=size,
         patch=16,
-        preprocessing={
-            "color": "rgb" if channels == 3 else "grayscale",
-            "polarity": "natural",
-            "scale": 1 / 255,
-            "mean": list(MEAN[:channels]),
-            "std": list(STD[:channels]),
-            **preprocessing,
-        },
+        mean=MEAN[:channels],
+        std=STD[:channels],
         pooling="token",
         class_token=True,
+        **{"polarity": "natural", **preprocessing},
     )
 
 

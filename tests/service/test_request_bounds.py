@@ -25,11 +25,15 @@ BUDGET = 1000  # pixels per request
 PER_IMAGE = 100  # pixels per image, for the /attention body bound
 
 
+def app_with(model_repository: Path, **limits: int) -> Iterator[TestClient]:
+    """An in-process app with the tests' settings and ``limits`` over them, for a fixture."""
+    with TestClient(create_app(make_settings(model_repository, **limits))) as client:
+        yield client
+
+
 @pytest.fixture(scope="module")
 def budgeted(model_repository: Path) -> Iterator[TestClient]:
-    settings = make_settings(model_repository, max_pixels_per_request=BUDGET)
-    with TestClient(create_app(settings)) as client:
-        yield client
+    yield from app_with(model_repository, max_pixels_per_request=BUDGET)
 
 
 def png(width: int, height: int) -> bytes:
@@ -68,9 +72,7 @@ def test_the_pixel_budget_applies_to_base64_json_and_to_attention(budgeted):
 
 @pytest.fixture(scope="module")
 def small_images(model_repository: Path) -> Iterator[TestClient]:
-    settings = make_settings(model_repository, max_pixels_per_image=PER_IMAGE)
-    with TestClient(create_app(settings)) as client:
-        yield client
+    yield from app_with(model_repository, max_pixels_per_image=PER_IMAGE)
 
 
 def body_with_values(key: str, values: int) -> bytes:

@@ -33,12 +33,6 @@ def server(model_repository, tmp_path_factory):
         yield running
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=30) as client:
-        yield client
-
-
 def test_predictions_over_http_match_onnxruntime(http, fashion_images, reference):
     images = fashion_images[:8]
     response = http.post(

@@ -83,6 +83,20 @@ def version(number: int, model: Gated, metrics: Metrics, batch: int) -> SimpleNa
     )
 
 
+def live_and_candidate() -> tuple[
+    Gated, Gated, SimpleNamespace, SimpleNamespace, Comparison, ModelShadow
+]:
+    """Version 1 live and version 2 its candidate, each on a gated model of its own (the live one
+    runs one image a batch, so that two requests wait while one runs; the candidate up to four), and
+    the comparison and shadow between them; no batcher started."""
+    metrics = Metrics()
+    live_model, candidate_model = Gated(), Gated()
+    live = version(1, live_model, metrics, batch=1)
+    candidate = version(2, candidate_model, metrics, batch=4)
+    comparison = Comparison("m", 1, 2, metrics.shadow)
+    return live_model, candidate_model, live, candidate, comparison, ModelShadow("m")
+
+
 async def until(condition, what: str) -> None:
     """Let the event loop and the model threads move until ``condition()``; bounded, not timed."""
     for _ in range(3000):
@@ -94,15 +108,9 @@ async def until(condition, what: str) -> None:
 
 def test_under_load_the_shadow_is_shed_first_and_no_live_request_waits_behind_it():
     async def scenario() -> None:
-        metrics = Metrics()
-        live_model, candidate_model = Gated(), Gated()
-        # live runs one image a batch, so that two requests wait while one runs
-        live = version(1, live_model, metrics, batch=1)
-        candidate = version(2, candidate_model, metrics, batch=4)
+        live_model, candidate_model, live, candidate, comparison, shadow = live_and_candidate()
         live.classifier.start()
         candidate.classifier.start()
-        comparison = Comparison("m", 1, 2, metrics.shadow)
-        shadow = ModelShadow("m")
         plan = CandidatePlan(candidate_version=2, shadow_percent=100, shadow_queue_size=2)
 
         def request(value: float) -> Live:
@@ -158,14 +166,9 @@ def test_under_load_the_shadow_is_shed_first_and_no_live_request_waits_behind_it
 
 def test_a_candidate_that_takes_other_rows_is_never_run_on_the_live_ones():
     async def scenario() -> Comparison:
-        metrics = Metrics()
-        live_model, candidate_model = Gated(), Gated()
-        live = version(1, live_model, metrics, batch=1)
-        candidate = version(2, candidate_model, metrics, batch=4)
+        live_model, candidate_model, live, candidate, comparison, shadow = live_and_candidate()
         candidate.view = SimpleNamespace(preprocessing_key=("input", "another normalisation"))
         live.classifier.start()
-        comparison = Comparison("m", 1, 2, metrics.shadow)
-        shadow = ModelShadow("m")
         call = Live(np.ones((1, 1, 1, 1), dtype=np.float32))
         plan = CandidatePlan(candidate_version=2, shadow_percent=100)
         shadow.offer(call.request, live, candidate, comparison, plan)  # type: ignore[arg-type]
