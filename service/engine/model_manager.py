@@ -21,11 +21,7 @@ import contextlib
 import logging
 from pathlib import Path
 
-from service.contract.model_config import (
-    ModelConfig,
-    ServingConfig,
-    select_versions,
-)
+from service.contract.model_config import ModelConfig, ServingConfig, select_versions
 from service.contract.model_repository import (
     CONFIG_FILE,
     ModelLoadError,
@@ -338,22 +334,16 @@ class ModelManager:
         previous = model.versions.get(version)
         if previous is None:
             model.versions[version] = VersionStatus(version, "LOADING", signature=signature)
+        batching, limits = self.settings.batching, self.settings.limits
         try:
             runtime = await asyncio.to_thread(
-                Runtime.load, files, self.settings.runtime, model.serving, self.settings.batching
+                Runtime.load, files, self.settings.runtime, model.serving, batching
             )
         except (ModelLoadError, MemoryError) as error:  # never left LOADING
             reason = relative(str(error) or "out of memory (MemoryError)", self.repository)
             self._record_failure(model, version, previous, signature, reason)
             return reason
-        pipeline = ModelPipeline(
-            model.name,
-            runtime,
-            model.serving,
-            self.settings.batching,
-            self.settings.limits,
-            self.metrics,
-        )
+        pipeline = ModelPipeline(model.name, runtime, model.serving, batching, limits, self.metrics)
         pipeline.start()
         old = previous.pipeline if previous is not None else None
         model.versions[version] = VersionStatus(
