@@ -29,7 +29,7 @@ async def _serve(handler: Handler, request: Request, name: str | None, version: 
     check_request_api_key(request)
     state = frontend_state(request)
     view = state.engine.table.route(name, version, request.headers.get(CLIENT_KEY_HEADER))
-    return await handler(request, ServedVersion(state, view, version))
+    return await handler(request, ServedVersion.of(request, state, view, version))
 
 
 def add_model_routes(

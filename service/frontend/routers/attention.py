@@ -26,7 +26,7 @@ from service.frontend.schemas import (
     AttentionResponse,
     ModelRef,
 )
-from service.frontend.serving import Call, ServedVersion
+from service.frontend.serving import ServedVersion
 
 # The routes check the API key (service/frontend/routers/_routes.py).
 router = APIRouter(tags=["inference"])
@@ -84,7 +84,7 @@ async def attention(request: Request, served: ServedVersion) -> Response | Atten
                 field="head",
             )
     top_k = check_top_k(options.top_k, meta.labels, given="top_k" in options.model_fields_set)
-    prepared, logits, maps = await served.attend(image, options.invert, Call.of(request))
+    prepared, logits, maps = await served.attend(image, options.invert)
     best = prediction(logits, meta.labels, top_k)
     grid = meta.grid
     heatmap = await run_in_threadpool(

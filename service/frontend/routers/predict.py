@@ -23,7 +23,7 @@ from service.frontend.schemas import (
     PredictRequest,
     PredictResponse,
 )
-from service.frontend.serving import Call, ServedVersion
+from service.frontend.serving import ServedVersion
 
 # The routes check the API key (service/frontend/routers/_routes.py).
 router = APIRouter(tags=["inference"])
@@ -71,7 +71,7 @@ async def predict(request: Request, served: ServedVersion) -> Response:
         )
     labels = served.metadata.labels
     top_k = check_top_k(options.top_k, labels, given="top_k" in options.model_fields_set)
-    logits = await served.classify(images, options.invert, Call.of(request))
+    logits = await served.classify(images, options.invert)
     # built as JSON directly: the dicts have PredictResponse's shape (tests check it against the
     # schema), without a second validation of every number by the response model
     body = {
