@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic_core import to_json
 
 from service.errors import InvalidInput
+from service.frontend.hot_routes import add_model_routes
 from service.frontend.inputs import (
     MULTIPART,
     image_from_json,
@@ -16,7 +17,6 @@ from service.frontend.inputs import (
 )
 from service.frontend.predictions import check_top_k, predictions
 from service.frontend.routers._openapi import ERROR_RESPONSES, multipart_schema, request_body
-from service.frontend.routers._routes import add_model_routes
 from service.frontend.schemas import (
     EXAMPLE_PNG_B64,
     PredictOptions,
@@ -25,7 +25,7 @@ from service.frontend.schemas import (
 )
 from service.frontend.serving import ServedVersion
 
-# The routes check the API key (service/frontend/routers/_routes.py).
+# The routes check the API key (service/frontend/hot_routes.py).
 router = APIRouter(tags=["inference"])
 
 _MULTIPART = multipart_schema(
