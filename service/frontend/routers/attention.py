@@ -17,8 +17,8 @@ from service.frontend.inputs import (
     read_multipart,
     require_body_type,
 )
-from service.frontend.predictions import check_top_k, prediction
 from service.frontend.routers._openapi import ERROR_RESPONSES, multipart_schema, request_body
+from service.frontend.routers.predict import check_top_k, prediction
 from service.frontend.schemas import (
     EXAMPLE_PNG_B64,
     AttentionOptions,
