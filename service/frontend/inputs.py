@@ -277,6 +277,29 @@ def image_from_json(image: ImageInput, field: str) -> RawImage:
     return RawImage(field=f"{field}.b64", data=data)
 
 
+async def read_images(
+    request: Request, model: type[Options], options: type[Options], file_field: str, max_images: int
+) -> tuple[list[RawImage], Options]:
+    """A /predict or /attention body's images and options, by its content type: JSON validated as
+    ``model`` (its ``images``, at most ``max_images``, or its one ``image``), or multipart/form-data
+    with the file parts named ``file_field`` (``read_multipart``: at most one more than
+    ``max_images`` is read, for the caller to refuse) and the other fields validated as ``options``
+    (``model`` without the images)."""
+    if require_body_type(request) == MULTIPART:
+        return await read_multipart(request, file_field, max_images, options)
+    body = await read_json(request, model)
+    if "images" not in model.model_fields:
+        return [image_from_json(body.image, "image")], body  # type: ignore[attr-defined]
+    images = body.images  # type: ignore[attr-defined]
+    if len(images) > max_images:
+        raise InvalidInput(
+            f"images: {len(images)} images; the limit is max_images_per_request={max_images}",
+            field="images",
+            code="too_many_images",
+        )
+    return [image_from_json(image, f"images[{i}]") for i, image in enumerate(images)], body
+
+
 async def read_multipart(
     request: Request, file_field: str, max_files: int, options: type[Options]
 ) -> tuple[list[RawImage], Options]:

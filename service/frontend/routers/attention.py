@@ -10,13 +10,7 @@ from starlette.concurrency import run_in_threadpool
 from service.contract.attention_maps import attention_map, overlay_png
 from service.errors import InvalidInput
 from service.frontend.hot_routes import add_model_routes
-from service.frontend.inputs import (
-    MULTIPART,
-    image_from_json,
-    read_json,
-    read_multipart,
-    require_body_type,
-)
+from service.frontend.inputs import read_images
 from service.frontend.routers._openapi import ERROR_RESPONSES, multipart_schema, request_body
 from service.frontend.routers.predict import check_top_k, prediction
 from service.frontend.schemas import (
@@ -54,16 +48,12 @@ _EXAMPLES = {
 
 async def attention(request: Request, served: ServedVersion) -> Response | AttentionResponse:
     served.require_attention()
-    if require_body_type(request) == MULTIPART:
-        images, options = await read_multipart(request, "file", 1, AttentionOptions)
-        if len(images) != 1:
-            raise InvalidInput(
-                f"file: send exactly one file part named 'file' (got {len(images)})", field="file"
-            )
-        image = images[0]
-    else:
-        body = await read_json(request, AttentionRequest)
-        image, options = image_from_json(body.image, "image"), body
+    images, options = await read_images(request, AttentionRequest, AttentionOptions, "file", 1)
+    if len(images) != 1:  # a multipart body's file parts (JSON holds one image)
+        raise InvalidInput(
+            f"file: send exactly one file part named 'file' (got {len(images)})", field="file"
+        )
+    image = images[0]
     meta = served.metadata
     layer = meta.depth - 1 if options.layer is None else options.layer
     if layer >= meta.depth:

@@ -18,13 +18,7 @@ from pydantic_core import to_json
 from service.contract.probabilities import softmax
 from service.errors import InvalidInput
 from service.frontend.hot_routes import add_model_routes
-from service.frontend.inputs import (
-    MULTIPART,
-    image_from_json,
-    read_json,
-    read_multipart,
-    require_body_type,
-)
+from service.frontend.inputs import read_images
 from service.frontend.routers._openapi import ERROR_RESPONSES, multipart_schema, request_body
 from service.frontend.schemas import (
     EXAMPLE_PNG_B64,
@@ -87,22 +81,11 @@ def prediction(logits: np.ndarray, labels: list[str], top_k: int) -> Prediction:
 
 async def predict(request: Request, served: ServedVersion) -> Response:
     limit = served.settings.limits.max_images_per_request
-    if require_body_type(request) == MULTIPART:
-        images, options = await read_multipart(request, "files", limit, PredictOptions)
-        if not images:
-            raise InvalidInput(
-                "files: no file part; send one or more parts named 'files'", field="files"
-            )
-    else:
-        body = await read_json(request, PredictRequest)
-        if len(body.images) > limit:
-            raise InvalidInput(
-                f"images: {len(body.images)} images; the limit is max_images_per_request={limit}",
-                field="images",
-                code="too_many_images",
-            )
-        images = [image_from_json(image, f"images[{i}]") for i, image in enumerate(body.images)]
-        options = body
+    images, options = await read_images(request, PredictRequest, PredictOptions, "files", limit)
+    if not images:  # a multipart body without file parts (JSON needs one image at least)
+        raise InvalidInput(
+            "files: no file part; send one or more parts named 'files'", field="files"
+        )
     if len(images) > limit:
         raise InvalidInput(
             f"files: {len(images)} files; the limit is max_images_per_request={limit}",
