@@ -22,12 +22,7 @@ import numpy as np
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from service.contract.preprocessing import (
-    Invert,
-    Prepared,
-    Preprocessor,
-    pixels_to_decode,
-)
+from service.contract.preprocessing import Invert, Prepared, Preprocessor, pixels_to_decode
 from service.errors import InvalidInput, NotFound, ServiceError, ServiceUnavailable
 from service.frontend.error_responses import request_id_of
 from service.frontend.inputs import RawImage
