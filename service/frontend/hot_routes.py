@@ -1,10 +1,20 @@
-"""The inference routes, answered without FastAPI's routing once FastAPI has chosen them for a path.
+"""The inference routes: one handler on three paths, each request's API key and model version checked
+by the route itself, and answered without FastAPI's routing once FastAPI has chosen them for a path.
 
-At c=64 single-image requests, FastAPI's and Starlette's own frames held 18% of a front end's py-spy
-samples, most of them under the app's middleware: matching the path against every router, solving
-the endpoint's dependencies, and the exception and exit-stack wrappers (BENCHMARKS.md, "The hot
-lane"). The hot endpoints (:func:`hot`) need none of it. They take the request and string path
-parameters only, check the API key themselves, and return a finished ``Response``.
+``add_model_routes`` registers a handler for the default model (``/predict``), a model by name
+(``/models/{name}/predict``) and one version of it (``/models/{name}/versions/{version}/predict``). The
+routes check the API key and resolve the model version themselves rather than through FastAPI
+dependencies: on the inference path a generator dependency (an exit stack, a shielded context) and a
+security sub-dependency cost more of the event loop than decoding a thumbnail does. The OpenAPI
+document still declares the bearer scheme for them (``service.frontend.security.OPENAPI_SECURITY``).
+
+With ``hot_lane``, the default model's and a named model's routes are hot (:func:`hot`); one
+version's is not, as FastAPI checks its version number. At c=64 single-image requests, FastAPI's and
+Starlette's own frames held 18% of a front end's py-spy samples, most of them under the app's
+middleware: matching the path against every router, solving the endpoint's dependencies, and the
+exception and exit-stack wrappers (BENCHMARKS.md, "The hot lane"). The hot endpoints need none of
+it. They take the request and string path parameters only, check the API key themselves, and
+return a finished ``Response``.
 
 The first request for a method and path goes through FastAPI. When the route FastAPI chose for it
 is hot, later requests for that method and path call its endpoint directly. They get the same path
@@ -15,9 +25,10 @@ An exception with no handler, or only the handler of ``Exception`` or 500, is le
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, get_type_hints
 
+from fastapi import APIRouter, Path
 from fastapi.routing import APIRoute
 from starlette._utils import is_async_callable
 from starlette.concurrency import run_in_threadpool
@@ -26,6 +37,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from service.contract.candidates import CLIENT_KEY_HEADER
+from service.frontend.security import OPENAPI_SECURITY, check_request_api_key
+from service.frontend.serving import ServedVersion
+from service.frontend.state import frontend_state
+
+Handler = Callable[[Request, ServedVersion], Awaitable[Any]]
 
 _HOT: set[Callable[..., Any]] = set()
 
@@ -69,6 +87,58 @@ def check_hot_routes(routes: Iterable[BaseRoute]) -> None:
                 f"{route.path}: a hot endpoint takes only the request and string path parameters "
                 "(service/frontend/hot_routes.py)"
             )
+
+
+async def _serve(handler: Handler, request: Request, name: str | None, version: int | None) -> Any:
+    check_request_api_key(request)
+    state = frontend_state(request)
+    view = state.engine.table.route(name, version, request.headers.get(CLIENT_KEY_HEADER))
+    return await handler(request, ServedVersion.of(request, state, view, version))
+
+
+def add_model_routes(
+    router: APIRouter,
+    suffix: str,
+    handler: Handler,
+    *,
+    summary: str,
+    hot_lane: bool = False,
+    **route: Any,
+) -> None:
+    """Register ``handler`` as POST ``suffix`` under each prefix, with the model version it runs on."""
+
+    async def default_model(request: Request) -> Any:
+        return await _serve(handler, request, None, None)
+
+    async def named_model(request: Request, name: str) -> Any:
+        return await _serve(handler, request, name, None)
+
+    async def one_version(request: Request, name: str, version: int = Path(ge=1)) -> Any:
+        return await _serve(handler, request, name, version)
+
+    if hot_lane:
+        hot(default_model, answers=handler)
+        hot(named_model, answers=handler)
+    openapi_extra = {**route.pop("openapi_extra", {}), **OPENAPI_SECURITY}
+    for prefix, endpoint, which, kind in (
+        ("", default_model, "", ""),
+        ("/models/{name}", named_model, " (a model by name)", "_model"),
+        (
+            "/models/{name}/versions/{version}",
+            one_version,
+            " (one version of a model)",
+            "_model_version",
+        ),
+    ):
+        router.add_api_route(
+            prefix + suffix,
+            endpoint,
+            methods=["POST"],
+            name=handler.__name__ + kind,  # and operation id: predict, predict_model, ...
+            summary=summary + which,
+            openapi_extra=openapi_extra,
+            **route,
+        )
 
 
 class HotRoutes:

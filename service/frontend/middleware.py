@@ -16,8 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import PayloadTooLarge
 from service.frontend.error_responses import error_body, is_protocol_path
-from service.frontend.inputs import current_json_limits
-from service.frontend.json_guard import ImageJsonLimits
+from service.frontend.inputs import ImageJsonLimits, current_json_limits
 from service.observability import logs
 from service.observability.metrics import Metrics
 

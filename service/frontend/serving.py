@@ -1,37 +1,150 @@
-"""The model version a request is served by, as a front end holds it: decode here, run in the engine.
+"""A request as a front end serves it, decoded here and run in the engine.
 
-Every route that runs a model goes through here (``classify`` for /predict, ``attend`` for /attention,
-``infer`` for the Open Inference Protocol's tensors), so the order is the same everywhere: decode and
-preprocess with this version's metadata under a decode slot (on the event loop for thumbnails, else in a
-thread), then hand the rows to the engine with the request's id and a signal that completes when the client
-has gone, so that its rows still queued never run.
+Every route that runs a model goes through ``ServedVersion`` (``classify`` for /predict, ``attend`` for
+/attention, ``infer`` for the Open Inference Protocol's tensors): the model version the request was
+routed to, the request's id, and how to tell that its client has gone. So the order is the same
+everywhere: refuse at once when the engine cannot queue the images, decode and preprocess with this
+version's metadata under a decode slot (on the event loop for thumbnails, where a thread hop costs more
+than the decode, else in a thread), then hand the rows to the engine with the request's id and a signal
+that completes when the client has gone, so that its rows still queued never run. Only the rows travel
+to the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from service.contract.preprocessing import Invert, Prepared, Preprocessor
-from service.errors import NotFound, ServiceError
-from service.frontend.decode import (
-    INLINE_TENSOR_BYTES,
-    client_gone,
-    decode_inline,
-    prepare_batch,
-)
+from service.contract.preprocessing import Invert, Prepared, Preprocessor, pixels_to_decode
+from service.errors import InvalidInput, NotFound, ServiceError, ServiceUnavailable
 from service.frontend.error_responses import request_id_of
 from service.frontend.inputs import RawImage
-from service.frontend.state import FrontendState
 from service.link.protocol import Graph, Outputs, VersionView
 from service.observability import tracing
-from service.settings import Settings
+from service.observability.metrics import Metrics
+from service.settings import LimitSettings, Settings
+
+if TYPE_CHECKING:
+    from service.frontend.state import FrontendState
+
+
+class DecodeGate:
+    """At most ``slots`` requests decode at once; at most ``max_waiters`` wait for a slot, each for at
+    most ``timeout_s``; beyond either, 503 with Retry-After at once."""
+
+    def __init__(self, limits: LimitSettings, metrics: Metrics) -> None:
+        self._slots = asyncio.Semaphore(limits.max_concurrent_decodes)
+        self._max_waiters = limits.max_decode_waiters
+        self._timeout_s = limits.decode_wait_timeout_s
+        self._retry_after_s = limits.retry_after_s
+        self._metrics = metrics
+        self.waiting = 0
+
+    def _refuse(self, reason: str, message: str) -> ServiceUnavailable:
+        self._metrics.decode_rejections.labels(reason).inc()
+        return ServiceUnavailable(message, code="decode_busy", retry_after_s=self._retry_after_s)
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        if self._slots.locked() and self.waiting >= self._max_waiters:
+            raise self._refuse(
+                "waiters_full",
+                f"every decode slot is busy and {self.waiting} requests are waiting for one (the "
+                f"limit is max_decode_waiters={self._max_waiters}); retry after "
+                f"{self._retry_after_s} s",
+            )
+        self.waiting += 1
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise self._refuse(
+                "timeout",
+                f"no decode slot came free within decode_wait_timeout_s={self._timeout_s} s; retry "
+                f"after {self._retry_after_s} s",
+            ) from None
+        finally:
+            self.waiting -= 1
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+
+# Requests whose images have at most this many pixels in all are decoded on the event loop: a thread
+# hop costs more than decoding a few thumbnails (BENCHMARKS.md), and such work cannot hold the loop long.
+INLINE_PIXELS = 64 * 64 * 4
+# Tensor requests of at most this many bytes are decoded, and answered, on the event loop too: waking a
+# decode thread took ten times the time of parsing one 28 x 28 FP32 JSON tensor (profile at c=64).
+INLINE_TENSOR_BYTES = 64 * 1024
+
+
+def declared_pixels(image: RawImage) -> int | None:
+    """The pixel count an image declares before any decoding: a pixel list's shape, or the header of
+    a PNG, GIF or BMP; None when it cannot be told cheaply (JPEG, WebP, malformed)."""
+    if image.data is None:
+        rows = image.pixels if isinstance(image.pixels, list) else []
+        first = rows[0] if rows and isinstance(rows[0], list) else []
+        if first and isinstance(first[0], list):  # C x H x W
+            return len(rows) * len(first) * len(first[0])
+        return len(rows) * len(first) if first else None
+    return pixels_to_decode(image.data)  # what decoding makes, not what a header claims
+
+
+def decode_inline(images: list[RawImage]) -> bool:
+    total = 0
+    for image in images:
+        pixels = declared_pixels(image)
+        if pixels is None:
+            return False
+        total += pixels
+    return total <= INLINE_PIXELS
+
+
+def prepare_batch(
+    preprocessor: Preprocessor, images: list[RawImage], invert: Invert, pixel_budget: int
+) -> list[Prepared]:
+    """Decode and preprocess every image of a request, within its pixel budget (blocking)."""
+    prepared, pixels = [], 0
+    for image in images:
+        if image.data is None:
+            prepared.append(preprocessor.from_pixels(image.pixels, image.field, invert))
+            continue
+        decoded = preprocessor.decode(image.data, image.field)
+        pixels += decoded.size[0] * decoded.size[1]
+        if pixels > pixel_budget:
+            raise InvalidInput(
+                f"{image.field}: the request's images have more than max_pixels_per_request="
+                f"{pixel_budget} pixels together; send fewer or smaller images per request",
+                field=image.field,
+                code="too_many_pixels",
+            )
+        prepared.append(preprocessor.from_image(decoded, invert))
+    return prepared
+
+
+# How a request tells that its client has gone: called once the request has been read, it returns a
+# signal that completes then (a task or a future: a request refused before it waits leaves nothing
+# un-awaited).
+ClientGone = Callable[[], Awaitable[object]]
+
+
+def client_gone(request: Request) -> ClientGone:
+    """An HTTP request's: its next ASGI message is a disconnect (the body has been read by then)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return lambda: asyncio.ensure_future(disconnected())
+
 
 _PREPROCESSORS: dict[tuple[tuple[str, str], int], Preprocessor] = {}
 
@@ -47,30 +160,34 @@ def _preprocessor(view: VersionView, max_pixels: int) -> Preprocessor:
     return preprocessor
 
 
-@dataclass(frozen=True)
-class Call:
-    """Who is asking: the request id, and a signal that completes when the client has gone."""
-
-    request_id: str | None
-    disconnected: Awaitable[object] | None = None
-
-    @classmethod
-    def of(cls, request: Request) -> Call:
-        # a task, not a bare coroutine: a request refused before it waits leaves nothing un-awaited
-        return cls(request_id_of(request), asyncio.ensure_future(client_gone(request)))
-
-
 class ServedVersion:
-    """One request's model version: its name, version, metadata and the calls that run it."""
+    """One request as the front end serves it: the model version it was routed to (its name,
+    version, metadata), its id, how to tell that its client has gone, and the calls that run it."""
 
-    def __init__(self, state: FrontendState, view: VersionView, requested: int | None) -> None:
+    def __init__(
+        self,
+        state: FrontendState,
+        view: VersionView,
+        requested: int | None,
+        request_id: str | None = None,
+        client_gone: ClientGone | None = None,
+    ) -> None:
         self.state = state
         self.view = view
         self.requested = requested
+        self.request_id = request_id
+        self.client_gone = client_gone
         self.name = view.name
         self.version = view.version
         self.metadata = view.metadata
         self.serving = view.serving
+
+    @classmethod
+    def of(
+        cls, request: Request, state: FrontendState, view: VersionView, requested: int | None
+    ) -> ServedVersion:
+        """An HTTP request's, with the id the middleware gave it."""
+        return cls(state, view, requested, request_id_of(request), client_gone(request))
 
     @property
     def settings(self) -> Settings:
@@ -84,7 +201,6 @@ class ServedVersion:
         self,
         graph: Graph,
         prepare: Callable[[], np.ndarray],
-        call: Call,
         images: int,
         inline: bool = False,
     ) -> Outputs:
@@ -102,11 +218,12 @@ class ServedVersion:
         except ServiceError:
             self.state.engine.record_failure(self.view, time.perf_counter_ns() - entered)
             raise
+        disconnected = None if self.client_gone is None else self.client_gone()
         return await self.state.engine.infer(
-            self.view, self.requested, graph, rows, call.request_id, call.disconnected
+            self.view, self.requested, graph, rows, self.request_id, disconnected
         )
 
-    async def classify(self, images: list[RawImage], invert: Invert, call: Call) -> np.ndarray:
+    async def classify(self, images: list[RawImage], invert: Invert) -> np.ndarray:
         """Logits ``[images, classes]``, in order."""
         budget = self.settings.limits.max_pixels_per_request
         preprocessor = self.preprocessor
@@ -115,11 +232,11 @@ class ServedVersion:
             batch = prepare_batch(preprocessor, images, invert, budget)
             return np.stack([item.tensor for item in batch])
 
-        (logits,) = await self._run("classifier", prepare, call, len(images), decode_inline(images))
+        (logits,) = await self._run("classifier", prepare, len(images), decode_inline(images))
         return logits
 
     async def attend(
-        self, image: RawImage, invert: Invert, call: Call
+        self, image: RawImage, invert: Invert
     ) -> tuple[Prepared, np.ndarray, np.ndarray]:
         """The prepared image, its logits and its attention ``[layers, heads, tokens, tokens]``."""
         self.require_attention()
@@ -134,7 +251,7 @@ class ServedVersion:
             )
             return prepared[0].tensor[np.newaxis]
 
-        logits, maps = await self._run("attention", prepare, call, 1)
+        logits, maps = await self._run("attention", prepare, 1)
         return prepared[0], logits[0], maps[0]
 
     def require_attention(self) -> None:
@@ -146,12 +263,10 @@ class ServedVersion:
                 code="no_attention_graph",
             )
 
-    async def infer(
-        self, decode: Callable[[], np.ndarray], call: Call, request_bytes: int
-    ) -> np.ndarray:
+    async def infer(self, decode: Callable[[], np.ndarray], request_bytes: int) -> np.ndarray:
         """Logits ``[N, classes]`` of a tensor batch that ``decode`` builds (blocking) from a request
         of ``request_bytes``: on the event loop up to ``INLINE_TENSOR_BYTES``, else in a thread under
         a decode slot."""
         inline = request_bytes <= INLINE_TENSOR_BYTES
-        (logits,) = await self._run("classifier", decode, call, 1, inline)
+        (logits,) = await self._run("classifier", decode, 1, inline)
         return logits

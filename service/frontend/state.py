@@ -10,7 +10,7 @@ from typing import Literal
 
 from fastapi import Request
 
-from service.frontend.decode import DecodeGate
+from service.frontend.serving import DecodeGate
 from service.link.client import EngineClient
 from service.observability.metrics import Metrics
 from service.settings import Settings

@@ -66,7 +66,7 @@ def test_rules_name_almost_every_sample():
 
 def test_split_shares_each_threads_cpu_over_its_samples():
     http = ["Runner.run (asyncio/runners.py:118)"]
-    answer = [*http, "prediction (service/frontend/predictions.py:29)"]
+    answer = [*http, "prediction (service/frontend/routers/predict.py:29)"]
     wait = ["Thread.run (threading.py:982)", "Condition.wait (threading.py:327)"]
     stacks = [Stack(1, http, 3), Stack(1, answer, 1), Stack(1, wait, 50), Stack(2, wait, 9)]
     seconds, unsampled = split(stacks, {1: 0.4, 2: 0.1, 3: 0.25})

@@ -1,4 +1,5 @@
-"""service/frontend/json_guard.py: JSON bodies bounded on their raw bytes, before any parser sees them.
+"""service/frontend/inputs.py's JSON bounds: JSON bodies bounded on their raw bytes, before any parser
+sees them.
 
 The value count is compared with an independent count over the parsed document; the bounds are shown
 never to refuse the largest valid request and always to refuse the bombs; over HTTP, a refused body
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from service.errors import InvalidInput, PayloadTooLarge, ServiceError
-from service.frontend.json_guard import (
+from service.frontend.inputs import (
     ImageJsonLimits,
     check_image_json,
     check_infer_json,

@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from service.contract.preprocessing import PEEK_BYTES, pixels_to_decode
-from service.frontend.decode import INLINE_PIXELS, decode_inline
 from service.frontend.inputs import RawImage
+from service.frontend.serving import INLINE_PIXELS, decode_inline
 from tests.support import encode
 
 

@@ -414,8 +414,8 @@ def test_an_empty_api_key_is_refused_at_start():
 
 
 def test_only_small_images_are_decoded_on_the_event_loop(fashion_images):
-    from service.frontend.decode import INLINE_PIXELS, declared_pixels, decode_inline
     from service.frontend.inputs import RawImage
+    from service.frontend.serving import INLINE_PIXELS, declared_pixels, decode_inline
 
     thumbnail = Image.fromarray(fashion_images[0])
     side = int(INLINE_PIXELS**0.5)

@@ -1,4 +1,4 @@
-"""service/frontend/decode.py: a request's images become prepared rows, within its pixel budget, under
+"""service/frontend/serving.py's decoding: a request's images become prepared rows, within its pixel budget, under
 the decode gate; small requests are decoded on the event loop.
 
 Written against `make mutation`'s survivors in the module (docs/testing.md): the prepared tensors are
@@ -15,7 +15,8 @@ import pytest
 
 from service.contract.preprocessing import Preprocessor
 from service.errors import InvalidInput, ServiceUnavailable
-from service.frontend.decode import (
+from service.frontend.inputs import RawImage
+from service.frontend.serving import (
     INLINE_PIXELS,
     DecodeGate,
     client_gone,
@@ -23,7 +24,6 @@ from service.frontend.decode import (
     decode_inline,
     prepare_batch,
 )
-from service.frontend.inputs import RawImage
 from service.observability.metrics import Metrics
 from service.settings import Settings
 from tests.service.test_preprocessing import MEAN, STD, metadata
@@ -130,5 +130,8 @@ def test_client_gone_returns_at_the_disconnect_message():
         async def receive(self) -> dict:
             return messages.pop(0)
 
-    asyncio.run(client_gone(Stub()))  # type: ignore[arg-type]
+    async def signal() -> None:
+        await client_gone(Stub())()  # type: ignore[arg-type]
+
+    asyncio.run(signal())
     assert messages == []

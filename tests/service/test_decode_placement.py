@@ -10,8 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from service.frontend.decode import INLINE_TENSOR_BYTES, DecodeGate
-from service.frontend.serving import Call, ServedVersion
+from service.frontend.serving import INLINE_TENSOR_BYTES, DecodeGate, ServedVersion
 from service.observability.metrics import Metrics
 from service.settings import Settings
 
@@ -47,7 +46,7 @@ def test_tensor_requests_decode_on_the_loop_only_when_small(request_bytes, on_lo
 
     async def scenario() -> tuple[np.ndarray, int]:
         served = ServedVersion(state, view, None)
-        logits = await served.infer(decode, Call(None), request_bytes)
+        logits = await served.infer(decode, request_bytes)
         return logits, threading.get_ident()
 
     logits, loop_thread = asyncio.run(scenario())

@@ -22,12 +22,12 @@ from service.errors import InvalidInput
 from service.frontend.error_responses import install_error_handlers
 from service.frontend.inputs import (
     INLINE_JSON_BYTES,
+    ImageJsonLimits,
     image_from_json,
     invalid_from,
     parse_json,
     read_json,
 )
-from service.frontend.json_guard import ImageJsonLimits
 from service.frontend.schemas import AttentionRequest, ImageInput, PredictRequest
 from tests.support import MAX_IMAGES, assert_error, encode
 

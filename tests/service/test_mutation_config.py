@@ -25,13 +25,12 @@ def test_each_modules_tests_exist_and_are_in_the_mutation_selection():
 
 def test_mutate_patterns_pick_their_modules_lists():
     assert mutation_tests("") is None
-    assert mutation_tests("service.frontend.json_guard*") == (
-        "tests/reliability/test_json_guard.py",
-    )
-    arena_and_guard = mutation_tests("service.link.arena* service.frontend.json_guard*")
-    assert arena_and_guard == (
-        "tests/reliability/test_json_guard.py",
+    assert mutation_tests("service.link.arena*") == ("tests/service/test_arena.py",)
+    arena_and_codec = mutation_tests("service.link.arena* service.frontend.oip.grpc_codec*")
+    assert arena_and_codec == (
         "tests/service/test_arena.py",
+        "tests/service/test_codec_bytes.py",
+        "tests/service/test_codec_validation.py",
     )
     # a mutant name rerun on its own picks its module's list
     assert mutation_tests("service.link.arena.xǁArenaǁput__mutmut_11") == (

@@ -155,7 +155,7 @@ def test_the_default_top_k_fits_a_model_with_fewer_classes():
     """A three-class model answers the default request (top_k 5 unless asked) with its three
     classes; asking for more classes than it has is still a 422."""
     from service.errors import InvalidInput
-    from service.frontend.predictions import check_top_k
+    from service.frontend.routers.predict import check_top_k
 
     labels = ["circle", "square", "triangle"]
     assert check_top_k(5, labels, given=False) == 3

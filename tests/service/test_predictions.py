@@ -1,4 +1,5 @@
-"""service/frontend/predictions.py: softmax, best class and top-k against values worked out by hand.
+"""service/frontend/routers/predict.py's predictions: softmax, best class and top-k against values
+worked out by hand.
 
 Written against `make mutation`'s survivors: probabilities of logits chosen so that the answer is a
 simple fraction, ties, top_k at and beyond the model's classes, and the JSON shape of each prediction.
@@ -11,8 +12,9 @@ import math
 import numpy as np
 import pytest
 
+from service.contract.probabilities import softmax
 from service.errors import InvalidInput
-from service.frontend.predictions import check_top_k, prediction, predictions, softmax
+from service.frontend.routers.predict import check_top_k, prediction, predictions
 
 LABELS = ["a", "b", "c", "d"]
 

@@ -35,7 +35,7 @@ from service.contract.model_repository import ModelMetadata
 from service.contract.preprocessing import normalise
 from service.contract.probabilities import softmax
 from service.frontend.error_responses import validation_details, validation_message
-from service.frontend.json_guard import check_infer_json, parse_header_length
+from service.frontend.inputs import check_infer_json, parse_header_length
 from service.frontend.oip.encoded import encoded_images, is_encoded
 from service.frontend.oip.schemas import HEADER_LENGTH, PROBABILITIES, InferRequest, OipError
 

@@ -43,7 +43,6 @@ from service.frontend.oip.routes import (
 )
 from service.frontend.oip.schemas import EXTENSIONS, SERVER_NAME
 from service.frontend.security import check_api_key
-from service.frontend.serving import Call
 from service.frontend.state import FrontendState
 from service.observability import logs, tracing
 from service.observability.refusals import log_error_answer
@@ -119,9 +118,9 @@ def _required_name(name: str, field: str = "name") -> str:
     return name
 
 
-def _call(request_id: str, context: Context) -> Call:
-    """The call as the engine sees it: its id, and a signal that completes once the call is over
-    (cancelled by the client, or past its deadline), so that its queued rows never run."""
+def _over(context: Context) -> asyncio.Future[None]:
+    """A signal that completes once the call is over (cancelled by the client, or past its
+    deadline), so that its queued rows never run."""
     loop = asyncio.get_running_loop()
     over: asyncio.Future[None] = loop.create_future()
 
@@ -130,7 +129,7 @@ def _call(request_id: str, context: Context) -> Call:
             loop.call_soon_threadsafe(lambda: over.done() or over.set_result(None))
 
     context.add_done_callback(done)
-    return Call(request_id, over)
+    return over
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -191,7 +190,10 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_rpc(protected=True)
     async def ModelInfer(self, request: Any, context: Context, request_id: str) -> Any:
         name = _required_name(request.model_name, "model_name")
-        served = served_version(self.state, name, request.model_version or None)
+        over = _over(context)
+        served = served_version(
+            self.state, name, request.model_version or None, request_id, lambda: over
+        )
         limit = served.settings.limits.max_images_per_request
         decoded: list[Decoded] = []
 
@@ -199,12 +201,11 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             decoded.append(decode_infer_request(request, served.metadata, limit))
             return decoded[0].batch
 
-        call = _call(request_id, context)
         try:
-            logits = await served.infer(decode, call, request.ByteSize())
+            logits = await served.infer(decode, request.ByteSize())
             outputs = decoded[0].outputs
         except EncodedImages as encoded:  # image files: decoded as /predict decodes them
-            logits = await served.classify(encoded.images, "auto", call)
+            logits = await served.classify(encoded.images, "auto")
             outputs = encoded.outputs
         return encode_infer_response(
             request, outputs, logits, served.metadata, name, str(served.version)

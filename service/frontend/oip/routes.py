@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.contract.model_config import ENCODED_IMAGE_DIMS, ENCODED_IMAGE_INPUT
 from service.errors import NotFound, ServiceError
-from service.frontend.decode import INLINE_TENSOR_BYTES
+from service.frontend.error_responses import request_id_of
 from service.frontend.hot_routes import hot
 from service.frontend.oip.codec import decode_request, encode_response
 from service.frontend.oip.encoded import ENCODED_DATATYPE, EncodedImages
@@ -49,7 +49,7 @@ from service.frontend.oip.schemas import (
     ServerReady,
 )
 from service.frontend.security import OPENAPI_SECURITY, check_request_api_key, require_api_key
-from service.frontend.serving import Call, ServedVersion
+from service.frontend.serving import INLINE_TENSOR_BYTES, ClientGone, ServedVersion, client_gone
 from service.frontend.state import FrontendState, frontend_state
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol"])
@@ -81,10 +81,18 @@ def version_number(version: str | None) -> int | None:
     return int(version.lstrip("0"))  # int() refuses more than 4,300 digits, zeros included
 
 
-def served_version(state: FrontendState, name: str, version: str | None) -> ServedVersion:
-    """The model version a protocol request goes to (every transport)."""
+def served_version(
+    state: FrontendState,
+    name: str,
+    version: str | None,
+    request_id: str | None,
+    gone: ClientGone,
+) -> ServedVersion:
+    """The model version a protocol request goes to (every transport), with the request's id and
+    how to tell that its client has gone."""
     requested = version_number(version)
-    return ServedVersion(state, state.engine.table.route(name, requested), requested)
+    view = state.engine.table.route(name, requested)
+    return ServedVersion(state, view, requested, request_id, gone)
 
 
 def metadata_of(state: FrontendState, name: str, version: str | None) -> ModelMetadataResponse:
@@ -175,7 +183,9 @@ async def infer_version(request: Request, name: str, version: str) -> Response:
 
 async def _infer(request: Request, name: str, version: str | None) -> Response:
     check_request_api_key(request)  # not a dependency: a hot route (service/frontend/hot_routes.py)
-    served = served_version(frontend_state(request), name, version)
+    served = served_version(
+        frontend_state(request), name, version, request_id_of(request), client_gone(request)
+    )
     body = await request.body()
     header_length = request.headers.get(HEADER_LENGTH)
     limit = served.settings.limits.max_images_per_request
@@ -189,11 +199,10 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
         )
         return decoded[1].batch
 
-    call = Call.of(request)
     try:
-        logits = await served.infer(decode, call, len(body))
+        logits = await served.infer(decode, len(body))
     except EncodedImages as encoded:  # image files: decoded as /predict decodes them
-        logits = await served.classify(encoded.images, "auto", call)
+        logits = await served.classify(encoded.images, "auto")
         meta, version_text = served.metadata, str(served.version)
         return encode_response(encoded.request, encoded.outputs, logits, meta, name, version_text)
     infer_request, tensors = decoded

@@ -9,16 +9,10 @@ from starlette.concurrency import run_in_threadpool
 
 from service.contract.attention_maps import attention_map, overlay_png
 from service.errors import InvalidInput
-from service.frontend.inputs import (
-    MULTIPART,
-    image_from_json,
-    read_json,
-    read_multipart,
-    require_body_type,
-)
-from service.frontend.predictions import check_top_k, prediction
+from service.frontend.hot_routes import add_model_routes
+from service.frontend.inputs import read_images
 from service.frontend.routers._openapi import ERROR_RESPONSES, multipart_schema, request_body
-from service.frontend.routers._routes import add_model_routes
+from service.frontend.routers.predict import check_top_k, prediction
 from service.frontend.schemas import (
     EXAMPLE_PNG_B64,
     AttentionOptions,
@@ -26,9 +20,9 @@ from service.frontend.schemas import (
     AttentionResponse,
     ModelRef,
 )
-from service.frontend.serving import Call, ServedVersion
+from service.frontend.serving import ServedVersion
 
-# The routes check the API key (service/frontend/routers/_routes.py).
+# The routes check the API key (service/frontend/hot_routes.py).
 router = APIRouter(tags=["inference"])
 
 _MULTIPART = multipart_schema(
@@ -54,16 +48,12 @@ _EXAMPLES = {
 
 async def attention(request: Request, served: ServedVersion) -> Response | AttentionResponse:
     served.require_attention()
-    if require_body_type(request) == MULTIPART:
-        images, options = await read_multipart(request, "file", 1, AttentionOptions)
-        if len(images) != 1:
-            raise InvalidInput(
-                f"file: send exactly one file part named 'file' (got {len(images)})", field="file"
-            )
-        image = images[0]
-    else:
-        body = await read_json(request, AttentionRequest)
-        image, options = image_from_json(body.image, "image"), body
+    images, options = await read_images(request, AttentionRequest, AttentionOptions, "file", 1)
+    if len(images) != 1:  # a multipart body's file parts (JSON holds one image)
+        raise InvalidInput(
+            f"file: send exactly one file part named 'file' (got {len(images)})", field="file"
+        )
+    image = images[0]
     meta = served.metadata
     layer = meta.depth - 1 if options.layer is None else options.layer
     if layer >= meta.depth:
@@ -84,7 +74,7 @@ async def attention(request: Request, served: ServedVersion) -> Response | Atten
                 field="head",
             )
     top_k = check_top_k(options.top_k, meta.labels, given="top_k" in options.model_fields_set)
-    prepared, logits, maps = await served.attend(image, options.invert, Call.of(request))
+    prepared, logits, maps = await served.attend(image, options.invert)
     best = prediction(logits, meta.labels, top_k)
     grid = meta.grid
     heatmap = await run_in_threadpool(
