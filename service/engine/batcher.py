@@ -29,8 +29,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from service.engine.batch_runs import Instances, RunBatch, Segment
-from service.engine.output_checks import require_finite
+from service.engine.batch_runs import Instances, RunBatch, Segment, require_finite
 from service.engine.request import ClientGone, Request, TimedOut
 from service.engine.statistics import ModelStatistics
 from service.errors import ClientDisconnected, ServiceError, ServiceUnavailable
