@@ -43,7 +43,7 @@ logger = logging.getLogger("vitserve")
 class Lease(Protocol):
     """Held by each queued request until it ends (a model version waits for these to retire)."""
 
-    def hold(self) -> None: ...
+    def hold(self, requests: int = 1) -> None: ...
 
     def release(self) -> None: ...
 
@@ -174,26 +174,33 @@ class DynamicBatcher:
         deadlines = self._deadlines
         while deadlines and deadlines[0].done:
             deadlines.popleft()
-        queued = False
+        # what admit() checks for the whole batcher, looked at once; per request only its room
+        taking = self._task is not None and self.failure is None and not self._closing
+        room = self.max_queue_size if self.max_queue_size is not None else float("inf")
+        timed = self.timeout_s is not None
+        queue = self._queue
+        queued = 0
         for request in requests:
-            try:
-                self.admit(request.count)
-            except ServiceError as error:
-                self.refuse(request, error)
-                continue
+            count = request.count
+            if not taking or self._queued + count > room:
+                try:
+                    self.admit(count)  # raises the 503 that says why
+                except ServiceError as error:
+                    self.refuse(request, error)
+                    continue
             request.owner = self
-            request.queue_trace = tracing.enter_queue(request.count)
+            request.queue_trace = tracing.enter_queue(count)
             request.enqueued = now
             request.deadline = deadline
-            if self._lease is not None:
-                self._lease.hold()
-            self._queue.append(request)
-            self._queued += request.count
-            if self.timeout_s is not None:
+            queue.append(request)
+            self._queued += count
+            if timed:
                 deadlines.append(request)
-            queued = True
+            queued += 1
         if not queued:
             return
+        if self._lease is not None:
+            self._lease.hold(queued)
         if self.timeout_s is not None and self._deadline_timer is None:
             self._deadline_timer = loop.call_at(deadlines[0].deadline, self._expire)
         if alone and self._idle_due():
