@@ -68,6 +68,7 @@ class _Job:
     instance: _Instance
     started: float  # event-loop time
     span: Span | None
+    waits: list[tuple[float, int]]  # (seconds waited in the queue, images that waited as long)
     rows: list[list[np.ndarray]] = field(default_factory=list)
     non_finite: list[int] = field(default_factory=list)
     times: BatchTimes | None = None
@@ -115,35 +116,6 @@ def require_finite(bad: int, count: int, model: str, graph: str, metrics: Metric
             f"{count} images; no answer is given for them",
             code="non_finite_output",
         )
-
-
-def run_job(job: _Job) -> None:
-    """Run ``job``'s batch and cut its outputs into each segment's rows (in the instance's thread,
-    or inline); a failure is kept in ``job.error``."""
-    try:
-        outputs, times = timed_run(job.instance.run, batch_parts(job.batch))
-        for output in outputs:
-            if len(output) != job.images:
-                raise RuntimeError(
-                    f"the model returned {len(output)} rows for a batch of {job.images}"
-                )
-        finite = finite_rows(outputs, job.images)
-        splitting = time.perf_counter_ns()
-        if len(job.batch) == 1:
-            job.rows = [list(outputs)]
-            job.non_finite = [0 if finite is None else int(job.images - finite.sum())]
-        else:
-            at = 0
-            for _, _, count in job.batch:
-                end = at + count
-                job.rows.append([output[at:end] for output in outputs])
-                job.non_finite.append(0 if finite is None else int(count - finite[at:end].sum()))
-                at = end
-        job.times = BatchTimes(
-            times.compute_input_ns, times.compute_infer_ns, time.perf_counter_ns() - splitting
-        )
-    except Exception as failure:
-        job.error = failure
 
 
 class Instances:
@@ -195,30 +167,67 @@ class Instances:
         instance = self.idle.pop()
         started = loop.time()
         # every image's wait; the requests queued in one turn (most of a batch) share theirs
+        waits = []
         enqueued, images_then = batch[0][0].enqueued, 0
         for request, _, count in batch:
             if request.enqueued != enqueued:
-                observe_times(self._queue_wait, started - enqueued, images_then)
+                waits.append((started - enqueued, images_then))
                 enqueued, images_then = request.enqueued, 0
             images_then += count
-        observe_times(self._queue_wait, started - enqueued, images_then)
+        waits.append((started - enqueued, images_then))
         span = tracing.start_batch(
             self.model, self.graph, instance.index, (segment[0].queue_trace for segment in batch)
         )
-        job = _Job(batch, images, instance, started, span)
+        job = _Job(batch, images, instance, started, span, waits)
         if inline and images == 1 and self._lone_run_s <= INLINE_RUN_MAX_S and not self.running:
-            run_job(job)
+            self._run(job)
             self.idle.append(instance)
-            self._answer(job, loop)
+            self._answer(job)
             return
         self._loop = loop
         self.running.add(job)
         instance.executor.submit(self._run_and_post, job)
 
+    def _run(self, job: _Job) -> None:
+        """Run ``job``'s batch, check its outputs (a row per image; which rows are finite) and cut
+        them into each segment's rows; a failure is kept in ``job.error``. In the instance's thread
+        (or inline), with the batch's metrics: the loop is left only the answers."""
+        for seconds, images in job.waits:
+            observe_times(self._queue_wait, seconds, images)
+        try:
+            outputs, times = timed_run(job.instance.run, batch_parts(job.batch))
+            for output in outputs:
+                if len(output) != job.images:
+                    raise RuntimeError(
+                        f"the model returned {len(output)} rows for a batch of {job.images}"
+                    )
+            finite = finite_rows(outputs, job.images)
+            splitting = time.perf_counter_ns()
+            if len(job.batch) == 1:
+                job.rows = [list(outputs)]
+                job.non_finite = [0 if finite is None else int(job.images - finite.sum())]
+            else:
+                at = 0
+                for _, _, count in job.batch:
+                    end = at + count
+                    job.rows.append([output[at:end] for output in outputs])
+                    job.non_finite.append(
+                        0 if finite is None else int(count - finite[at:end].sum())
+                    )
+                    at = end
+            job.times = BatchTimes(
+                times.compute_input_ns, times.compute_infer_ns, time.perf_counter_ns() - splitting
+            )
+        except Exception as failure:
+            job.error = failure
+            return
+        self._compute.observe(times.compute_infer_ns / 1e9)
+        self._batch_size.observe(job.images)
+
     def _run_and_post(self, job: _Job) -> None:
         """In the instance's thread: run the batch, then hand it to the loop, waking the loop only
         when no wake-up is on its way already."""
-        run_job(job)
+        self._run(job)
         with self._lock:
             self._finished.append(job)
             wake, self._wake_pending = not self._wake_pending, True
@@ -241,16 +250,16 @@ class Instances:
             self._on_free()
         for job in finished:
             try:
-                self._answer(job, self._loop)  # type: ignore[arg-type]
+                self._answer(job)
             except Exception:  # one batch's fault must not keep the others' answers
                 logger.exception("the answers of a %s batch could not be handed on", self.graph)
 
-    def _answer(self, job: _Job, loop: asyncio.AbstractEventLoop) -> None:
+    def _answer(self, job: _Job) -> None:
         try:
             if job.error is not None:
                 self._fail_batch(job.batch, job.error)
             else:
-                self._deliver(job, loop)
+                self._deliver(job)
         finally:
             tracing.end_batch(job.span, job.error)
 
@@ -271,12 +280,10 @@ class Instances:
         for request, _, _ in batch:
             request.fail(InferenceFailed(message))
 
-    def _deliver(self, job: _Job, loop: asyncio.AbstractEventLoop) -> None:
+    def _deliver(self, job: _Job) -> None:
         times = job.times
         assert times is not None
         started = job.started
-        self._compute.observe(loop.time() - started)
-        self._batch_size.observe(job.images)
         if job.images == 1:
             self._lone_run_s = times.compute_infer_ns / 1e9
         self.statistics.record_batch(job.images, times)

@@ -417,8 +417,8 @@ def result_value(op: str, raw: msgspec.Raw) -> Any:
 def answer_frames(call: int, outputs: Outputs) -> tuple[Answer, list]:
     """The answer to ``call`` and its outputs' raw bytes (a request's rows of a batch's outputs are
     contiguous already: no copy)."""
-    arrays = [np.ascontiguousarray(output) for output in outputs]
-    return Answer(call, [(a.dtype.str, a.shape) for a in arrays]), [a.data for a in arrays]
+    frames = [np.ascontiguousarray(output) for output in outputs]
+    return Answer(call, [(frame.dtype.str, frame.shape) for frame in frames]), frames
 
 
 def answer_outputs(answer: Answer, frames: list) -> Outputs:
