@@ -88,7 +88,8 @@ class DynamicBatcher:
         self._queued = 0  # images waiting in the queue, of requests that have not ended
         self._deadlines: deque[Request] = deque()  # arrival order: deadlines ascend
         self._deadline_timer: asyncio.TimerHandle | None = None
-        self._wakeup = asyncio.Event()
+        self._wakeup = asyncio.Event()  # the batching loop has something to wait for
+        self._dispatch_due = False  # a look at what is due is scheduled for the loop's next turn
         self._closing = False
         self._flushing = False
         self._task: asyncio.Task | None = None
@@ -125,7 +126,11 @@ class DynamicBatcher:
         caller wait for its timeout."""
         if task.cancelled() or task.exception() is None:
             return
-        self.failure = task.exception()
+        self._died(task.exception())  # type: ignore[arg-type]
+
+    def _died(self, failure: BaseException) -> None:
+        """The batching loop, or a look at what is due on its behalf, failed: fail what it held."""
+        self.failure = failure
         logger.error(
             "the %s batcher of %s stopped: %r", self.graph, self.model or "-", self.failure
         )
@@ -205,10 +210,12 @@ class DynamicBatcher:
             self._deadline_timer = loop.call_at(deadlines[0].deadline, self._expire)
         if alone and self._idle_due():
             self._dispatch(loop)
-        else:
+            self._wake_if_waiting()
+        else:  # what else arrives this turn may join them
             self._depth.set(self._queued)
-        if self._queued:
-            self._wakeup.set()
+            if not self._dispatch_due:
+                self._dispatch_due = True
+                loop.call_soon(self._dispatch_later)
 
     def refuse(self, request: Request, error: Exception) -> None:
         """Answer a request that was never queued (refused at admission, or its rows were wrong)."""
@@ -325,7 +332,29 @@ class DynamicBatcher:
         """An instance finished its batch: it takes the next due one now, before that batch's
         requests are answered."""
         self._dispatch(asyncio.get_running_loop())
-        self._wakeup.set()
+        self._wake_if_waiting()
+
+    def _dispatch_later(self) -> None:
+        """What was queued in the last turn of the event loop: start what is due (a failure here
+        is the batching loop's: the watchdog's)."""
+        self._dispatch_due = False
+        if self.failure is not None:
+            return
+        try:
+            self._dispatch(asyncio.get_running_loop())
+        except Exception as failure:
+            if self._task is not None:
+                self._task.cancel()
+            self._died(failure)
+            return
+        self._wake_if_waiting()
+
+    def _wake_if_waiting(self) -> None:
+        """Wake the batching loop only when it has something to wait for: images queued while an
+        instance is idle (their queue delay), or the end of a drain. Under load, with every instance
+        busy, a finished batch starts the next one itself and the loop sleeps on."""
+        if (self._queued and self._instances.idle) or self._closing:
+            self._wakeup.set()
 
     def _dispatch(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start every batch that is due on an idle instance, now (not in a later loop turn)."""
