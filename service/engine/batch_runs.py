@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -50,11 +50,39 @@ Segment = tuple[Request, int, int]  # a request, its first image in the batch, h
 INLINE_RUN_MAX_S = 0.002
 
 
-@dataclass(eq=False)
 class _Instance:
-    run: RunBatch
-    executor: ThreadPoolExecutor
-    index: int = 0
+    """One model instance: its run function and the thread that runs its batches, one at a time, in
+    the order handed over (started with the first; a queue and a thread, not an executor: no
+    future and no pool bookkeeping a batch)."""
+
+    def __init__(self, run: RunBatch, name: str, index: int) -> None:
+        self.run = run
+        self.name = name
+        self.index = index
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self._thread is None:
+            # a daemon: a batcher never stopped (a test's) does not keep the interpreter alive
+            self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception:  # the thread goes on to the next batch
+                logger.exception("instance %s failed to hand a batch back", self.name)
+
+    def shutdown(self, wait: bool) -> None:
+        """Run what was handed over, then end the thread; ``wait``: until it has."""
+        if self._thread is None:
+            return
+        self._jobs.put(None)
+        if wait:
+            self._thread.join()
 
 
 @dataclass(eq=False)
@@ -137,10 +165,7 @@ class Instances:
         self._batch_size = metrics.batch_size.labels(*self._labels)
         self.statistics = statistics
         self._on_free = on_free  # an instance is idle again: start what is due
-        self._all = [
-            _Instance(fn, ThreadPoolExecutor(1, thread_name_prefix=f"vitserve-{graph}-{i}"), i)
-            for i, fn in enumerate(runs)
-        ]
+        self._all = [_Instance(fn, f"vitserve-{graph}-{i}", i) for i, fn in enumerate(runs)]
         self.idle: list[_Instance] = list(self._all)
         self.running: set[_Job] = set()
         self._lone_run_s = float("inf")  # how long the last batch of one image took to run
@@ -186,15 +211,15 @@ class Instances:
             return
         self._loop = loop
         self.running.add(job)
-        instance.executor.submit(self._run_and_post, job)
+        instance.submit(lambda: self._run_and_post(job))
 
     def _run(self, job: _Job) -> None:
         """Run ``job``'s batch, check its outputs (a row per image; which rows are finite) and cut
         them into each segment's rows; a failure is kept in ``job.error``. In the instance's thread
         (or inline), with the batch's metrics: the loop is left only the answers."""
-        for seconds, images in job.waits:
-            observe_times(self._queue_wait, seconds, images)
         try:
+            for seconds, images in job.waits:
+                observe_times(self._queue_wait, seconds, images)
             outputs, times = timed_run(job.instance.run, batch_parts(job.batch))
             for output in outputs:
                 if len(output) != job.images:
@@ -218,11 +243,10 @@ class Instances:
             job.times = BatchTimes(
                 times.compute_input_ns, times.compute_infer_ns, time.perf_counter_ns() - splitting
             )
+            self._compute.observe(times.compute_infer_ns / 1e9)
+            self._batch_size.observe(job.images)
         except Exception as failure:
             job.error = failure
-            return
-        self._compute.observe(times.compute_infer_ns / 1e9)
-        self._batch_size.observe(job.images)
 
     def _run_and_post(self, job: _Job) -> None:
         """In the instance's thread: run the batch, then hand it to the loop, waking the loop only
@@ -307,4 +331,4 @@ class Instances:
 
     def shutdown(self, wait: bool) -> None:
         for instance in self._all:
-            instance.executor.shutdown(wait=wait)
+            instance.shutdown(wait=wait)

@@ -9,7 +9,9 @@ not come (the requests that arrive in one turn of the event loop still run toget
 while a batch ran runs as soon as it ends), unless ``idle_dispatch`` is off. Otherwise a batch runs when
 the largest preferred size is waiting (else the max batch size), or when its oldest image has waited
 ``max_queue_delay`` (then at the largest preferred size that is waiting, else all that fit), and an
-instance is idle.
+instance is idle. What is due is looked at once a turn of the event loop after requests were queued,
+and by each instance as it finishes a batch; the batching loop itself is woken only when it has to wait
+out a queue delay with an instance idle, or to end a drain, so under load it sleeps.
 
 Admission is all-or-nothing and immediate: when a request's images do not fit in the queue it is
 answered 503 with ``Retry-After`` without waiting. A request not finished within its timeout gets 503
@@ -82,6 +84,7 @@ class DynamicBatcher:
         self._lease = lease
         self._labels = (model, graph)
         self._depth = metrics.queue_depth.labels(*self._labels)
+        self._depth_shown = 0  # what the gauge holds: written only when the depth changed
         runs = [run] if callable(run) else list(run)
         self._instances = Instances(graph, model, runs, metrics, self.statistics, self._freed)
         self._queue: deque[Request] = deque()  # arrival order; ended ones are skipped
@@ -212,7 +215,7 @@ class DynamicBatcher:
             self._dispatch(loop)
             self._wake_if_waiting()
         else:  # what else arrives this turn may join them
-            self._depth.set(self._queued)
+            self._show_depth()
             if not self._dispatch_due:
                 self._dispatch_due = True
                 loop.call_soon(self._dispatch_later)
@@ -233,7 +236,7 @@ class DynamicBatcher:
         if untaken:  # its places in the queue are free now, not when the loop next looks
             self._queued -= untaken
             request.taken = request.count
-            self._depth.set(self._queued)
+            self._show_depth()
         if error is None:
             self.statistics.record_request(
                 round((request.started - request.enqueued) * 1e9), request.batches
@@ -279,6 +282,13 @@ class DynamicBatcher:
             deadlines.popleft().time_out()  # a no-op for one that has ended
         if deadlines:
             self._deadline_timer = loop.call_at(deadlines[0].deadline, self._expire)
+
+    def _show_depth(self) -> None:
+        """The queue-depth gauge: each write is a locked write to shared memory in multiprocess
+        mode, so only a changed depth is written."""
+        if self._queued != self._depth_shown:
+            self._depth_shown = self._queued
+            self._depth.set(self._queued)
 
     def _reject(self, reason: str) -> None:
         self._metrics.rejections.labels(*self._labels, reason).inc()
@@ -384,7 +394,7 @@ class DynamicBatcher:
                     queue.popleft()
             self._queued -= images
             instances.start(batch, images, not self._queued, loop)
-        self._depth.set(self._queued)
+        self._show_depth()
 
     # --- shutdown -------------------------------------------------------------------------------------
 
