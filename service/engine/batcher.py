@@ -237,10 +237,7 @@ class DynamicBatcher:
             self._queued -= untaken
             request.taken = request.count
             self._show_depth()
-        if error is None:
-            self.statistics.record_request(
-                round((request.started - request.enqueued) * 1e9), request.batches
-            )
+        if error is None:  # it ran: recorded here with its outcome, then answered
             if request.non_finite:
                 try:
                     require_finite(
@@ -248,7 +245,17 @@ class DynamicBatcher:
                     )
                 except ServiceError as failure:
                     outputs, error = None, failure
-        elif type(error) is ClientGone:
+            self.statistics.record_request(
+                round((request.started - request.enqueued) * 1e9),
+                request.batches,
+                error is None,
+                time.perf_counter_ns() - request.entered,
+            )
+            if self._lease is not None:
+                self._lease.release()
+            request.reply(request, outputs, error)
+            return
+        if type(error) is ClientGone:
             self._metrics.cancelled.labels(*self._labels).inc(request.remaining)
             error = ClientDisconnected(
                 f"the client went away; {request.remaining} of {request.count} images were not run"
@@ -267,7 +274,8 @@ class DynamicBatcher:
         self._answer(request, outputs, error)
 
     def _answer(self, request: Request, outputs: Outputs | None, error: Exception | None) -> None:
-        """Every request's outcome, recorded here once, then handed to its reply."""
+        """The outcome of a request that did not run (refused, timed out, cancelled, failed with
+        its batch), recorded here once, then handed to its reply."""
         self.statistics.record_outcome(error is None, time.perf_counter_ns() - request.entered)
         request.reply(request, outputs, error)
 

@@ -417,8 +417,12 @@ def result_value(op: str, raw: msgspec.Raw) -> Any:
 def answer_frames(call: int, outputs: Outputs) -> tuple[Answer, list]:
     """The answer to ``call`` and its outputs' raw bytes (a request's rows of a batch's outputs are
     contiguous already: no copy)."""
-    frames = [np.ascontiguousarray(output) for output in outputs]
-    return Answer(call, [(frame.dtype.str, frame.shape) for frame in frames]), frames
+    shapes, frames = [], []
+    for output in outputs:
+        frame = np.ascontiguousarray(output)
+        shapes.append((frame.dtype.str, frame.shape))
+        frames.append(frame)
+    return Answer(call, shapes), frames
 
 
 def answer_outputs(answer: Answer, frames: list) -> Outputs:
