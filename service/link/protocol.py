@@ -420,9 +420,18 @@ def answer_frames(call: int, outputs: Outputs) -> tuple[Answer, list]:
     shapes, frames = [], []
     for output in outputs:
         frame = np.ascontiguousarray(output)
-        shapes.append((frame.dtype.str, frame.shape))
+        dtype = frame.dtype
+        text = _DTYPE_TEXT.get(dtype)
+        if text is None:
+            text = _DTYPE_TEXT[dtype] = dtype.str
+        shapes.append((text, frame.shape))
         frames.append(frame)
     return Answer(call, shapes), frames
+
+
+# each output dtype's text, for the few dtypes models answer in (``dtype.str`` formats a new string
+# at every call, with libc's printf)
+_DTYPE_TEXT: dict[np.dtype, str] = {}
 
 
 def answer_outputs(answer: Answer, frames: list) -> Outputs:
