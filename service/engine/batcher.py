@@ -356,8 +356,6 @@ class DynamicBatcher:
         """What was queued in the last turn of the event loop: start what is due (a failure here
         is the batching loop's: the watchdog's)."""
         self._dispatch_due = False
-        if self.failure is not None:
-            return
         try:
             self._dispatch(asyncio.get_running_loop())
         except Exception as failure:
