@@ -182,20 +182,16 @@ class DynamicBatcher:
         deadlines = self._deadlines
         while deadlines and deadlines[0].done:
             deadlines.popleft()
-        # what admit() checks for the whole batcher, looked at once; per request only its room
-        taking = self._task is not None and self.failure is None and not self._closing
-        room = self.max_queue_size if self.max_queue_size is not None else float("inf")
         timed = self.timeout_s is not None
         queue = self._queue
         queued = 0
         for request in requests:
             count = request.count
-            if not taking or self._queued + count > room:
-                try:
-                    self.admit(count)  # raises the 503 that says why
-                except ServiceError as error:
-                    self.refuse(request, error)
-                    continue
+            try:
+                self.admit(count)
+            except ServiceError as error:
+                self.refuse(request, error)
+                continue
             request.owner = self
             request.queue_trace = tracing.enter_queue(count)
             request.enqueued = now
