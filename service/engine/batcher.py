@@ -9,7 +9,9 @@ not come (the requests that arrive in one turn of the event loop still run toget
 while a batch ran runs as soon as it ends), unless ``idle_dispatch`` is off. Otherwise a batch runs when
 the largest preferred size is waiting (else the max batch size), or when its oldest image has waited
 ``max_queue_delay`` (then at the largest preferred size that is waiting, else all that fit), and an
-instance is idle.
+instance is idle. What is due is looked at once a turn of the event loop after requests were queued,
+and by each instance as it finishes a batch; the batching loop itself is woken only when it has to wait
+out a queue delay with an instance idle, or to end a drain, so under load it sleeps.
 
 Admission is all-or-nothing and immediate: when a request's images do not fit in the queue it is
 answered 503 with ``Retry-After`` without waiting. A request not finished within its timeout gets 503
@@ -29,8 +31,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from service.engine.batch_runs import Instances, RunBatch, Segment
-from service.engine.output_checks import require_finite
+from service.engine.batch_runs import Instances, RunBatch, Segment, require_finite
 from service.engine.request import ClientGone, Request, TimedOut
 from service.engine.statistics import ModelStatistics
 from service.errors import ClientDisconnected, ServiceError, ServiceUnavailable
@@ -44,7 +45,7 @@ logger = logging.getLogger("vitserve")
 class Lease(Protocol):
     """Held by each queued request until it ends (a model version waits for these to retire)."""
 
-    def hold(self) -> None: ...
+    def hold(self, requests: int = 1) -> None: ...
 
     def release(self) -> None: ...
 
@@ -83,13 +84,15 @@ class DynamicBatcher:
         self._lease = lease
         self._labels = (model, graph)
         self._depth = metrics.queue_depth.labels(*self._labels)
+        self._depth_shown = 0  # what the gauge holds: written only when the depth changed
         runs = [run] if callable(run) else list(run)
         self._instances = Instances(graph, model, runs, metrics, self.statistics, self._freed)
         self._queue: deque[Request] = deque()  # arrival order; ended ones are skipped
         self._queued = 0  # images waiting in the queue, of requests that have not ended
         self._deadlines: deque[Request] = deque()  # arrival order: deadlines ascend
         self._deadline_timer: asyncio.TimerHandle | None = None
-        self._wakeup = asyncio.Event()
+        self._wakeup = asyncio.Event()  # the batching loop has something to wait for
+        self._dispatch_due = False  # a look at what is due is scheduled for the loop's next turn
         self._closing = False
         self._flushing = False
         self._task: asyncio.Task | None = None
@@ -126,7 +129,11 @@ class DynamicBatcher:
         caller wait for its timeout."""
         if task.cancelled() or task.exception() is None:
             return
-        self.failure = task.exception()
+        self._died(task.exception())  # type: ignore[arg-type]
+
+    def _died(self, failure: BaseException) -> None:
+        """The batching loop, or a look at what is due on its behalf, failed: fail what it held."""
+        self.failure = failure
         logger.error(
             "the %s batcher of %s stopped: %r", self.graph, self.model or "-", self.failure
         )
@@ -175,34 +182,39 @@ class DynamicBatcher:
         deadlines = self._deadlines
         while deadlines and deadlines[0].done:
             deadlines.popleft()
-        queued = False
+        timed = self.timeout_s is not None
+        queue = self._queue
+        queued = 0
         for request in requests:
+            count = request.count
             try:
-                self.admit(request.count)
+                self.admit(count)
             except ServiceError as error:
                 self.refuse(request, error)
                 continue
             request.owner = self
-            request.queue_trace = tracing.enter_queue(request.count)
+            request.queue_trace = tracing.enter_queue(count)
             request.enqueued = now
             request.deadline = deadline
-            if self._lease is not None:
-                self._lease.hold()
-            self._queue.append(request)
-            self._queued += request.count
-            if self.timeout_s is not None:
+            queue.append(request)
+            self._queued += count
+            if timed:
                 deadlines.append(request)
-            queued = True
+            queued += 1
         if not queued:
             return
+        if self._lease is not None:
+            self._lease.hold(queued)
         if self.timeout_s is not None and self._deadline_timer is None:
             self._deadline_timer = loop.call_at(deadlines[0].deadline, self._expire)
         if alone and self._idle_due():
             self._dispatch(loop)
-        else:
-            self._depth.set(self._queued)
-        if self._queued:
-            self._wakeup.set()
+            self._wake_if_waiting()
+        else:  # what else arrives this turn may join them
+            self._show_depth()
+            if not self._dispatch_due:
+                self._dispatch_due = True
+                loop.call_soon(self._dispatch_later)
 
     def refuse(self, request: Request, error: Exception) -> None:
         """Answer a request that was never queued (refused at admission, or its rows were wrong)."""
@@ -220,11 +232,8 @@ class DynamicBatcher:
         if untaken:  # its places in the queue are free now, not when the loop next looks
             self._queued -= untaken
             request.taken = request.count
-            self._depth.set(self._queued)
-        if error is None:
-            self.statistics.record_request(
-                round((request.started - request.enqueued) * 1e9), request.batches
-            )
+            self._show_depth()
+        if error is None:  # it ran: recorded here with its outcome, then answered
             if request.non_finite:
                 try:
                     require_finite(
@@ -232,7 +241,17 @@ class DynamicBatcher:
                     )
                 except ServiceError as failure:
                     outputs, error = None, failure
-        elif type(error) is ClientGone:
+            self.statistics.record_request(
+                round((request.started - request.enqueued) * 1e9),
+                request.batches,
+                error is None,
+                time.perf_counter_ns() - request.entered,
+            )
+            if self._lease is not None:
+                self._lease.release()
+            request.reply(request, outputs, error)
+            return
+        if type(error) is ClientGone:
             self._metrics.cancelled.labels(*self._labels).inc(request.remaining)
             error = ClientDisconnected(
                 f"the client went away; {request.remaining} of {request.count} images were not run"
@@ -251,7 +270,8 @@ class DynamicBatcher:
         self._answer(request, outputs, error)
 
     def _answer(self, request: Request, outputs: Outputs | None, error: Exception | None) -> None:
-        """Every request's outcome, recorded here once, then handed to its reply."""
+        """The outcome of a request that did not run (refused, timed out, cancelled, failed with
+        its batch), recorded here once, then handed to its reply."""
         self.statistics.record_outcome(error is None, time.perf_counter_ns() - request.entered)
         request.reply(request, outputs, error)
 
@@ -266,6 +286,13 @@ class DynamicBatcher:
             deadlines.popleft().time_out()  # a no-op for one that has ended
         if deadlines:
             self._deadline_timer = loop.call_at(deadlines[0].deadline, self._expire)
+
+    def _show_depth(self) -> None:
+        """The queue-depth gauge: each write is a locked write to shared memory in multiprocess
+        mode, so only a changed depth is written."""
+        if self._queued != self._depth_shown:
+            self._depth_shown = self._queued
+            self._depth.set(self._queued)
 
     def _reject(self, reason: str) -> None:
         self._metrics.rejections.labels(*self._labels, reason).inc()
@@ -319,7 +346,27 @@ class DynamicBatcher:
         """An instance finished its batch: it takes the next due one now, before that batch's
         requests are answered."""
         self._dispatch(asyncio.get_running_loop())
-        self._wakeup.set()
+        self._wake_if_waiting()
+
+    def _dispatch_later(self) -> None:
+        """What was queued in the last turn of the event loop: start what is due (a failure here
+        is the batching loop's: the watchdog's)."""
+        self._dispatch_due = False
+        try:
+            self._dispatch(asyncio.get_running_loop())
+        except Exception as failure:
+            if self._task is not None:
+                self._task.cancel()
+            self._died(failure)
+            return
+        self._wake_if_waiting()
+
+    def _wake_if_waiting(self) -> None:
+        """Wake the batching loop only when it has something to wait for: images queued while an
+        instance is idle (their queue delay), or the end of a drain. Under load, with every instance
+        busy, a finished batch starts the next one itself and the loop sleeps on."""
+        if (self._queued and self._instances.idle) or self._closing:
+            self._wakeup.set()
 
     def _dispatch(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start every batch that is due on an idle instance, now (not in a later loop turn)."""
@@ -349,7 +396,7 @@ class DynamicBatcher:
                     queue.popleft()
             self._queued -= images
             instances.start(batch, images, not self._queued, loop)
-        self._depth.set(self._queued)
+        self._show_depth()
 
     # --- shutdown -------------------------------------------------------------------------------------
 

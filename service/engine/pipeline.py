@@ -103,10 +103,10 @@ class ModelPipeline:
         for batcher in self.batchers:
             batcher.start()
 
-    def hold(self) -> None:
+    def hold(self, requests: int = 1) -> None:
         """Held by every request from its being queued to its end (the batchers' lease): a retired
-        version waits for these. Each hold is given back once, by :meth:`release`."""
-        self.in_flight += 1
+        version waits for these. Each request's hold is given back once, by :meth:`release`."""
+        self.in_flight += requests
         self._drained.clear()
 
     def release(self) -> None:

@@ -96,19 +96,21 @@ class Request:
         time) and took ``times``: ``outputs`` holds their rows of every output, in order."""
         if self.done:
             return
-        self.parts.append((first, outputs))
         self.remaining -= len(outputs[0])
         self.non_finite += non_finite
         if started > self.started:
             self.started = started
         if times is not None:
             self.batches.append(times)
+        if self.remaining == 0 and not self.parts:  # every image in this one batch
+            self._end(outputs, None)
+            return
+        self.parts.append((first, outputs))
         if self.remaining == 0:
             self._end(self._joined(), None)
 
     def _joined(self) -> Outputs:
-        if len(self.parts) == 1:
-            return self.parts[0][1]
+        """The outputs of a request whose images ran in several batches, in image order."""
         self.parts.sort(key=lambda part: part[0])
         return [
             np.concatenate(rows) for rows in zip(*(part for _, part in self.parts), strict=True)

@@ -121,31 +121,38 @@ class ArenaReader:
 
     def __init__(self) -> None:
         self._blocks: dict[str, mmap.mmap] = {}
+        # each block's bytes as an array: a call's rows are a view of it, made without exporting the
+        # mapping's buffer again (the array holds that export, and every view holds the array)
+        self._bytes: dict[str, np.ndarray] = {}
 
     def open(self, name: str) -> None:
         """Map the block ``name`` (checked by the caller to be one it expects); OSError or
         ValueError when it is not a block that can be mapped."""
         if name not in self._blocks:
-            self._blocks[name] = _map(name)
+            block = _map(name)
+            self._blocks[name] = block
+            self._bytes[name] = np.frombuffer(block, np.uint8)
 
     def rows(
         self, name: str, offset: int, shape: tuple[int, ...], dtype: np.dtype | str
     ) -> np.ndarray:
         """The rows at ``offset`` of the block ``name`` (opened); ValueError when they do not lie
         inside its pages."""
-        block = self._blocks[name]
+        block = self._bytes[name]
         dtype = np.dtype(dtype)
-        count = math.prod(shape)  # numpy's prod costs 40 times as much on a tuple
-        if offset % PAGE or offset + count * dtype.itemsize > len(block):
+        nbytes = math.prod(shape) * dtype.itemsize  # numpy's prod costs 40 times as much on a tuple
+        if offset % PAGE or offset + nbytes > len(block):
             raise ValueError(
-                f"rows of {count * dtype.itemsize} bytes at {offset} do not lie in the "
-                f"{len(block)}-byte arena's pages"
+                f"rows of {nbytes} bytes at {offset} do not lie in the {len(block)}-byte arena's "
+                "pages"
             )
-        # frombuffer holds the mapping's buffer while the rows live, so forget() cannot unmap rows
-        # still queued (np.ndarray(buffer=...) held nothing: reading them after crashed the engine)
-        return np.frombuffer(block, dtype, count, offset).reshape(shape)
+        # a view of the block's array holds the array, and the array the mapping's buffer, while the
+        # rows live, so forget() cannot unmap rows still queued (np.ndarray(buffer=) of the mapping
+        # itself held nothing: reading them after crashed the engine)
+        return np.ndarray(shape, dtype, block, offset)
 
     def forget(self, name: str) -> None:
+        self._bytes.pop(name, None)
         block = self._blocks.pop(name, None)
         if block is not None:
             # rows of it may still be queued: then the mapping goes when they do

@@ -62,6 +62,7 @@ logger = logging.getLogger("vitserve")
 TABLE_CHECK_S = 0.1
 HEARTBEAT_S = 0.5
 ROW_DTYPE = np.dtype(np.float32)  # every version's input (the model contract's InputSpec)
+ROW_DTYPE_TEXT = ROW_DTYPE.str  # as a call names it (``dtype.str`` formats it anew at each use)
 _PEER = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
@@ -216,7 +217,7 @@ class EngineServer:
 
     def _rows(self, link: wire.Link, message: Infer, raw: list) -> np.ndarray:
         """A call's rows, read where it says they are; a 400 when they are not there."""
-        if message.dtype != ROW_DTYPE.str:
+        if message.dtype != ROW_DTYPE_TEXT:
             raise bad_call(f"rows of dtype {message.dtype!r}; the engine takes float32 rows")
         if message.offset is None:
             nbytes = math.prod(message.shape) * ROW_DTYPE.itemsize
@@ -259,6 +260,7 @@ class EngineServer:
         alone = len(arrived) == 1 and len(self._calls) == 1 and not self._running
         routes: dict[tuple, list[Request]] = {}
         cancelled = []
+        reply = self._reply
         for link, message, raw in arrived:
             key = (link, message.call)
             try:
@@ -267,7 +269,7 @@ class EngineServer:
                 del self._calls[key]
                 self._answer_error(link, message.call, message.request_id, error)
                 continue
-            request = Request(rows, self._reply, message.request_id, key)
+            request = Request(rows, reply, message.request_id, key)
             if self._calls[key] is CANCELLED:
                 cancelled.append(request)
             self._calls[key] = request

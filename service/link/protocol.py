@@ -417,8 +417,21 @@ def result_value(op: str, raw: msgspec.Raw) -> Any:
 def answer_frames(call: int, outputs: Outputs) -> tuple[Answer, list]:
     """The answer to ``call`` and its outputs' raw bytes (a request's rows of a batch's outputs are
     contiguous already: no copy)."""
-    arrays = [np.ascontiguousarray(output) for output in outputs]
-    return Answer(call, [(a.dtype.str, a.shape) for a in arrays]), [a.data for a in arrays]
+    shapes, frames = [], []
+    for output in outputs:
+        frame = np.ascontiguousarray(output)
+        dtype = frame.dtype
+        text = _DTYPE_TEXT.get(dtype)
+        if text is None:
+            text = _DTYPE_TEXT[dtype] = dtype.str
+        shapes.append((text, frame.shape))
+        frames.append(frame)
+    return Answer(call, shapes), frames
+
+
+# each output dtype's text, for the few dtypes models answer in (``dtype.str`` formats a new string
+# at every call, with libc's printf)
+_DTYPE_TEXT: dict[np.dtype, str] = {}
 
 
 def answer_outputs(answer: Answer, frames: list) -> Outputs:

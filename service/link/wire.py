@@ -75,13 +75,20 @@ def socket_path(path: str) -> Iterator[str]:
 def pack(items: list[Item]) -> bytes:
     """Items ``(struct, raw frames)`` as one message, to be written in one go (one wake-up of the
     reader: docs/decisions.md#link-without-zeromq)."""
-    headers, raw = [], []
+    headers, raw, raw_bytes = [], [], 0
     for message, frames in items:
-        views = [memoryview(frame).cast("B") for frame in frames]
-        headers.append((message, [len(view) for view in views]))
-        raw.extend(views)
+        if not frames:
+            headers.append((message, ()))
+            continue
+        lengths = []
+        for frame in frames:  # any C-contiguous buffer: bytes, a memoryview, an array
+            view = memoryview(frame)
+            lengths.append(view.nbytes)
+            raw.append(view)
+        raw_bytes += sum(lengths)
+        headers.append((message, lengths))
     packed = encoder.encode(headers)
-    return b"".join([_PREFIX.pack(len(packed), sum(len(view) for view in raw)), packed, *raw])
+    return b"".join([_PREFIX.pack(len(packed), raw_bytes), packed, *raw])
 
 
 def unpack(message: memoryview, decoder: msgspec.msgpack.Decoder) -> list[Item]:
@@ -93,6 +100,10 @@ def unpack(message: memoryview, decoder: msgspec.msgpack.Decoder) -> list[Item]:
         headers = decoder.decode(message[_PREFIX.size : at])
     except (msgspec.DecodeError, NotImplementedError, ValueError) as error:
         raise LinkViolation(f"a message that is not the protocol's: {error}") from None
+    if not raw_bytes and not any(
+        lengths for _, lengths in headers
+    ):  # no frames (rows in the arena)
+        return [(header, []) for header, _ in headers]
     if sum(length for _, lengths in headers for length in lengths) != raw_bytes:
         raise LinkViolation("a message whose frames do not add up to its length")
     items = []

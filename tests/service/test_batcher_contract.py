@@ -23,8 +23,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from service.engine import batch_runs as batcher_module
+from service.engine.batch_runs import finite_rows
 from service.engine.batcher import DynamicBatcher
-from service.engine.output_checks import finite_rows
 from service.engine.statistics import ModelStatistics
 from service.errors import ClientDisconnected, InferenceFailed, ServiceUnavailable
 from service.observability import tracing
