@@ -22,18 +22,22 @@ FILTERS = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BI
 
 
 def photo_metadata(size: int = 224, channels: int = 3, **preprocessing: object) -> ModelMetadata:
-    """A 16-pixel-patch RGB (or grey) model of ``size`` x ``size`` with ImageNet's mean and std."""
+    """A 16-pixel-patch RGB (or grey) model of ``size`` x ``size`` with ImageNet's mean and std
+    unless ``preprocessing`` names its own."""
     return classifier_metadata(
         name="photo",
         channels=channels,
         height=size,
         width=size,
         patch=16,
-        mean=MEAN[:channels],
-        std=STD[:channels],
-        pooling="token",
-        class_token=True,
-        **{"polarity": "natural", **preprocessing},
+        **{
+            "mean": MEAN[:channels],
+            "std": STD[:channels],
+            "pooling": "token",
+            "class_token": True,
+            "polarity": "natural",
+            **preprocessing,
+        },
     )
 
 
