@@ -99,7 +99,7 @@ class ManagedModel:
             ready={v: self.versions[v].pipeline.view for v in self.ready_versions()},  # type: ignore[union-attr]
             unloaded=self.unloaded,
             problem=self.config_problem,
-            live_pin=self.plan.live_version,
+            live=self.live_version(),
             candidate=self.plan.candidate_version,
             canary_percent=self.plan.canary_percent,
         )

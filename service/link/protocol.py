@@ -29,7 +29,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from service import errors
-from service.contract.candidates import in_canary, live_version
+from service.contract.candidates import in_canary
 from service.contract.model_repository import ModelMetadata
 from service.errors import NotFound, ServiceError, ServiceUnavailable
 
@@ -122,8 +122,9 @@ class ModelView(msgspec.Struct, frozen=True):
     ready: dict[int, VersionView] = msgspec.field(default_factory=dict)
     unloaded: bool = False
     problem: str = ""  # why its config.pbtxt on disk is refused, if it is
-    # a candidate version on live traffic (service/contract/candidates.py)
-    live_pin: int | None = None
+    # the version unversioned requests get (the engine's choice: service/contract/candidates.py)
+    live: int | None = None
+    # a candidate version on live traffic
     candidate: int | None = None
     canary_percent: float = 0.0
 
@@ -146,8 +147,7 @@ class ModelView(msgspec.Struct, frozen=True):
     def view(self, version: int | None = None) -> VersionView | None:
         """The version a request for ``version`` goes to (the live one for None)."""
         if version is None:
-            live = live_version(list(self.ready), self.live_pin, self.candidate)
-            return None if live is None else self.ready[live]
+            return None if self.live is None else self.ready.get(self.live)
         return self.ready.get(version)
 
     def canary(self, client_key: str | None) -> VersionView | None:
