@@ -67,10 +67,6 @@ class ModelStatistics:
     def __init__(self, series: dict[str, _Series] | None = None) -> None:
         self._series = series or {}
         self.durations = {stage: Duration() for stage in STAGES}
-        self._success, self._fail, self._queue = (self.durations[s] for s in STAGES[:3])
-        self._compute_input, self._compute_infer, self._compute_output = (
-            self.durations[s] for s in STAGES[3:]
-        )
         self.inference_count = 0
         self.execution_count = 0
         self.last_inference_ms = 0
@@ -91,24 +87,18 @@ class ModelStatistics:
         self, queue_ns: int, batches: Iterable[BatchTimes], succeeded: bool, ns: int
     ) -> None:
         """A request's images all ran: its wait in the queue, the batches they ran in, and its
-        outcome (``succeeded``, or failed: a non-finite output) after ``ns``. Once a request, so
-        the fields are added to here rather than through ``Duration.add``."""
+        outcome (``succeeded``, or failed: a non-finite output) after ``ns``."""
         compute_input = compute_infer = compute_output = 0
         for times in batches:
             compute_input += times.compute_input_ns
             compute_infer += times.compute_infer_ns
             compute_output += times.compute_output_ns
-        self._queue.count += 1
-        self._queue.ns += queue_ns
-        self._compute_input.count += 1
-        self._compute_input.ns += compute_input
-        self._compute_infer.count += 1
-        self._compute_infer.ns += compute_infer
-        self._compute_output.count += 1
-        self._compute_output.ns += compute_output
-        outcome = self._success if succeeded else self._fail
-        outcome.count += 1
-        outcome.ns += ns
+        durations = self.durations
+        durations["queue"].add(queue_ns)
+        durations["compute_input"].add(compute_input)
+        durations["compute_infer"].add(compute_infer)
+        durations["compute_output"].add(compute_output)
+        self.record_outcome(succeeded, ns)
 
     def record_outcome(self, succeeded: bool, ns: int) -> None:
         """A request left the pipeline, answered (``succeeded``) or with an error, after ``ns``."""

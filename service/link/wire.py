@@ -100,9 +100,7 @@ def unpack(message: memoryview, decoder: msgspec.msgpack.Decoder) -> list[Item]:
         headers = decoder.decode(message[_PREFIX.size : at])
     except (msgspec.DecodeError, NotImplementedError, ValueError) as error:
         raise LinkViolation(f"a message that is not the protocol's: {error}") from None
-    if not raw_bytes and not any(
-        lengths for _, lengths in headers
-    ):  # no frames (rows in the arena)
+    if not raw_bytes and not any(lengths for _, lengths in headers):  # rows in the arena
         return [(header, []) for header, _ in headers]
     if sum(length for _, lengths in headers for length in lengths) != raw_bytes:
         raise LinkViolation("a message whose frames do not add up to its length")
