@@ -42,9 +42,13 @@ class ServerStartError(RuntimeError):
     """The process exited, or did not become ready in time; the message quotes its log."""
 
 
-def port_is_free(port: int) -> bool:
+def port_is_free(port: int, *, time_wait_allowed: bool = True) -> bool:
+    """Whether ``port`` can be bound by a server (which sets SO_REUSEADDR, so a port that only
+    closed connections in TIME_WAIT still hold is free to it); with ``time_wait_allowed`` false,
+    whether a plain bind, without SO_REUSEADDR, succeeds too."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if time_wait_allowed:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((HOST, port))
         except OSError:
@@ -53,11 +57,14 @@ def port_is_free(port: int) -> bool:
 
 
 def free_port(ports: range, start: int = 0) -> int:
-    """The first free port of ``ports``, looking from index ``start`` on (and wrapping round)."""
-    for offset in range(len(ports)):
-        port = ports[(start + offset) % len(ports)]
-        if port_is_free(port):
-            return port
+    """A free port of ``ports``, looking from index ``start`` on (and wrapping round): one that no
+    connection holds if there is one, so that a caller may bind it without SO_REUSEADDR (a test's
+    blocker does); else one that only connections in TIME_WAIT hold."""
+    order = [ports[(start + offset) % len(ports)] for offset in range(len(ports))]
+    for time_wait_allowed in (False, True):
+        for port in order:
+            if port_is_free(port, time_wait_allowed=time_wait_allowed):
+                return port
     raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1}")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import time
 
+from bench import server_process
 from service.launcher import ports
 from tests.support import RELIABILITY, free_port
 
@@ -61,3 +62,17 @@ def test_a_loose_hold_is_tightened_on_the_same_port():
     finally:
         for s in tightened:
             s.close()
+
+
+def test_a_free_port_is_one_no_connection_holds_while_there_is_one():
+    """A test binds its blocker without SO_REUSEADDR: a port in TIME_WAIT would refuse it."""
+    port = next(
+        p
+        for p in RELIABILITY.ports[:-1]
+        if all(server_process.port_is_free(q, time_wait_allowed=False) for q in (p, p + 1))
+    )
+    leave_time_wait(port)
+    assert plain_bind_fails(port)
+    assert server_process.free_port(range(port, port + 2)) == port + 1  # looking from port on
+    assert not plain_bind_fails(port + 1)
+    assert server_process.free_port(range(port, port + 1)) == port  # a server's SO_REUSEADDR binds it
