@@ -92,7 +92,8 @@ def check_hot_routes(routes: Iterable[BaseRoute]) -> None:
 async def _serve(handler: Handler, request: Request, name: str | None, version: int | None) -> Any:
     check_request_api_key(request)
     state = frontend_state(request)
-    view = state.engine.table.route(name, version, request.headers.get(CLIENT_KEY_HEADER))
+    table = await state.engine.table_to_route_by()
+    view = table.route(name, version, request.headers.get(CLIENT_KEY_HEADER))
     return await handler(request, ServedVersion.of(request, state, view, version))
 
 

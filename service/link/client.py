@@ -27,6 +27,10 @@ class EngineClient(ABC):
     def connected(self) -> bool:
         """The engine can be reached now."""
 
+    async def table_to_route_by(self) -> ModelTable:
+        """The table a request is routed by: the latest, where nothing can be waited for."""
+        return self.table
+
     @abstractmethod
     async def start(self) -> None: ...
 

@@ -8,7 +8,10 @@ answered (a lost message, a stalled engine) is answered 503 and its arena region
 call nor its rows are held for ever. The engine's pid comes with every table: the front end watches it
 (``pidfd``), so when the engine dies the front end is not ready at once, and every call it had in flight is
 answered 503 with Retry-After. The front end connects again every ``RECONNECT_S`` until a restarted engine
-listens; its first table makes the front end ready again.
+listens; its first table makes the front end ready again. A request that arrives meanwhile waits until the
+new engine has started (loaded its models), ``ENGINE_WAIT_S`` at most: a restart is a pause to its clients
+rather than a burst of 503s, and a request that reaches this front end just after another front end said
+"ready" finds the engine too.
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ STOP_WAIT_S = 5.0
 # after the engine answers "queue full" for a graph, requests for it are refused before decoding for
 # this long (the engine's queue is not seen from here: its last answer stands in for it)
 FULL_MEMORY_S = 0.05
-FIRST_TABLE_WAIT_S = 2.0
+# how long a started engine's table is waited for: at start before connections are accepted, and by a
+# request that arrives while the engine restarts (1-3 s with the shipped model)
+ENGINE_WAIT_S = 2.0
 # an engine whose table (published at least every 0.5 s) has not come for this long is taken for dead,
 # where its pid cannot be watched
 SILENT_ENGINE_S = 3.0
@@ -88,7 +93,8 @@ class RemoteEngine(EngineClient):
         ] = {}
         self._tasks: list[asyncio.Task] = []
         self._link: wire.Link | None = None  # the connection to the engine, while there is one
-        self._first_table = asyncio.Event()
+        # set while the table held is a running engine's past its start-up (its first load)
+        self._engine_started = asyncio.Event()
         self._last_table = time.monotonic()
         self._full: dict[tuple[str, int, str], tuple[float, ServiceUnavailable]] = {}
         self.arena: Arena | None = None
@@ -123,11 +129,9 @@ class RemoteEngine(EngineClient):
             loop.create_task(self._watch_heartbeat(), name="engine-heartbeat"),
             loop.create_task(self._stay_connected(), name="engine-link"),
         ]
-        # accept connections knowing the engine's state (a running engine answers at once; one that
-        # is starting later, and meanwhile this front end answers 503 not_ready)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(FIRST_TABLE_WAIT_S):
-                await self._first_table.wait()
+        # accept connections knowing the engine's state (a started engine answers at once; one that
+        # is starting within ENGINE_WAIT_S, and past it this front end's requests wait for it)
+        await self.table_to_route_by()
 
     def begin_shutdown(self) -> None:
         """Nothing to do here: the supervisor tells the engine."""
@@ -188,7 +192,10 @@ class RemoteEngine(EngineClient):
             return
         self._last_table = time.monotonic()
         self._table = table
-        self._first_table.set()
+        if table.phase == "starting":
+            self._engine_started.clear()
+        else:
+            self._engine_started.set()
 
     def _watch(self, engine: tuple[int, int]) -> bool:
         """Follow the engine process: its death is seen at once. False if it is gone already."""
@@ -222,6 +229,7 @@ class RemoteEngine(EngineClient):
 
     def _engine_gone(self, why: str) -> None:
         self._engine = None
+        self._engine_started.clear()
         self._table = ModelTable(phase="starting", retry_after_s=self._retry_after_s)
         pending, self._pending = self._pending, {}
         for future, _, _, deadline in pending.values():
@@ -237,6 +245,15 @@ class RemoteEngine(EngineClient):
             code="engine_unavailable",
             retry_after_s=self._retry_after_s,
         )
+
+    async def table_to_route_by(self) -> ModelTable:
+        """The latest table; while no engine runs or it is starting, the first of a started
+        engine, ``ENGINE_WAIT_S`` at most (then the latest, which answers 503 not_ready)."""
+        if not self._engine_started.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ENGINE_WAIT_S):
+                    await self._engine_started.wait()
+        return self._table
 
     # --- calls --------------------------------------------------------------------------------------
 

@@ -75,4 +75,5 @@ def test_a_free_port_is_one_no_connection_holds_while_there_is_one():
     assert plain_bind_fails(port)
     assert server_process.free_port(range(port, port + 2)) == port + 1  # looking from port on
     assert not plain_bind_fails(port + 1)
-    assert server_process.free_port(range(port, port + 1)) == port  # a server's SO_REUSEADDR binds it
+    # a server's SO_REUSEADDR binds it
+    assert server_process.free_port(range(port, port + 1)) == port

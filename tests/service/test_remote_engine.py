@@ -1,8 +1,8 @@
 """The front end's side of the link (``RemoteEngine``): an answered call is forgotten, a lone call goes at
 once however many came before it, a call the engine never answers is given up at its deadline with a 503
 (its arena region freed, the engine told to drop it), control calls come back typed, no module a front
-end runs imports the engine, a front end connects again to a restarted engine, and a table a dead engine
-sent never makes it ready."""
+end runs imports the engine, a front end connects again to a restarted engine, a request that comes meanwhile waits for it
+(for a while), and a table a dead engine sent never makes it ready."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -188,6 +189,76 @@ def test_a_front_end_connects_again_to_a_restarted_engine(tmp_path):
     assert first_answer[0].tolist() == [[4.0, 4.0]]
     assert refused == "engine_unavailable"
     assert second_answer[0].tolist() == [[8.0, 8.0]]
+
+
+def test_a_request_while_the_engine_restarts_waits_for_the_next_engine_s_table(
+    tmp_path, monkeypatch
+):
+    """With no engine running, a request is routed by the next engine's first table when it comes
+    within ENGINE_WAIT_S, and then runs on it; past that, by the placeholder (503 not_ready)."""
+    addresses = wire.Addresses.in_directory(str(tmp_path))
+
+    async def scenario() -> dict[str, object]:
+        seen: dict[str, object] = {}
+        first = EngineServer(CancelWatchingEngine(), addresses)
+        await first.bind()
+        remote = RemoteEngine(addresses, "unused", 0, 1, Metrics())
+        await remote.start()
+        await first.close()
+        await until(lambda: not remote.connected, seconds=2)
+        monkeypatch.setattr(remote_module, "ENGINE_WAIT_S", 0.3)
+        began = time.monotonic()
+        alone = await remote.table_to_route_by()
+        seen["no engine: waited"] = time.monotonic() - began
+        seen["no engine: ready"] = alone.ready
+        monkeypatch.setattr(remote_module, "ENGINE_WAIT_S", 30.0)
+        waiting = asyncio.ensure_future(remote.table_to_route_by())
+        await asyncio.sleep(0.3)
+        seen["before the engine: done"] = waiting.done()
+        second = EngineServer(CancelWatchingEngine(), addresses)
+        await second.bind()
+        seen["next engine: ready"] = (await asyncio.wait_for(waiting, 10)).ready
+        seen["answer"] = (await remote.infer(view(), None, "classifier", ROWS, None, None))[0]
+        began = time.monotonic()
+        await remote.table_to_route_by()
+        seen["running engine: waited"] = time.monotonic() - began
+        await remote.stop()
+        await second.close()
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert 0.3 <= seen.pop("no engine: waited") < 5
+    assert seen.pop("running engine: waited") < 0.1
+    assert seen.pop("answer").tolist() == [[4.0, 4.0]]
+    assert seen == {
+        "no engine: ready": False,
+        "before the engine: done": False,
+        "next engine: ready": True,
+    }
+
+
+def test_a_request_waits_while_the_restarted_engine_loads_its_models(tmp_path):
+    """A restarted engine publishes its table while its first load runs (phase "starting"): a
+    request waits for the table that says it has started, not only for the engine to answer."""
+    started = ModelTable(phase="ready", healthy=True, retry_after_s=1)
+
+    async def scenario() -> list[bool]:
+        remote = RemoteEngine(wire.Addresses.in_directory(str(tmp_path)), "unused", 0, 1, Metrics())
+        engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            remote._take_table((engine.pid, 1), ModelTable(phase="starting", retry_after_s=1))
+            waiting = asyncio.ensure_future(remote.table_to_route_by())
+            await asyncio.sleep(0.3)
+            seen = [waiting.done()]
+            remote._take_table((engine.pid, 1), started)
+            seen.append((await asyncio.wait_for(waiting, 5)).ready)
+            return seen
+        finally:
+            engine.kill()
+            engine.wait()
+            remote._unwatch()
+
+    assert asyncio.run(scenario()) == [False, True]
 
 
 def test_a_table_its_dead_engine_sent_never_makes_the_front_end_ready(tmp_path):

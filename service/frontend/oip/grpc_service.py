@@ -191,7 +191,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: Any, context: Context, request_id: str) -> Any:
         name = _required_name(request.model_name, "model_name")
         over = _over(context)
-        served = served_version(
+        served = await served_version(
             self.state, name, request.model_version or None, request_id, lambda: over
         )
         limit = served.settings.limits.max_images_per_request

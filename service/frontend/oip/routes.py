@@ -81,7 +81,7 @@ def version_number(version: str | None) -> int | None:
     return int(version.lstrip("0"))  # int() refuses more than 4,300 digits, zeros included
 
 
-def served_version(
+async def served_version(
     state: FrontendState,
     name: str,
     version: str | None,
@@ -91,7 +91,7 @@ def served_version(
     """The model version a protocol request goes to (every transport), with the request's id and
     how to tell that its client has gone."""
     requested = version_number(version)
-    view = state.engine.table.route(name, requested)
+    view = (await state.engine.table_to_route_by()).route(name, requested)
     return ServedVersion(state, view, requested, request_id, gone)
 
 
@@ -183,7 +183,7 @@ async def infer_version(request: Request, name: str, version: str) -> Response:
 
 async def _infer(request: Request, name: str, version: str | None) -> Response:
     check_request_api_key(request)  # not a dependency: a hot route (service/frontend/hot_routes.py)
-    served = served_version(
+    served = await served_version(
         frontend_state(request), name, version, request_id_of(request), client_gone(request)
     )
     body = await request.body()
