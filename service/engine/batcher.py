@@ -217,8 +217,10 @@ class DynamicBatcher:
                 loop.call_soon(self._dispatch_later)
 
     def refuse(self, request: Request, error: Exception) -> None:
-        """Answer a request that was never queued (refused at admission, or its rows were wrong)."""
-        self._answer(request, None, error)
+        """Answer a request that was never queued (refused at admission, or its rows were wrong),
+        recorded as failed."""
+        self.statistics.record_outcome(False, time.perf_counter_ns() - request.entered)
+        request.reply(request, None, error)
 
     # --- the end of a request -------------------------------------------------------------------------
 
@@ -233,7 +235,8 @@ class DynamicBatcher:
             self._queued -= untaken
             request.taken = request.count
             self._show_depth()
-        if error is None:  # it ran: recorded here with its outcome, then answered
+        elapsed = time.perf_counter_ns() - request.entered
+        if error is None:  # it ran: recorded with its queue wait, its batches and its outcome
             if request.non_finite:
                 try:
                     require_finite(
@@ -245,34 +248,27 @@ class DynamicBatcher:
                 round((request.started - request.enqueued) * 1e9),
                 request.batches,
                 error is None,
-                time.perf_counter_ns() - request.entered,
+                elapsed,
             )
-            if self._lease is not None:
-                self._lease.release()
-            request.reply(request, outputs, error)
-            return
-        if type(error) is ClientGone:
-            self._metrics.cancelled.labels(*self._labels).inc(request.remaining)
-            error = ClientDisconnected(
-                f"the client went away; {request.remaining} of {request.count} images were not run"
-            )
-        elif type(error) is TimedOut:
-            self._reject("timeout")
-            error = ServiceUnavailable(
-                f"the request was not served within request_timeout_s={self.timeout_s} s "
-                f"({request.remaining} of {request.count} images unfinished); retry after "
-                f"{self.retry_after_s} s",
-                code="timeout",
-                retry_after_s=self.retry_after_s,
-            )
+        else:  # timed out, cancelled, or failed with its batch: its outcome only
+            if type(error) is ClientGone:
+                self._metrics.cancelled.labels(*self._labels).inc(request.remaining)
+                error = ClientDisconnected(
+                    f"the client went away; {request.remaining} of {request.count} images were "
+                    "not run"
+                )
+            elif type(error) is TimedOut:
+                self._reject("timeout")
+                error = ServiceUnavailable(
+                    f"the request was not served within request_timeout_s={self.timeout_s} s "
+                    f"({request.remaining} of {request.count} images unfinished); retry after "
+                    f"{self.retry_after_s} s",
+                    code="timeout",
+                    retry_after_s=self.retry_after_s,
+                )
+            self.statistics.record_outcome(False, elapsed)
         if self._lease is not None:
             self._lease.release()
-        self._answer(request, outputs, error)
-
-    def _answer(self, request: Request, outputs: Outputs | None, error: Exception | None) -> None:
-        """The outcome of a request that did not run (refused, timed out, cancelled, failed with
-        its batch), recorded here once, then handed to its reply."""
-        self.statistics.record_outcome(error is None, time.perf_counter_ns() - request.entered)
         request.reply(request, outputs, error)
 
     def _expire(self) -> None:
