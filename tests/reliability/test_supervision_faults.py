@@ -15,7 +15,14 @@ import httpx
 import pytest
 
 from bench.machine import descendants
-from bench.reliability.supervision import Load, alive, engine_and_front_ends, state_of, wait_for
+from bench.reliability.supervision import (
+    Load,
+    alive,
+    engine_and_front_ends,
+    ready,
+    state_of,
+    wait_for,
+)
 from service.link.arena import PREFIX, SHM
 from tests.reliability.full_disk import full_tmpfs
 from tests.support import RELIABILITY, encode, metric, running_server
@@ -30,13 +37,6 @@ def fashion_png(fashion_images) -> bytes:
 
 def start(model_repository: Path, tmp_path: Path, log: str = "server.log"):
     return running_server(model_repository, tmp_path / log, suite=RELIABILITY, workers=2)
-
-
-def ready(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health/ready", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def test_an_engine_killed_while_it_reloads_is_restarted_again(

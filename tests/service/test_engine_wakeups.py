@@ -10,15 +10,8 @@ import time
 import numpy as np
 
 from tests.service.test_batcher_contract import Model, make, rows
+from tests.service.test_link import until
 from tests.support import submit
-
-
-async def until(condition, limit_s: float = 30.0) -> None:
-    """Let the loop turn until ``condition()`` holds (the limit only ends a broken run)."""
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        assert time.monotonic() < deadline, "the condition never held"
-        await asyncio.sleep(0.001)
 
 
 def test_batches_that_finish_while_the_loop_is_busy_wake_it_once():
@@ -29,7 +22,9 @@ def test_batches_that_finish_while_the_loop_is_busy_wake_it_once():
         b = make([model, model], max_batch_size=1)  # two instances; each request a full batch
         b.start()
         calls = [asyncio.create_task(submit(b, rows(value))) for value in (1.0, 2.0)]
-        await until(lambda: len(b._instances.running) == 2)  # one batch on each instance
+        await until(
+            lambda: len(b._instances.running) == 2, seconds=30
+        )  # one batch on each instance
         wakes = []
         wake = loop.call_soon_threadsafe
 
@@ -64,7 +59,7 @@ def test_under_load_queuing_and_finished_batches_leave_the_batching_loop_asleep(
         b.start()
         await asyncio.sleep(0)  # the batching loop is waiting
         first = asyncio.create_task(submit(b, rows(1.0)))
-        await until(lambda: bool(b._instances.running))
+        await until(lambda: bool(b._instances.running), seconds=30)
         sets = []
         wake = b._wakeup.set
 
@@ -74,7 +69,7 @@ def test_under_load_queuing_and_finished_batches_leave_the_batching_loop_asleep(
 
         b._wakeup.set = counted  # type: ignore[method-assign]
         queued = [asyncio.create_task(submit(b, rows(value))) for value in (2.0, 3.0)]
-        await until(lambda: b.queued == 2)
+        await until(lambda: b.queued == 2, seconds=30)
         model.gate.set()
         answers = await asyncio.gather(first, *queued)
         woken = len(sets)

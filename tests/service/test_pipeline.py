@@ -13,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from service.contract.model_config import ServingConfig
 from service.contract.model_repository import version_files
 from service.engine.model_versions import model_config, serving_settings
 from service.engine.pipeline import ModelPipeline
@@ -21,6 +22,7 @@ from service.engine.runtime import Runtime
 from service.engine.statistics import BatchTimes, ModelStatistics
 from service.errors import NotFound, ServiceError
 from service.observability.metrics import Metrics
+from service.settings import Settings
 from tests.support import MODEL_NAME, held, make_settings, run_on
 
 
@@ -34,6 +36,15 @@ def loaded(model_repository):
         version_files(model_repository, MODEL_NAME, 1), settings.runtime, serving, settings.batching
     )
     return runtime, settings, serving
+
+
+def pipeline_of(
+    runtime: Runtime, serving: ServingConfig, settings: Settings, metrics: Metrics | None = None
+) -> ModelPipeline:
+    """The shipped model's pipeline on ``runtime``, with ``settings``' batching and limits."""
+    return ModelPipeline(
+        MODEL_NAME, runtime, serving, settings.batching, settings.limits, metrics or Metrics()
+    )
 
 
 def series(metrics: Metrics, name: str, **labels: str) -> float | None:
@@ -53,9 +64,7 @@ def test_a_pipeline_runs_its_version_and_counts_its_requests(loaded, model_repos
     expected = session.run(None, {session.get_inputs()[0].name: rows})[0]
 
     async def scenario() -> tuple[ModelPipeline, list]:
-        pipeline = ModelPipeline(
-            MODEL_NAME, runtime, serving, settings.batching, settings.limits, metrics
-        )
+        pipeline = pipeline_of(runtime, serving, settings, metrics)
         pipeline.start()
         answers = await run_on(pipeline, "classifier", rows, "req-1")
         await pipeline.retire(5)
@@ -109,9 +118,7 @@ def test_a_failed_request_is_counted_failed_and_logged_with_its_id(loaded, recor
     metrics = Metrics()
 
     async def scenario() -> ModelPipeline:
-        pipeline = ModelPipeline(
-            MODEL_NAME, runtime, serving, settings.batching, settings.limits, metrics
-        )
+        pipeline = pipeline_of(runtime, serving, settings, metrics)
         for instance in pipeline.classifier._instances:
             instance.run = failing
         pipeline.start()
@@ -134,9 +141,7 @@ def test_attention_runs_on_its_own_batcher(loaded):
     metrics = Metrics()
 
     async def scenario() -> list:
-        pipeline = ModelPipeline(
-            MODEL_NAME, runtime, serving, settings.batching, settings.limits, metrics
-        )
+        pipeline = pipeline_of(runtime, serving, settings, metrics)
         pipeline.start()
         answers = await run_on(pipeline, "attention", np.zeros((1, 1, 28, 28), np.float32))
         await pipeline.retire(5)
@@ -153,9 +158,7 @@ def test_a_client_gone_while_queued_ends_the_run_at_once(loaded):
     waiting = settings.model_copy(update={"idle_dispatch": False})  # an idle batcher waits too
 
     async def scenario() -> None:
-        pipeline = ModelPipeline(
-            MODEL_NAME, runtime, slow, waiting.batching, waiting.limits, Metrics()
-        )
+        pipeline = pipeline_of(runtime, slow, waiting)
         pipeline.start()
         gone = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().call_later(0.05, gone.set_result, None)
@@ -169,14 +172,7 @@ def test_a_client_gone_while_queued_ends_the_run_at_once(loaded):
 
 def test_a_version_without_an_attention_graph_refuses_attention(loaded):
     runtime, settings, serving = loaded
-    pipeline = ModelPipeline(
-        MODEL_NAME,
-        dataclasses.replace(runtime, attention=None),
-        serving,
-        settings.batching,
-        settings.limits,
-        Metrics(),
-    )
+    pipeline = pipeline_of(dataclasses.replace(runtime, attention=None), serving, settings)
     assert pipeline.attention is None and not pipeline.view.attention
     assert pipeline.batchers == [pipeline.classifier]
     with pytest.raises(NotFound) as error:
@@ -192,9 +188,7 @@ def test_retiring_waits_for_leases_within_its_timeout_and_sums_the_failed_images
     runtime, settings, serving = loaded
 
     async def scenario() -> tuple[int, list, float]:
-        pipeline = ModelPipeline(
-            MODEL_NAME, runtime, serving, settings.batching, settings.limits, Metrics()
-        )
+        pipeline = pipeline_of(runtime, serving, settings)
         pipeline.start()
         stops: list[float] = []
 
@@ -223,9 +217,7 @@ def test_retiring_a_drained_version_fails_nothing(loaded):
     runtime, settings, serving = loaded
 
     async def scenario() -> int:
-        pipeline = ModelPipeline(
-            MODEL_NAME, runtime, serving, settings.batching, settings.limits, Metrics()
-        )
+        pipeline = pipeline_of(runtime, serving, settings)
         pipeline.start()
         return await pipeline.retire(5)
 
@@ -238,9 +230,7 @@ def test_the_classifier_dispatches_at_a_preferred_batch_size_without_waiting(loa
     waiting = settings.model_copy(update={"idle_dispatch": False})
 
     async def scenario() -> int:
-        pipeline = ModelPipeline(
-            MODEL_NAME, runtime, preferring, waiting.batching, waiting.limits, Metrics()
-        )
+        pipeline = pipeline_of(runtime, preferring, waiting)
         pipeline.start()
         run = run_on(pipeline, "classifier", np.zeros((2, 1, 28, 28), np.float32))
         answers = await asyncio.wait_for(run, 5)  # not the 10 s queue delay
@@ -263,9 +253,7 @@ def test_a_lone_call_on_an_idle_fast_model_is_answered_before_it_is_waited_for(
     expected = session.run(None, {session.get_inputs()[0].name: rows})[0]
 
     async def scenario():
-        pipeline = ModelPipeline(
-            MODEL_NAME, runtime, serving, settings.batching, settings.limits, Metrics()
-        )
+        pipeline = pipeline_of(runtime, serving, settings)
         pipeline.start()
         await run_on(pipeline, "classifier", rows, alone=True)  # measures the lone run
         handed: list = []
@@ -318,9 +306,7 @@ def test_rows_that_are_not_the_version_s_input_never_join_a_batch(loaded, bad):
     expected = [session.run(None, {name: rows})[0] for rows in honest]
 
     async def scenario() -> tuple[list, BaseException | None]:
-        pipeline = ModelPipeline(
-            MODEL_NAME, runtime, serving, settings.batching, settings.limits, Metrics()
-        )
+        pipeline = pipeline_of(runtime, serving, settings)
         pipeline.start()
         outcomes: dict[int, tuple] = {}
 
@@ -351,9 +337,7 @@ def test_a_call_cancelled_before_its_batch_runs_ends_as_a_499_and_never_runs(loa
     rows = np.zeros((1, 1, 28, 28), np.float32)
 
     async def scenario():
-        pipeline = ModelPipeline(
-            MODEL_NAME, runtime, serving, settings.batching, settings.limits, Metrics()
-        )
+        pipeline = pipeline_of(runtime, serving, settings)
         ran: list[int] = []
         for instance in pipeline.classifier._instances:
             run = instance.run
