@@ -414,6 +414,11 @@ def result_value(op: str, raw: msgspec.Raw) -> Any:
     return msgspec.msgpack.decode(raw, type=RESULT_TYPES[op])
 
 
+# each output dtype's text, for the few dtypes models answer in (``dtype.str`` formats a new string
+# at every call, with libc's printf)
+_DTYPE_TEXT: dict[np.dtype, str] = {}
+
+
 def answer_frames(call: int, outputs: Outputs) -> tuple[Answer, list]:
     """The answer to ``call`` and its outputs' raw bytes (a request's rows of a batch's outputs are
     contiguous already: no copy)."""
@@ -427,11 +432,6 @@ def answer_frames(call: int, outputs: Outputs) -> tuple[Answer, list]:
         shapes.append((text, frame.shape))
         frames.append(frame)
     return Answer(call, shapes), frames
-
-
-# each output dtype's text, for the few dtypes models answer in (``dtype.str`` formats a new string
-# at every call, with libc's printf)
-_DTYPE_TEXT: dict[np.dtype, str] = {}
 
 
 def answer_outputs(answer: Answer, frames: list) -> Outputs:
