@@ -9,10 +9,13 @@ in ``service/contract/model_config.py`` (:class:`~service.contract.model_config.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from service.contract.model_repository import ModelMetadata, rows_key
 
 # The header a client names itself with, so that the canary answers it from one version every time.
 CLIENT_KEY_HEADER = "x-client-key"
@@ -27,6 +30,41 @@ def live_version(ready: Sequence[int], pinned: int | None, candidate: int | None
     if others:
         return max(others)
     return max(ready) if ready else None
+
+
+# How a candidate's shadow gets its rows: "same" (a copy of the live version's rows: both take the same
+# rows), "own" (the front end prepares the candidate's own rows from the same images: another input or
+# preprocessing), "none" (the two cannot be compared: other labels).
+RowsPlan = Literal["same", "own", "none"]
+
+
+def shadow_rows(live: ModelMetadata, candidate: ModelMetadata) -> tuple[RowsPlan, str]:
+    """How ``candidate`` is shadowed against ``live``, and why, in words for the log and the report."""
+    if live.labels != candidate.labels:
+        if len(live.labels) != len(candidate.labels):
+            why = f"{len(candidate.labels)} classes against {len(live.labels)}"
+        else:
+            first = next(
+                i
+                for i, (a, b) in enumerate(zip(live.labels, candidate.labels, strict=True))
+                if a != b
+            )
+            why = f"class {first} is {candidate.labels[first]!r} against {live.labels[first]!r}"
+        return "none", f"the candidate has other labels ({why}); its answers cannot be compared"
+    if rows_key(live) == rows_key(candidate):
+        return "same", "both versions take the same rows"
+    live_rows, candidate_rows = (_flat(json.loads(rows_key(m))) for m in (live, candidate))
+    differences = [
+        f"{key} {candidate_rows.get(key)} against {live_rows.get(key)}"
+        for key in sorted(set(live_rows) | set(candidate_rows))
+        if live_rows.get(key) != candidate_rows.get(key)
+    ]
+    return "own", "the candidate runs on its own rows (" + "; ".join(differences) + ")"
+
+
+def _flat(key: dict[str, Any]) -> dict[str, Any]:
+    shape = key["input"]
+    return {"input": "x".join(map(str, shape[2:])), **key["preprocessing"]}
 
 
 def in_canary(percent: float, client_key: str | None) -> bool:
@@ -76,6 +114,7 @@ def judge(report: dict[str, Any], thresholds: Thresholds) -> Verdict:
     agreement = pair["top1_agreement"] if pair else None
     p99 = pair["probability_difference"]["p99"] if pair else None
     ratio = pair["model_ms"]["ratio_p50"] if pair else None
+    timed = pair["model_ms"].get("pairs", 0) if pair else 0
     summary = (
         f"{report['model']}: candidate version {candidate} against live version {live}: "
         f"{compared} requests compared (min {thresholds.min_requests}), top-1 agreement "
@@ -86,8 +125,11 @@ def judge(report: dict[str, Any], thresholds: Thresholds) -> Verdict:
             if thresholds.max_p99_difference is not None
             else ""
         )
-        + f", model time ratio {_number(ratio)} (max {thresholds.max_latency_ratio:g})"
+        + f", model time ratio {_number(ratio)} over {timed} timed pairs "
+        f"(max {thresholds.max_latency_ratio:g})"
     )
+    if report.get("comparable") is False:
+        return Verdict("wait", [f"{compared} compared: {report['why']}"], summary)
     if compared < thresholds.min_requests:
         return Verdict("wait", [f"only {compared} of {thresholds.min_requests} requests"], summary)
     misses = []

@@ -218,6 +218,21 @@ class ModelMetadata(_Meta):
         return len(self.labels)
 
 
+def rows_key(metadata: ModelMetadata) -> str:
+    """What decides the rows an image becomes: two versions with the same key take the same rows.
+
+    Equal in effect, not in text: the input's name and the range a client's tensor may span change
+    no row, and every default is spelled out, so metadata written by another export (or before a
+    field existed) compares equal when its rows are.
+    """
+    spec, pre = metadata.input, metadata.preprocessing
+    preprocessing = pre.model_dump(mode="json")
+    if pre.resize != "fit-pad":
+        del preprocessing["pad_value"]  # only fit-pad pads
+    shape = [spec.layout, spec.dtype, spec.channels, spec.height, spec.width]
+    return json.dumps({"input": shape, "preprocessing": preprocessing}, sort_keys=True)
+
+
 @dataclass(frozen=True)
 class VersionFiles:
     """Where one version of a model lives in the repository."""

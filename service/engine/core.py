@@ -23,7 +23,7 @@ from service.engine.model_manager import ModelManager
 from service.engine.request import Request, awaited
 from service.engine.shadow import Shadows
 from service.errors import ServiceError
-from service.link.protocol import Graph, ModelTable, Outputs, Phase
+from service.link.protocol import Graph, ModelTable, Outputs, Phase, ShadowCopy
 from service.observability.metrics import Metrics
 from service.settings import Settings
 
@@ -50,7 +50,7 @@ class Route(NamedTuple):
     name: str
     version: int
     requested: int | None
-    key: tuple[str, str]
+    key: str
     graph: Graph
 
 
@@ -159,7 +159,7 @@ class Engine:
         name: str,
         version: int,
         requested: int | None,
-        key: tuple[str, str],
+        key: str,
         graph: Graph,
         count: int,
     ) -> None:
@@ -180,7 +180,8 @@ class Engine:
             for request in requests:
                 request.fail(error)
             return
-        self.shadows.offer(pipeline, route.graph, requests)
+        if route.graph == "classifier":
+            self.shadows.offer(pipeline, requests)
         pipeline.submit(route.graph, requests, alone)
 
     async def infer(
@@ -189,11 +190,13 @@ class Engine:
         rows: np.ndarray,
         request_id: str | None = None,
         disconnected: Awaitable[object] | None = None,
+        shadow: ShadowCopy | None = None,
     ) -> Outputs:
         """:meth:`submit` one request of ``rows`` and wait for its outputs (a front end's own
-        engine); ``disconnected`` completes when its client has gone."""
+        engine); ``disconnected`` completes when its client has gone; ``shadow``: its copy for the
+        model's candidate."""
         return await awaited(
-            lambda request: self.submit(route, [request]), rows, request_id, disconnected
+            lambda request: self.submit(route, [request]), rows, request_id, disconnected, shadow
         )
 
     def record_failure(self, name: str, version: int, ns: int) -> None:

@@ -181,7 +181,7 @@ class ModelManager:
         return pipeline
 
     def pipeline_for(
-        self, name: str, version: int, requested: int | None, key: tuple[str, str]
+        self, name: str, version: int, requested: int | None, key: str
     ) -> ModelPipeline:
         """The pipeline that runs a call a front end resolved to ``version`` (``requested`` is the
         version the client asked for, None for the newest). A version swapped out since the front end

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from service.contract.candidates import live_version
+from service.contract.candidates import RowsPlan, live_version, shadow_rows
 from service.contract.model_config import (
     DEFAULT_INSTANCE_COUNT,
     DEFAULT_MAX_BATCH_SIZE,
@@ -64,6 +64,8 @@ class ManagedModel:
     config_problem: str = ""  # why the file on disk is not the one served, if it is not
 
     _plan: tuple[ModelConfig | None, CandidatePlan] = (None, CandidatePlan())
+    # (live pipeline, candidate pipeline) -> how they are compared, worked out once per pair
+    _comparison: tuple[tuple, tuple[RowsPlan, str]] = ((), ("same", ""))
 
     @property
     def plan(self) -> CandidatePlan:
@@ -91,8 +93,29 @@ class ManagedModel:
             self.plan,  # the live version, the candidate and the canary's share
         )
 
+    def comparison(self) -> tuple[RowsPlan, str] | None:
+        """How its candidate is compared with its live version (both ready), and why; None when no
+        candidate is tried. Logged once per pair: a pair that cannot be compared is said at load."""
+        live, candidate = self.pipeline(), self.pipeline(self.plan.candidate_version)
+        if live is None or candidate is None or candidate is live:
+            return None
+        pair = (live, candidate)
+        if self._comparison[0] != pair:
+            rows, why = shadow_rows(live.view.metadata, candidate.view.metadata)
+            self._comparison = (pair, (rows, why))
+            log = logger.warning if rows == "none" else logger.info
+            log(
+                "%s: candidate version %s against live version %s: %s",
+                self.name,
+                candidate.version,
+                live.version,
+                why,
+            )
+        return self._comparison[1]
+
     def view(self) -> ModelView:
         """This model as front ends see it (service/link/protocol.py)."""
+        comparison = self.comparison()
         return ModelView(
             name=self.name,
             versions={v: (s.state, s.reason) for v, s in self.versions.items()},
@@ -102,6 +125,8 @@ class ManagedModel:
             live=self.live_version(),
             candidate=self.plan.candidate_version,
             canary_percent=self.plan.canary_percent,
+            shadow_percent=self.plan.shadow_percent,
+            shadow_rows="same" if comparison is None else comparison[0],
         )
 
     def pipeline(self, version: int | None = None) -> ModelPipeline | None:

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from service.engine.statistics import BatchTimes
-from service.link.protocol import Outputs
+from service.link.protocol import Outputs, ShadowCopy
 from service.observability import tracing
 
 Reply = Callable[["Request", Outputs | None, Exception | None], None]
@@ -57,6 +57,7 @@ class Request:
         "reply",
         "request_id",
         "rows",
+        "shadow",
         "started",
         "tag",
         "taken",
@@ -69,6 +70,7 @@ class Request:
         self.reply = reply  # hands the outcome on (to a front end's outbox, a future, ...)
         self.request_id = request_id
         self.tag = tag  # the reply's own data: which call of which front end
+        self.shadow: ShadowCopy | None = None  # its copy for the model's candidate, when drawn
         self.count = len(rows)
         self.taken = 0  # images a batch has taken from the queue
         self.remaining = self.count  # images not run yet
@@ -143,6 +145,7 @@ async def awaited(
     rows: np.ndarray,
     request_id: str | None = None,
     disconnected: Awaitable[object] | None = None,
+    shadow: ShadowCopy | None = None,
 ) -> Outputs:
     """Make a request of ``rows``, ``start`` it (queue it: it may end before ``start`` returns) and
     wait for its outputs, or raise its error. ``disconnected`` completes when the client has gone:
@@ -154,6 +157,7 @@ async def awaited(
             future.set_result(outputs) if error is None else future.set_exception(error)
 
     request = Request(rows, reply, request_id)
+    request.shadow = shadow
     start(request)
     if future.done():  # run before its caller waited (a lone image run inline, or refused)
         _let_go(disconnected)

@@ -1,25 +1,33 @@
 """Shadow evaluation: a candidate version runs copies of the live version's requests, never answering them.
 
 A model's ``config.pbtxt`` names the candidate and the share of live requests it shadows
-(:class:`~service.contract.model_config.CandidatePlan`). For each live classifier call picked, the rows
-are copied and wait for the live answer; then they join a bounded shadow queue. The queue runs on the
-candidate, one batch at a time on a thread of its own, only while neither version has work waiting and
-each has an idle instance (``DynamicBatcher.spare``): the shadow never sits in a batcher's queue, so no
-live request waits behind it, and under load the shadow queue fills and its overflow is shed (counted).
-A shadow that fails or passes its timeout is counted; the live caller never sees it, since it has its
+(:class:`~service.contract.model_config.CandidatePlan`). The front end draws the share per classifier
+call (``ModelView.shadow``) and marks the call: when both versions take the same rows the candidate
+runs a copy of the call's rows; when the candidate takes other rows (another input size, crop, mean
+and std, channels: ``service/contract/candidates.py``'s ``shadow_rows``) the front end prepares the
+candidate's own rows from the same images and sends them with the call; a call the candidate cannot
+run (a tensor for another input, a candidate with other labels) is counted ``incompatible``. The
+copies wait for the live answer, then join a bounded shadow queue. The queue runs on the candidate,
+one batch at a time on a thread of its own, only while neither version has work waiting and each has
+an idle instance (``DynamicBatcher.spare``): the shadow never sits in a batcher's queue, so no live
+request waits behind it, and under load the shadow queue fills and its overflow is shed (counted). A
+shadow that fails or passes its timeout is counted; the live caller never sees it, since it has its
 answer before the copy runs.
 
 The comparison, per (live, candidate) pair (:class:`Comparison`): requests and images compared, top-1
 agreement, the probability difference of each image (the largest ``|p_live - p_candidate|`` over its
-classes; mean over every image, p99 over the latest ``WINDOW``), the model time of each request on each
-version (the batches that carried it) and the top-1 confusion (live class -> candidate class).
+classes; mean over every image, p99 over the latest ``WINDOW``) and the top-1 confusion (live class ->
+candidate class). The model time is measured as a pair: each shadow batch runs on the live version
+too, right before or after the candidate (alternating), on the same thread, with the same images and
+batch size, so that the two times share the machine's load; the ratio is the median of those pairs'
+ratios (``MODEL_TIME``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
+import statistics
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.contract.probabilities import softmax
-from service.engine.batch_runs import timed_run
-from service.link.protocol import Graph, Outputs
+from service.engine.batch_runs import RunBatch, timed_run
+from service.link.protocol import Outputs
 from service.observability.logs import Throttle
 from service.observability.shadow_metrics import ShadowSeries
 
@@ -42,23 +50,26 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vitserve")
 
-WINDOW = 100_000  # the latest images (and requests) the p99s are taken over
+WINDOW = 100_000  # the latest images (and timed pairs) the p99s and medians are taken over
 RETRY_S = 0.005  # a queue left waiting for busy versions is looked at again after this long
 FAILURE_LOG_S = 60.0  # a candidate that keeps failing is logged once a minute (and always counted)
 OUTCOMES = ("compared", "shed", "failed", "timeout", "live_failed", "incompatible")
 DIFFERENCE = "per image, the largest |p_live - p_candidate| over its classes"
+MODEL_TIME = (
+    "per shadow batch, both versions run the same images at the same batch size, one right after "
+    "the other (order alternating) on one thread; ratio_p50 is the median of candidate / live over "
+    "those pairs"
+)
 
 
-def observe(request: Request, seen: Callable[[Outputs | None, int], None]) -> None:
-    """``seen(outputs, model_ns)`` once ``request`` has ended, after its own reply (outputs None when
-    it failed; ``model_ns``: its batches' time in the model). A shadow reads the live answer this
-    way: it cannot change what the caller gets."""
+def observe(request: Request, seen: Callable[[Outputs | None], None]) -> None:
+    """``seen(outputs)`` once ``request`` has ended, after its own reply (outputs None when it
+    failed). A shadow reads the live answer this way: it cannot change what the caller gets."""
     reply = request.reply
 
     def replied(ended: Request, outputs: Outputs | None, error: Exception | None) -> None:
         reply(ended, outputs, error)
-        model_ns = sum(times.compute_infer_ns for times in ended.batches)
-        seen(None if error is not None else outputs, model_ns)
+        seen(None if error is not None else outputs)
 
     request.reply = replied
 
@@ -85,17 +96,15 @@ class Comparison:
             "live": deque(maxlen=WINDOW),
             "candidate": deque(maxlen=WINDOW),
         }
+        self.ratios: deque[float] = deque(maxlen=WINDOW)
         self.confusion: Counter[tuple[int, int]] = Counter()
 
     def count(self, outcome: str, requests: int = 1) -> None:
         self.outcomes[outcome] += requests
         self._outcome[outcome].inc(requests)
 
-    def add(
-        self, live: np.ndarray, candidate: np.ndarray, live_s: float, candidate_s: float
-    ) -> None:
-        """One request compared: both versions' probabilities of its images, and the time its rows
-        spent in each model."""
+    def add(self, live: np.ndarray, candidate: np.ndarray) -> None:
+        """One request compared: both versions' probabilities of its images."""
         live_top, candidate_top = live.argmax(axis=1), candidate.argmax(axis=1)
         differences = np.abs(live - candidate).max(axis=1)
         agreeing = int((live_top == candidate_top).sum())
@@ -108,12 +117,17 @@ class Comparison:
             self.difference_sum += difference
             self.differences.append(difference)
             self._difference.observe(difference)
-        for role, seconds in (("live", live_s), ("candidate", candidate_s)):
-            self.model_s[role].append(seconds)
-            self._latency[role].observe(seconds)
         for pair in zip(live_top.tolist(), candidate_top.tolist(), strict=True):
             self.confusion[pair] += 1
             self._series.confusion.labels(*self._labels, *map(str, pair)).inc()
+
+    def timed(self, live_s: float, candidate_s: float) -> None:
+        """One shadow batch's model time on each version, measured as a pair (``MODEL_TIME``)."""
+        for role, seconds in (("live", live_s), ("candidate", candidate_s)):
+            self.model_s[role].append(seconds)
+            self._latency[role].observe(seconds)
+        if live_s > 0:
+            self.ratios.append(candidate_s / live_s)
 
     def report(self) -> dict[str, Any]:
         compared = self.outcomes["compared"]
@@ -123,7 +137,6 @@ class Comparison:
         def percentile(values: np.ndarray, q: float) -> float | None:
             return float(np.percentile(values, q)) if len(values) else None
 
-        live_p50, candidate_p50 = (percentile(times[r], 50) for r in ("live", "candidate"))
         return {
             "live_version": self.live,
             "candidate_version": self.candidate,
@@ -136,11 +149,13 @@ class Comparison:
                 "p99": percentile(differences, 99),
             },
             "model_ms": {
-                "live_p50": live_p50,
+                "definition": MODEL_TIME,
+                "pairs": len(self.ratios),
+                "live_p50": percentile(times["live"], 50),
                 "live_p99": percentile(times["live"], 99),
-                "candidate_p50": candidate_p50,
+                "candidate_p50": percentile(times["candidate"], 50),
                 "candidate_p99": percentile(times["candidate"], 99),
-                "ratio_p50": candidate_p50 / live_p50 if live_p50 and candidate_p50 else None,
+                "ratio_p50": statistics.median(self.ratios) if self.ratios else None,
             },
             "confusion": [
                 {"live_class": live, "candidate_class": candidate, "images": images}
@@ -152,14 +167,33 @@ class Comparison:
 
 @dataclass(eq=False)
 class _Copy:
-    """One live request's rows, waiting for the live answer, then for the candidate."""
+    """One live request's rows (and the candidate's, the same array when both take the same rows),
+    waiting for the live answer, then for the candidate."""
 
-    rows: np.ndarray
+    live_rows: np.ndarray
+    candidate_rows: np.ndarray
     live: ModelPipeline
     candidate: ModelPipeline
     comparison: Comparison
     probabilities: np.ndarray | None = None
-    live_s: float = 0.0
+
+
+def paired_runs(
+    live: RunBatch,
+    candidate: RunBatch,
+    live_rows: list[np.ndarray],
+    candidate_rows: list[np.ndarray],
+    live_first: bool,
+) -> tuple[Outputs, float, float]:
+    """The candidate's outputs, and each version's model time (joining and running its rows), run
+    one right after the other in this thread, the live version first when ``live_first``."""
+    runs = [(live, live_rows), (candidate, candidate_rows)]
+    done = [timed_run(run, rows) for run, rows in (runs if live_first else runs[::-1])]
+    (_, live_times), (outputs, candidate_times) = done if live_first else done[::-1]
+    seconds = [
+        (t.compute_input_ns + t.compute_infer_ns) / 1e9 for t in (live_times, candidate_times)
+    ]
+    return list(outputs), seconds[0], seconds[1]
 
 
 class ModelShadow:
@@ -171,6 +205,7 @@ class ModelShadow:
         self.pending = 0  # copies offered and not yet run, shed or dropped (the queue's bound)
         self.ready: deque[_Copy] = deque()  # copies whose live answer has come
         self.running = False
+        self.live_first = True  # the order of the next timed pair (alternating)
         self._retry: asyncio.TimerHandle | None = None
         self._failure_log = Throttle(FAILURE_LOG_S)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"vitserve-shadow-{name}")
@@ -178,31 +213,29 @@ class ModelShadow:
     def offer(
         self,
         request: Request,
+        candidate_rows: np.ndarray | None,
         live: ModelPipeline,
         candidate: ModelPipeline,
         comparison: Comparison,
         plan: CandidatePlan,
     ) -> None:
-        """A copy of ``request``'s rows for the candidate once it is answered; shed when the queue is
-        full. The rows are copied now: the caller's may be freed once it is answered. A candidate
-        that takes other rows (another input or preprocessing) cannot run the live version's: its
-        copies are counted incompatible."""
-        if candidate.view.preprocessing_key != live.view.preprocessing_key:
-            comparison.count("incompatible")
-            return
+        """A copy of ``request``'s rows (and of ``candidate_rows``, the candidate's own, when it
+        takes others) for the candidate once it is answered; shed when the queue is full. The rows
+        are copied now: the caller's may be freed once it is answered."""
         if self.pending >= plan.shadow_queue_size:
             comparison.count("shed")
             return
         self.pending += 1
-        copy = _Copy(np.array(request.rows, copy=True), live, candidate, comparison)
+        live_rows = np.array(request.rows, copy=True)
+        own = live_rows if candidate_rows is None else np.array(candidate_rows, copy=True)
+        copy = _Copy(live_rows, own, live, candidate, comparison)
 
-        def answered(outputs: Outputs | None, model_ns: int) -> None:
+        def answered(outputs: Outputs | None) -> None:
             if outputs is None:
                 self.pending -= 1
                 comparison.count("live_failed")
                 return
             copy.probabilities = softmax(outputs[0])
-            copy.live_s = model_ns / 1e9
             self.ready.append(copy)
             self.pump(plan)
 
@@ -218,33 +251,49 @@ class ModelShadow:
             if self._retry is None:
                 self._retry = asyncio.get_running_loop().call_later(RETRY_S, self._again, plan)
             return
-        candidate = first.candidate
+        live, candidate = first.live, first.candidate
         batch = [self.ready.popleft()]
-        rows = len(first.rows)
+        rows = len(first.live_rows)
+        most = min(candidate.serving.max_batch_size, live.serving.max_batch_size)
         while (
             self.ready
             and self.ready[0].candidate is candidate
-            and rows + len(self.ready[0].rows) <= candidate.serving.max_batch_size
+            and self.ready[0].live is live
+            and rows + len(self.ready[0].live_rows) <= most
         ):
-            rows += len(self.ready[0].rows)
+            rows += len(self.ready[0].live_rows)
             batch.append(self.ready.popleft())
-        if not candidate.accepting:  # released since the copies were made
+        if not (candidate.accepting and live.accepting):  # released since the copies were made
             self._settle(batch, "shed")
             self.pump(plan)
             return
-        self._start(batch, candidate, plan)
+        self._start(batch, live, candidate, plan)
 
     def _again(self, plan: CandidatePlan) -> None:
         self._retry = None
         self.pump(plan)
 
-    def _start(self, batch: list[_Copy], candidate: ModelPipeline, plan: CandidatePlan) -> None:
+    def _start(
+        self,
+        batch: list[_Copy],
+        live: ModelPipeline,
+        candidate: ModelPipeline,
+        plan: CandidatePlan,
+    ) -> None:
         loop = asyncio.get_running_loop()
         self.running = True
-        candidate.hold()  # the candidate is not released under a running shadow
-        rows = [copy.rows for copy in batch]
-        run = candidate.runtime.classify_with(0)
-        future = loop.run_in_executor(self._executor, timed_run, run, rows)
+        for pipeline in (live, candidate):
+            pipeline.hold()  # neither version is released under a running shadow
+        live_first, self.live_first = self.live_first, not self.live_first
+        future = loop.run_in_executor(
+            self._executor,
+            paired_runs,
+            live.runtime.classify_with(0),
+            candidate.runtime.classify_with(0),
+            [copy.live_rows for copy in batch],
+            [copy.candidate_rows for copy in batch],
+            live_first,
+        )
         outcome: dict[str, Any] = {}
 
         def timed_out() -> None:
@@ -255,7 +304,8 @@ class ModelShadow:
 
         def ended(done: asyncio.Future) -> None:
             deadline.cancel()
-            candidate.release()
+            for pipeline in (live, candidate):
+                pipeline.release()
             self.running = False
             if not outcome:
                 self._compare(batch, done)
@@ -276,19 +326,19 @@ class ModelShadow:
                 )
             self._settle(batch, "failed")
             return
-        outputs, times = done.result()
-        seconds = (times.compute_input_ns + times.compute_infer_ns) / 1e9  # joined and run
+        outputs, live_s, candidate_s = done.result()
+        batch[0].comparison.timed(live_s, candidate_s)
         at = 0
         try:
             for copy in batch:
-                count = len(copy.rows)
+                count = len(copy.candidate_rows)
                 candidate = softmax(outputs[0][at : at + count])
                 if candidate.shape != copy.probabilities.shape:  # type: ignore[union-attr]
                     raise ValueError(
                         f"the candidate answered {list(candidate.shape)} for live's "
                         f"{list(copy.probabilities.shape)}"  # type: ignore[union-attr]
                     )
-                copy.comparison.add(copy.probabilities, candidate, copy.live_s, seconds)  # type: ignore[arg-type]
+                copy.comparison.add(copy.probabilities, candidate)  # type: ignore[arg-type]
                 self.pending -= 1
                 at += count
         except ValueError as error:
@@ -307,7 +357,7 @@ class ModelShadow:
 
 
 class Shadows:
-    """Every model's shadow and comparisons, fed by the engine's calls (``Engine.call``)."""
+    """Every model's shadow and comparisons, fed by the engine's calls (``Engine.submit``)."""
 
     def __init__(self, manager: ModelManager, series: ShadowSeries) -> None:
         self.manager = manager
@@ -315,11 +365,16 @@ class Shadows:
         self.models: dict[str, ModelShadow] = {}
         self.comparisons: dict[tuple[str, int, int], Comparison] = {}
 
-    def offer(self, pipeline: ModelPipeline, graph: Graph, requests: list[Request]) -> None:
-        """Shadow each of ``requests``, about to be queued on ``pipeline``, when its model tries a
-        candidate, they go to the live version's classifier and the shadow share picks it."""
+    def offer(self, pipeline: ModelPipeline, requests: list[Request]) -> None:
+        """Shadow each of ``requests`` that its front end marked (the draw of the model's shadow
+        share), about to be queued on ``pipeline``'s classifier, when ``pipeline`` is still its
+        model's live version and the candidate is ready; a mark that no longer fits the versions
+        (the front end's table was older) is counted incompatible."""
+        marked = [request for request in requests if request.shadow is not None]
+        if not marked:
+            return
         model = self.manager.models.get(pipeline.name)
-        if graph != "classifier" or model is None:
+        if model is None:
             return
         plan = model.plan
         if not plan.shadowing or pipeline.version != model.live_version():
@@ -331,10 +386,16 @@ class Shadows:
         if shadow is None:
             shadow = self.models[pipeline.name] = ModelShadow(pipeline.name)
         comparison = self.comparison(model.name, pipeline.version, candidate.version)
-        for request in requests:
-            if plan.shadow_percent < 100 and random.random() * 100 >= plan.shadow_percent:
+        rows = (model.comparison() or ("none", ""))[0]
+        for request in marked:
+            mark, own = request.shadow  # type: ignore[misc]
+            fits = mark == rows and (
+                own is None or tuple(own.shape[1:]) == candidate.view.row_shape
+            )
+            if not fits:
+                comparison.count("incompatible")
                 continue
-            shadow.offer(request, pipeline, candidate, comparison, plan)
+            shadow.offer(request, own, pipeline, candidate, comparison, plan)
 
     def comparison(self, name: str, live: int, candidate: int) -> Comparison:
         key = (name, live, candidate)
@@ -348,11 +409,15 @@ class Shadows:
         model = self.manager.model(name)
         plan = model.plan
         shadow = self.models.get(model.name)
+        rows = model.comparison()
         return {
             "model": model.name,
             "live_version": model.live_version(),
             "candidate_version": plan.candidate_version,
             "candidate_ready": plan.candidate_version in model.ready_versions(),
+            "comparable": None if rows is None else rows[0] != "none",
+            "rows": None if rows is None else rows[0],
+            "why": None if rows is None else rows[1],
             "shadow_percent": plan.shadow_percent,
             "canary_percent": plan.canary_percent,
             "shadow_queue": {

@@ -26,7 +26,7 @@ from service.contract.preprocessing import Invert, Prepared, Preprocessor, pixel
 from service.errors import InvalidInput, NotFound, ServiceError, ServiceUnavailable
 from service.frontend.error_responses import request_id_of
 from service.frontend.inputs import RawImage
-from service.link.protocol import Graph, Outputs, VersionView
+from service.link.protocol import Graph, Outputs, ShadowCopy, ShadowMark, VersionView
 from service.observability import tracing
 from service.observability.metrics import Metrics
 from service.settings import LimitSettings, Settings
@@ -146,7 +146,7 @@ def client_gone(request: Request) -> ClientGone:
     return lambda: asyncio.ensure_future(disconnected())
 
 
-_PREPROCESSORS: dict[tuple[tuple[str, str], int], Preprocessor] = {}
+_PREPROCESSORS: dict[tuple[str, int], Preprocessor] = {}
 
 
 def _preprocessor(view: VersionView, max_pixels: int) -> Preprocessor:
@@ -197,42 +197,64 @@ class ServedVersion:
     def preprocessor(self) -> Preprocessor:
         return _preprocessor(self.view, self.settings.limits.max_pixels_per_image)
 
+    def _shadow(self, images: bool) -> tuple[ShadowMark | None, Preprocessor | None]:
+        """Whether this classifier call is shadowed on its model's candidate (the model's plan, in
+        the table: a model without a candidate costs one look), and the candidate's preprocessor
+        when the call must carry the candidate's own rows."""
+        model = self.state.engine.table.models.get(self.name)
+        mark = None if model is None else model.shadow(self.version, images)
+        if mark != "own":
+            return mark, None
+        candidate = model.ready[model.candidate]  # type: ignore[union-attr,index]
+        return mark, _preprocessor(candidate, self.settings.limits.max_pixels_per_image)
+
     async def _run(
         self,
         graph: Graph,
-        prepare: Callable[[], np.ndarray],
+        prepare: Callable[[], tuple[np.ndarray, np.ndarray | None]],
         images: int,
         inline: bool = False,
+        shadow: ShadowMark | None = None,
     ) -> Outputs:
-        """Refuse at once when the engine cannot queue ``images`` more, else prepare the rows (on
-        the event loop when ``inline``, else in a thread under a decode slot) and run them."""
+        """Refuse at once when the engine cannot queue ``images`` more, else prepare the rows (and
+        the candidate's own, for a shadow marked "own": on the event loop when ``inline``, else in a
+        thread under a decode slot) and run them."""
         self.state.engine.admit(self.view, self.requested, graph, images)
         entered = time.perf_counter_ns()
         try:
             with tracing.span("vitserve.decode"):
                 if inline:
-                    rows = prepare()
+                    rows, own = prepare()
                 else:
                     async with self.state.gate.slot():
-                        rows = await run_in_threadpool(prepare)
+                        rows, own = await run_in_threadpool(prepare)
         except ServiceError:
             self.state.engine.record_failure(self.view, time.perf_counter_ns() - entered)
             raise
         disconnected = None if self.client_gone is None else self.client_gone()
+        copy = None if shadow is None else ShadowCopy(shadow, own)
         return await self.state.engine.infer(
-            self.view, self.requested, graph, rows, self.request_id, disconnected
+            self.view, self.requested, graph, rows, self.request_id, disconnected, copy
         )
 
     async def classify(self, images: list[RawImage], invert: Invert) -> np.ndarray:
         """Logits ``[images, classes]``, in order."""
         budget = self.settings.limits.max_pixels_per_request
         preprocessor = self.preprocessor
+        shadow, candidate = self._shadow(images=True)
 
-        def prepare() -> np.ndarray:
+        def prepare() -> tuple[np.ndarray, np.ndarray | None]:
             batch = prepare_batch(preprocessor, images, invert, budget)
-            return np.stack([item.tensor for item in batch])
+            rows = np.stack([item.tensor for item in batch])
+            if candidate is None:
+                return rows, None
+            # the same images as the candidate takes them: decoded again, as its own geometry
+            # (and draft size) needs; only for the shadowed share of a candidate on other rows
+            own = prepare_batch(candidate, images, invert, budget)
+            return rows, np.stack([item.tensor for item in own])
 
-        (logits,) = await self._run("classifier", prepare, len(images), decode_inline(images))
+        inline = decode_inline(images)
+        (logits,) = await self._run("classifier", prepare, len(images), inline, shadow)
         return logits
 
     async def attend(
@@ -251,7 +273,7 @@ class ServedVersion:
             )
             return prepared[0].tensor[np.newaxis]
 
-        logits, maps = await self._run("attention", prepare, 1)
+        logits, maps = await self._run("attention", lambda: (prepare(), None), 1)
         return prepared[0], logits[0], maps[0]
 
     def require_attention(self) -> None:
@@ -268,5 +290,23 @@ class ServedVersion:
         of ``request_bytes``: on the event loop up to ``INLINE_TENSOR_BYTES``, else in a thread under
         a decode slot."""
         inline = request_bytes <= INLINE_TENSOR_BYTES
-        (logits,) = await self._run("classifier", decode, 1, inline)
+        model = self.state.engine.table.models.get(self.name)
+        if (
+            model is not None
+            and self.requested is None
+            and self.version == model.candidate
+            and model.shadow_rows != "same"
+        ):  # the canary drew a candidate that cannot take the live version's tensors
+            self._reroute(model.view())
+        shadow, _ = self._shadow(images=False)
+        (logits,) = await self._run("classifier", lambda: (decode(), None), 1, inline, shadow)
         return logits
+
+    def _reroute(self, view: VersionView | None) -> None:
+        if view is not None:
+            self.view, self.version, self.metadata, self.serving = (
+                view,
+                view.version,
+                view.metadata,
+                view.serving,
+            )

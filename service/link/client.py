@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from service.link.protocol import ControlOp, Graph, ModelTable, Outputs, Remote, VersionView
+from service.link.protocol import (
+    ControlOp,
+    Graph,
+    ModelTable,
+    Outputs,
+    Remote,
+    ShadowCopy,
+    VersionView,
+)
 
 if TYPE_CHECKING:  # front-end processes never import the engine (nor onnxruntime)
     from service.engine.core import Engine
@@ -55,8 +63,10 @@ class EngineClient(ABC):
         rows: np.ndarray,
         request_id: str | None,
         disconnected: Awaitable[object] | None,
+        shadow: ShadowCopy | None = None,
     ) -> Outputs:
-        """Every output, stacked over the rows in order (service/engine/core.py's ``Engine.submit``)."""
+        """Every output, stacked over the rows in order (service/engine/core.py's ``Engine.submit``);
+        ``shadow``: the call's copy for its model's candidate, when the front end drew one."""
 
     @abstractmethod
     async def control(
@@ -147,11 +157,12 @@ class LocalEngine(EngineClient):
         rows: np.ndarray,
         request_id: str | None,
         disconnected: Awaitable[object] | None,
+        shadow: ShadowCopy | None = None,
     ) -> Outputs:
         from service.engine.core import Route
 
         route = Route(view.name, view.version, requested, view.preprocessing_key, graph)
-        return await self.engine.infer(route, rows, request_id, disconnected)
+        return await self.engine.infer(route, rows, request_id, disconnected, shadow)
 
     async def control(
         self, op: ControlOp, name: str | None = None, version: int | None = None

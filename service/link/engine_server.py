@@ -51,6 +51,7 @@ from service.link.protocol import (
     Refusal,
     Remote,
     Result,
+    ShadowCopy,
     TableUpdate,
 )
 from service.observability import tracing
@@ -216,19 +217,25 @@ class EngineServer:
             call.cancel()  # type: ignore[union-attr]
 
     def _rows(self, link: wire.Link, message: Infer, raw: list) -> np.ndarray:
-        """A call's rows, read where it says they are; a 400 when they are not there."""
+        """A call's rows (and the candidate's own after them, for a shadow marked "own"), read where
+        it says they are, as one flat buffer; a 400 when they are not there."""
         if message.dtype != ROW_DTYPE_TEXT:
             raise bad_call(f"rows of dtype {message.dtype!r}; the engine takes float32 rows")
+        if (message.shadow == "own") != (message.shadow_shape is not None):
+            raise bad_call("a shadow marked 'own' carries the candidate's rows, and only it")
+        shape = message.shape
+        if message.shadow_shape is not None:
+            shape = (math.prod(shape) + math.prod(message.shadow_shape),)
         if message.offset is None:
-            nbytes = math.prod(message.shape) * ROW_DTYPE.itemsize
+            nbytes = math.prod(shape) * ROW_DTYPE.itemsize
             if len(raw) != 1 or len(raw[0]) != nbytes:
-                raise bad_call(f"rows of shape {message.shape} need one frame of {nbytes} bytes")
-            return np.frombuffer(raw[0], ROW_DTYPE).reshape(message.shape)
+                raise bad_call(f"rows of shape {shape} need one frame of {nbytes} bytes")
+            return np.frombuffer(raw[0], ROW_DTYPE).reshape(shape)
         name = self._arenas.get(link)
         if name is None:
             raise bad_call("rows in an arena, from a front end that has none")
         try:
-            return self._reader.rows(name, message.offset, message.shape, ROW_DTYPE)
+            return self._reader.rows(name, message.offset, shape, ROW_DTYPE)
         except ValueError as error:
             raise bad_call(str(error)) from None
 
@@ -269,7 +276,16 @@ class EngineServer:
                 del self._calls[key]
                 self._answer_error(link, message.call, message.request_id, error)
                 continue
+            shadow = None
+            if message.shadow_shape is not None:  # the call's rows, then the candidate's
+                size = math.prod(message.shape)
+                own = rows[size:].reshape(message.shadow_shape)
+                rows = rows[:size].reshape(message.shape)
+                shadow = ShadowCopy("own", own)
+            elif message.shadow is not None:
+                shadow = ShadowCopy(message.shadow)
             request = Request(rows, reply, message.request_id, key)
+            request.shadow = shadow
             if self._calls[key] is CANCELLED:
                 cancelled.append(request)
             self._calls[key] = request

@@ -21,16 +21,17 @@ engine to run the rows. Front ends import this module, never ``service/engine/``
 
 from __future__ import annotations
 
+import random
 from functools import cached_property
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple
 
 import msgspec
 import numpy as np
 from pydantic import BaseModel
 
 from service import errors
-from service.contract.candidates import in_canary
-from service.contract.model_repository import ModelMetadata
+from service.contract.candidates import RowsPlan, in_canary
+from service.contract.model_repository import ModelMetadata, rows_key
 from service.errors import NotFound, ServiceError, ServiceUnavailable
 
 if TYPE_CHECKING:  # the supervisor imports the link's addresses, and never grpc (tritonclient's)
@@ -46,7 +47,7 @@ ControlOp = Literal[
 
 # bounds of what a message may hold: far above anything a front end sends, far below what would hurt
 MAX_TEXT = 1024  # a model name, a request id, a trace header
-MAX_KEY = 1 << 20  # a version's preprocessing key (its input and preprocessing as JSON)
+MAX_KEY = 1 << 20  # a version's preprocessing key (its rows' shape and preprocessing as JSON)
 MAX_DIMS = 8
 MAX_DIM = 1 << 31
 
@@ -55,10 +56,19 @@ Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 Shape = Annotated[
     tuple[Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)], ...], msgspec.Meta(max_length=MAX_DIMS)
 ]
-Key = tuple[
-    Annotated[str, msgspec.Meta(max_length=MAX_KEY)],
-    Annotated[str, msgspec.Meta(max_length=MAX_KEY)],
-]
+Key = Annotated[str, msgspec.Meta(max_length=MAX_KEY)]
+# How a classifier call is shadowed on its model's candidate (the front end's draw, by the model's plan):
+# "same": the candidate runs a copy of the call's rows; "own": the candidate's own rows (its own
+# preprocessing) follow the call's; "incompatible": drawn, but the candidate cannot run this call (a
+# tensor for another input, or a candidate with other labels): counted, never run.
+ShadowMark = Literal["same", "own", "incompatible"]
+
+
+class ShadowCopy(NamedTuple):
+    """A call's shadow: its mark and, for "own", the candidate's rows of the same images."""
+
+    mark: ShadowMark
+    rows: np.ndarray | None = None
 
 
 class LinkViolation(ValueError):
@@ -101,12 +111,10 @@ class VersionView(msgspec.Struct, frozen=True, dict=True):
     attention: bool  # has an attention graph
 
     @cached_property
-    def preprocessing_key(self) -> tuple[str, str]:
-        """What decides the rows a request becomes: a version with the same key takes the same rows."""
-        return (
-            self.metadata.input.model_dump_json(),
-            self.metadata.preprocessing.model_dump_json(),
-        )
+    def preprocessing_key(self) -> str:
+        """What decides the rows a request becomes: a version with the same key takes the same rows
+        (``rows_key``: equal in effect, whatever the metadata's text)."""
+        return rows_key(self.metadata)
 
     @cached_property
     def row_shape(self) -> tuple[int, int, int]:
@@ -127,6 +135,9 @@ class ModelView(msgspec.Struct, frozen=True):
     # a candidate version on live traffic
     candidate: int | None = None
     canary_percent: float = 0.0
+    shadow_percent: float = 0.0
+    # how the candidate's shadow gets its rows (service/contract/candidates.py's ``shadow_rows``)
+    shadow_rows: RowsPlan = "same"
 
     def why_not_ready(self, version: int | None = None) -> str:
         """Why ``version`` (None: the model) is not ready, as the repository index says it."""
@@ -149,6 +160,18 @@ class ModelView(msgspec.Struct, frozen=True):
         if version is None:
             return None if self.live is None else self.ready.get(self.live)
         return self.ready.get(version)
+
+    def shadow(self, version: int, images: bool) -> ShadowMark | None:
+        """Whether a classifier call to ``version`` is shadowed on the candidate (a draw of the
+        shadow share, for live calls only), and how its rows go; ``images``: the front end has the
+        call's images and can prepare the candidate's own rows (a tensor call cannot)."""
+        if self.shadow_percent <= 0 or version != self.live or self.candidate not in self.ready:
+            return None
+        if self.shadow_percent < 100 and random.random() * 100 >= self.shadow_percent:
+            return None
+        if self.shadow_rows == "same" or (self.shadow_rows == "own" and images):
+            return self.shadow_rows
+        return "incompatible"
 
     def canary(self, client_key: str | None) -> VersionView | None:
         """The candidate, when it answers this unversioned request (its canary share); else None."""
@@ -269,6 +292,9 @@ class Infer(msgspec.Struct, tag="infer", array_like=True, frozen=True):
     offset: Annotated[int, msgspec.Meta(ge=0)] | None
     request_id: Text | None = None
     trace: dict[Text, Text] | None = None
+    shadow: ShadowMark | None = None
+    # "own": the candidate's rows follow the call's, in the same arena region or frame
+    shadow_shape: Shape | None = None
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True, frozen=True):

@@ -42,6 +42,7 @@ from service.link.protocol import (
     Outputs,
     Remote,
     Result,
+    ShadowCopy,
     TableUpdate,
     VersionView,
 )
@@ -357,8 +358,13 @@ class RemoteEngine(EngineClient):
         rows: np.ndarray,
         request_id: str | None,
         disconnected: Awaitable[object] | None,
+        shadow: ShadowCopy | None = None,
     ) -> Outputs:
         rows = np.ascontiguousarray(rows)
+        shape, mark = rows.shape, None if shadow is None else shadow.mark
+        own = None if shadow is None else shadow.rows
+        if own is not None:  # the candidate's rows travel right after the call's, in one buffer
+            rows = np.concatenate((rows.reshape(-1), own.reshape(-1)))
         region = self.arena.put(rows) if self.arena is not None else None
         message = Infer(
             next(self._ids),
@@ -367,11 +373,13 @@ class RemoteEngine(EngineClient):
             requested,
             view.preprocessing_key,
             graph,
-            rows.shape,
+            shape,
             rows.dtype.str,
             None if region is None else region.offset,
             request_id,
             tracing.carrier(),
+            mark,
+            None if own is None else own.shape,
         )
         raw = (rows.data,) if region is None else ()
         timeout = view.serving.request_timeout_s

@@ -21,7 +21,7 @@ class ShadowSeries:
             "Shadow copies of live requests, by model, live and candidate version and outcome: "
             "compared, shed (the shadow queue was full or the candidate gone), failed, timeout, "
             "live_failed (the live answer was an error: nothing to compare), incompatible (the "
-            "candidate takes other rows than the live version).",
+            "candidate cannot run this request: a tensor for another input, or other labels).",
             [*_PAIR, "outcome"],
             registry=registry,
         )
@@ -47,8 +47,8 @@ class ShadowSeries:
         )
         self.latency = Histogram(
             "vitserve_shadow_model_seconds",
-            "Per compared request, the time its rows spent in the model, by role (live or "
-            "candidate).",
+            "Per shadow batch, each version's model time on the same images, run one right "
+            "after the other on one thread, by role (live or candidate).",
             [*_PAIR, "role"],
             buckets=_LATENCY_BUCKETS,
             registry=registry,

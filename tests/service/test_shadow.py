@@ -7,6 +7,7 @@ here on both versions' files, never against the service's own comparison code.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -22,7 +23,7 @@ import pytest
 from fastapi.testclient import TestClient
 from onnx import numpy_helper
 
-from service.contract.candidates import CLIENT_KEY_HEADER
+from service.contract.candidates import CLIENT_KEY_HEADER, judge
 from service.contract.model_config import (
     CANARY_PERCENT,
     CANDIDATE_VERSION,
@@ -147,6 +148,103 @@ def test_the_comparison_agrees_with_onnxruntime_on_both_versions(repository, fas
     assert (
         metric(metrics, "vitserve_shadow_top1_agreements_total", **labels)
         == (live_top == candidate_top).sum()
+    )
+
+
+def retag(model_file: Path, **changes: dict) -> None:
+    """Change the version's ``vitserve`` metadata: each of ``changes`` updates one of its sections
+    (``input``, ``preprocessing``) or, for ``labels``, replaces them."""
+    model = onnx.load(model_file)
+    entry = next(p for p in model.metadata_props if p.key == "vitserve")
+    metadata = json.loads(entry.value)
+    for section, values in changes.items():
+        if isinstance(values, dict):
+            updated = {**metadata[section], **values}
+            metadata[section] = {k: v for k, v in updated.items() if v is not None}
+        else:
+            metadata[section] = values
+    entry.value = json.dumps(metadata)
+    onnx.save(model, model_file)
+
+
+def shadow_all(repository: Path, images: np.ndarray) -> tuple[dict, dict]:
+    """Every image sent to the live version once (100% shadow); the comparison's report and pair."""
+    with serve(repository) as client:
+        for image in images:
+            response = client.post(f"/models/{MODEL_NAME}/predict", json=body(image))
+            assert response.status_code == 200, response.text
+            assert response.json()["model"]["version"] == 1
+        report = shadow(client)
+        if report["comparable"]:
+            compared(client, len(images))
+        return shadow(client), (shadow(client)["pairs"] or [{}])[0]
+
+
+def test_a_version_equal_in_effect_is_compared_on_the_same_rows(repository, fashion_images):
+    """A fresh export records ``input.range`` and the shipped version does not: the rows are the
+    same, so every request is compared (it was 0 of N, 'incompatible', when text was compared)."""
+    retag(repository / MODEL_NAME / "2" / "model.onnx", input={"range": [-40.0, 40.0]})
+    for graph in ("model.onnx", "attention.onnx"):
+        retag(repository / MODEL_NAME / "1" / graph, input={"range": None})
+    configure(repository, **{CANDIDATE_VERSION: 2, SHADOW_PERCENT: 100})
+    report, pair = shadow_all(repository, fashion_images)
+    assert (report["comparable"], report["rows"]) == (True, "same")
+    assert pair["requests_compared"] == len(fashion_images)
+    assert pair["outcomes"]["incompatible"] == 0
+
+
+def test_a_candidate_with_other_preprocessing_is_compared_on_its_own_rows(
+    repository, fashion_images
+):
+    """Version 2 normalises with another mean and std: the front end prepares its own rows from the
+    same images. The agreement is checked against onnxruntime run here on each file with each
+    version's own normalisation, computed independently."""
+    mean, std = 0.5, 0.25
+    retag(
+        repository / MODEL_NAME / "2" / "model.onnx", preprocessing={"mean": [mean], "std": [std]}
+    )
+    configure(repository, **{CANDIDATE_VERSION: 2, SHADOW_PERCENT: 100})
+    live = probabilities(repository / MODEL_NAME / "1" / "model.onnx", fashion_images)
+    session = ort.InferenceSession(
+        str(repository / MODEL_NAME / "2" / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
+    own_rows = ((fashion_images.astype(np.float32)[:, None] / 255.0 - mean) / std).astype(
+        np.float32
+    )
+    (logits,) = session.run(None, {"images": own_rows})
+    candidate_top = logits.argmax(axis=1)
+    agreement = (live.argmax(axis=1) == candidate_top).mean()
+    same_rows_top = probabilities(repository / MODEL_NAME / "2" / "model.onnx", fashion_images)
+    assert (same_rows_top.argmax(axis=1) != candidate_top).any()  # the rows do matter here
+    report, pair = shadow_all(repository, fashion_images)
+    assert (report["comparable"], report["rows"]) == (True, "own")
+    assert "mean [0.5] against" in report["why"]
+    assert pair["requests_compared"] == len(fashion_images)
+    assert pair["top1_agreement"] == pytest.approx(agreement)
+    expected = Counter(zip(live.argmax(axis=1).tolist(), candidate_top.tolist(), strict=True))
+    assert {(r["live_class"], r["candidate_class"]): r["images"] for r in pair["confusion"]} == (
+        dict(expected)
+    )
+    assert pair["model_ms"]["pairs"] >= 1
+
+
+def test_a_candidate_with_other_labels_is_said_incomparable_everywhere(
+    repository, fashion_images, caplog
+):
+    labels = [f"class {i}" for i in range(10)]
+    retag(repository / MODEL_NAME / "2" / "model.onnx", labels=labels)
+    (repository / MODEL_NAME / "2" / "labels.txt").write_text("\n".join(labels) + "\n")
+    configure(repository, **{CANDIDATE_VERSION: 2, SHADOW_PERCENT: 100})
+    with caplog.at_level(logging.INFO, logger="vitserve"):
+        report, pair = shadow_all(repository, fashion_images[:4])
+    assert report["comparable"] is False and report["rows"] == "none"
+    assert "other labels" in report["why"]
+    assert any("other labels" in r.getMessage() for r in caplog.records)  # said at load
+    assert pair["requests_compared"] == 0 and pair["outcomes"]["incompatible"] == 4
+    verdict = judge(report, Thresholds(0.9, 1, 1.5))
+    assert (
+        verdict.action == "wait"
+        and "0 compared: the candidate has other labels" in (verdict.reasons[0])
     )
 
 

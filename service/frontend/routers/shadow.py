@@ -1,7 +1,8 @@
 """A model's candidate version on live traffic: its shadow comparison, and its promotion or rollback.
 
 ``GET /models/{name}/shadow`` answers the engine's comparison (service/engine/shadow.py) of the live
-version and the candidate on the same rows; ``POST .../promote`` and ``.../rollback`` end the trial
+version and the candidate on the same live requests (each on its own rows when their preprocessing
+differs); ``POST .../promote`` and ``.../rollback`` end the trial
 (service/engine/promotion.py: written into the model's config.pbtxt, then loaded).
 """
 
@@ -24,13 +25,15 @@ class ProbabilityDifference(BaseModel):
 
 
 class ModelTimes(BaseModel):
-    """Per compared request, the time its rows spent in each model (the batches that carried them)."""
+    """Each version's model time on the same shadow batches, measured as pairs."""
 
+    definition: str
+    pairs: int = Field(description="the timed pairs the numbers rest on")
     live_p50: float | None
     live_p99: float | None
     candidate_p50: float | None
     candidate_p99: float | None
-    ratio_p50: float | None = Field(description="candidate_p50 / live_p50")
+    ratio_p50: float | None = Field(description="the median of candidate / live over the pairs")
 
 
 class Confusion(BaseModel):
@@ -67,6 +70,15 @@ class ShadowReport(BaseModel):
     live_version: int | None
     candidate_version: int | None
     candidate_ready: bool
+    comparable: bool | None = Field(
+        description="whether the candidate's answers can be compared with the live version's "
+        "(None: no candidate ready)"
+    )
+    rows: str | None = Field(
+        description="same: the candidate runs the live rows; own: the front end prepares its own "
+        "rows from the same images (other preprocessing); none: not comparable"
+    )
+    why: str | None
     shadow_percent: float
     canary_percent: float
     shadow_queue: ShadowQueue
