@@ -56,10 +56,12 @@ def export_model(
     data_dir: str | Path | None = None,
     overwrite: bool = False,
     measure: bool = True,
+    candidate: bool = False,
 ) -> dict:
-    """Export, verify and write a checkpoint; returns the metadata document and the figures."""
+    """Export, verify and write a checkpoint; returns the metadata document and the figures.
+    ``candidate``: the new version starts as the served version's candidate (``write_version``)."""
     if is_imported(checkpoint):
-        return export_imported(checkpoint, name, version, repo, overwrite)
+        return export_imported(checkpoint, name, version, repo, overwrite, candidate)
     path = resolve_checkpoint(checkpoint)
     model, metadata = load_checkpoint(path)
     spec = spec_from_metadata(metadata)
@@ -89,12 +91,17 @@ def export_model(
     c = model.config
     files = {"model.onnx": graphs.classifier, "attention.onnx": graphs.attention}
     dims = (c.in_channels, c.image_height, c.image_width)
-    written = write_version(Path(repo), name, version, files, labels, dims, overwrite)
+    written = write_version(Path(repo), name, version, files, labels, dims, overwrite, candidate)
     return {"path": str(written), "test_accuracy": accuracy, "verification": figures}
 
 
 def export_imported(
-    source: str | Path, name: str, version: int, repo: str | Path, overwrite: bool = False
+    source: str | Path,
+    name: str,
+    version: int,
+    repo: str | Path,
+    overwrite: bool = False,
+    candidate: bool = False,
 ) -> dict:
     """Export, verify and write another library's checkpoint, and its model card."""
     new_version_dir(repo, name, version, overwrite)
@@ -113,7 +120,9 @@ def export_imported(
     c = model.config
     files = {"model.onnx": graphs.classifier, "attention.onnx": graphs.attention}
     dims = (c.in_channels, c.image_height, c.image_width)
-    written = write_version(Path(repo), name, version, files, imported.labels, dims, overwrite)
+    written = write_version(
+        Path(repo), name, version, files, imported.labels, dims, overwrite, candidate
+    )
     card = Path(repo) / name / "MODEL_CARD.md"
     card.write_text(import_card.render(imported, Path(source), name, version, figures))
     return {
@@ -141,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default=None, help="dataset directory (real test images)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing version")
     parser.add_argument("--skip-accuracy", action="store_true", help="do not measure test accuracy")
+    parser.add_argument(
+        "--candidate",
+        action="store_true",
+        help="write the new version as the candidate of the version served now: it is shadowed on "
+        "every live request and answers none until promoted (python -m service.promote)",
+    )
     quantize.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.version < 1:
@@ -157,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             result = quantize.export_quantized(
                 *(args.checkpoint, args.name, args.version, args.repo, args.data_dir),
                 *(args.overwrite, args.quantization, args.calibration_images),
+                candidate=args.candidate,
             )
         else:
             result = export_model(
@@ -167,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.data_dir,
                 args.overwrite,
                 measure=not args.skip_accuracy,
+                candidate=args.candidate,
             )
     except (
         VerificationError,
@@ -178,6 +195,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export failed, nothing written: {error}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2))
+    if args.candidate:
+        print(
+            f"version {args.version} of {args.name} is the candidate: every live request is also run "
+            f"on it and compared (GET /models/{args.name}/shadow); it answers none until promoted: "
+            f"python -m service.promote --model {args.name} --min-agreement 0.99 --min-requests 500 "
+            "--max-latency-ratio 1.5",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -155,8 +155,10 @@ def export_quantized(
     overwrite: bool = False,
     method: str = "static-qdq",
     calibration_count: int = CALIBRATION_IMAGES,
+    candidate: bool = False,
 ) -> dict:
-    """Export, verify, quantize, measure and write an int8 classifier; returns the figures."""
+    """Export, verify, quantize, measure and write an int8 classifier; returns the figures.
+    ``candidate``: it starts as the served version's candidate (``write_version``)."""
     path = resolve_checkpoint(checkpoint)
     model, metadata = load_checkpoint(path)
     spec = spec_from_metadata(metadata)
@@ -210,7 +212,7 @@ def export_quantized(
     c = model.config
     dims = (c.in_channels, c.image_height, c.image_width)
     written = write_version(
-        Path(repo), name, version, {"model.onnx": quantized}, labels, dims, overwrite
+        Path(repo), name, version, {"model.onnx": quantized}, labels, dims, overwrite, candidate
     )
     return {"path": str(written), **result}
 

@@ -24,6 +24,7 @@ from service.contract.model_config import (
     ModelConfigError,
     default_model_config,
     read_model_config,
+    with_trial,
     write_model_config,
 )
 from service.contract.model_repository import version_numbers
@@ -112,10 +113,14 @@ def write_version(
     labels: Sequence[str],
     input_dims: Sequence[int],
     overwrite: bool = False,
+    candidate: bool = False,
 ) -> Path:
     """Write ``<repo>/<name>/<version>/`` (``graphs`` by file name, and labels.txt) whole, and the
     model's config.pbtxt where there is none or it lacks something: an image classifier taking
-    float32 ``images`` of ``input_dims`` (C, H, W) and giving ``logits``, one per label."""
+    float32 ``images`` of ``input_dims`` (C, H, W) and giving ``logits``, one per label.
+    ``candidate``: the new version starts as the candidate of the version served now (shadowed on
+    every live request, answering none: ``with_trial``); the config says so before the version's
+    directory appears, so that a polling service never serves it live first."""
     config = default_model_config(
         name, "images", input_dims, len(labels), label_filename=labels_path(version)
     )
@@ -128,6 +133,11 @@ def write_version(
         raise RepositoryError(f"{error}; correct it or move it away") from error
     newest = version >= max(version_numbers(entry), default=0)
     wanted = merge_config(existing, config, newest)
+    if candidate:
+        try:
+            wanted = with_trial(wanted, version_numbers(entry), version)
+        except ModelConfigError as error:
+            raise RepositoryError(f"cannot start a trial: {error}") from None
 
     entry.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=entry))

@@ -446,3 +446,42 @@ def with_candidate_plan(config: ModelConfig, plan: CandidatePlan) -> ModelConfig
                 f"{value:g}" if isinstance(value, float) else str(value)
             )
     return copy
+
+
+def with_trial(config: ModelConfig, available: Sequence[int], candidate: int) -> ModelConfig:
+    """A copy of ``config`` that starts ``candidate``'s trial on live traffic: the version served
+    now (among ``available``, the model's other versions) pinned live, the version policy keeping
+    both loaded, and the candidate shadowing every live request, answering none (no canary). Written
+    before the candidate's directory appears, so that the new version never answers before its
+    trial starts. :class:`ModelConfigError` when another trial is under way or nothing is served."""
+    plan = candidate_plan(config)
+    if plan.candidate_version not in (None, candidate):
+        raise ModelConfigError(
+            f"model {config.name!r} is already trying version {plan.candidate_version} "
+            f"({CANDIDATE_VERSION}); promote it or roll it back first "
+            "(python -m service.promote, or POST /models/NAME/shadow/promote|rollback)"
+        )
+    policy = _version_policy(config)
+    served = select_versions(policy, [v for v in available if v != candidate])
+    live = plan.live_version if plan.live_version in served else (max(served) if served else None)
+    if live is None:
+        raise ModelConfigError(
+            f"model {config.name!r} serves no version to try version {candidate} against; export "
+            "it without --candidate"
+        )
+    trial = CandidatePlan(
+        live_version=live,
+        candidate_version=candidate,
+        shadow_percent=plan.shadow_percent or 100.0,
+        canary_percent=plan.canary_percent,
+        shadow_queue_size=plan.shadow_queue_size,
+        shadow_timeout_s=plan.shadow_timeout_s,
+        promote_min_requests=plan.promote_min_requests,
+        promote_min_agreement=plan.promote_min_agreement,
+        promote_max_latency_ratio=plan.promote_max_latency_ratio,
+        promote_max_p99_difference=plan.promote_max_p99_difference,
+    )
+    copy = with_candidate_plan(config, trial)
+    if policy[0] != "all":
+        copy.version_policy.specific.versions[:] = sorted({*served, candidate})
+    return copy

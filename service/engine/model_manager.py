@@ -44,7 +44,7 @@ from service.engine.pipeline import ModelPipeline
 from service.engine.runtime import Runtime
 from service.errors import NotFound
 from service.link.protocol import ModelTable, ModelView
-from service.observability.metrics import Metrics
+from service.observability.metrics import Metrics, forget_series
 from service.settings import Settings
 
 logger = logging.getLogger("vitserve")
@@ -385,9 +385,7 @@ class ModelManager:
         if status.pipeline is not None:
             labels = (model.name, str(version), status.pipeline.runtime.provider)
             labels += (status.pipeline.metadata.precision,)
-            # zero first: in multiprocess mode the value stays in the engine's file after remove()
-            self.metrics.model_info.labels(*labels).set(0)
-            self.metrics.model_info.remove(*labels)
+            forget_series(self.metrics.model_info, *labels)
             self._release(status.pipeline)
 
     def _release(self, pipeline: ModelPipeline) -> None:

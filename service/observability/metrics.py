@@ -222,6 +222,15 @@ def observe_times(histogram: Any, amount: float, times: int) -> None:
             break
 
 
+def forget_series(gauge: Gauge, *labels: str) -> None:
+    """A labelled gauge series that no longer exists: zeroed, and removed where that is possible.
+    In multiprocess mode prometheus-client cannot remove a series (it warns each time) and the zero
+    stays in the process's file: a zeroed ``livemax`` series says "not served"."""
+    gauge.labels(*labels).set(0)
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        gauge.remove(*labels)
+
+
 def exposition(registry: CollectorRegistry) -> bytes:
     """The metrics in Prometheus' text format: this app's, or every process's in multiprocess mode
     (there ``process_*`` describes the front-end process that answers the scrape)."""

@@ -16,12 +16,14 @@ from service.settings import Settings
 
 
 class EchoEngine:
-    """Answers each row with itself."""
+    """Answers each row with itself; serves no model with a candidate."""
+
+    table = SimpleNamespace(models={})
 
     def admit(self, view, requested, graph, count) -> None:
         pass
 
-    async def infer(self, view, requested, graph, rows, request_id, disconnected):
+    async def infer(self, view, requested, graph, rows, request_id, disconnected, shadow=None):
         return [rows]
 
     def record_failure(self, view, ns) -> None:

@@ -34,9 +34,7 @@ def raw_bytes(raw: list) -> list[bytes]:
 
 def infer(call_id: int, rows: np.ndarray, offset: int | None = None) -> Infer:
     """A call for model "m" version 1, its rows inline (``offset`` None) or in the arena."""
-    return Infer(
-        call_id, "m", 1, None, "k", "classifier", rows.shape, rows.dtype.str, offset
-    )
+    return Infer(call_id, "m", 1, None, "k", "classifier", rows.shape, rows.dtype.str, offset)
 
 
 ROWS = np.arange(4, dtype=np.float32).reshape(1, 1, 2, 2)

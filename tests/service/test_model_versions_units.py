@@ -28,6 +28,7 @@ from service.engine.model_versions import (
     serving_settings,
 )
 from service.errors import ServiceUnavailable
+from tests.model_metadata import classifier_metadata
 from tests.support import make_settings
 
 
@@ -40,8 +41,21 @@ def config_only(repository: Path, **overrides: object):
 
 
 def pipeline(tag: str) -> SimpleNamespace:
-    """A stand-in for a version's ModelPipeline: only its view is read here."""
-    return SimpleNamespace(view=f"view of {tag}")
+    """A stand-in for a version's ModelPipeline: only its view is read here (its metadata when a
+    candidate is compared)."""
+    metadata = classifier_metadata(
+        name="m",
+        channels=1,
+        height=28,
+        width=28,
+        patch=4,
+        mean=[0.5],
+        std=[0.5],
+        resize="fit-pad",
+        pad_value=0,
+        polarity="light-on-dark",
+    )
+    return SimpleNamespace(view=SimpleNamespace(tag=f"view of {tag}", metadata=metadata))
 
 
 def managed(**versions: tuple[str, object]) -> ManagedModel:
@@ -68,7 +82,7 @@ def test_only_ready_versions_with_a_pipeline_answer_the_newest_first():
     assert model.pipeline(3) is v3 and model.pipeline(1) is v1
     assert model.pipeline(7) is None and model.pipeline(5) is None and model.pipeline(6) is None
     view = model.view()
-    assert view.name == "m" and view.ready == {1: "view of 1", 3: "view of 3", 10: "view of 10"}
+    assert view.name == "m" and view.ready == {1: v1.view, 3: v3.view, 10: v10.view}
     assert view.versions[4] == ("UNAVAILABLE", "") and view.versions[7] == ("LOADING", "")
     assert view.unloaded is False
     model.unloaded = True
