@@ -55,7 +55,8 @@ def pipeline(tag: str) -> SimpleNamespace:
         pad_value=0,
         polarity="light-on-dark",
     )
-    return SimpleNamespace(view=SimpleNamespace(tag=f"view of {tag}", metadata=metadata))
+    view = SimpleNamespace(tag=f"view of {tag}", metadata=metadata)
+    return SimpleNamespace(version=int(tag.split()[0]), view=view)
 
 
 def managed(**versions: tuple[str, object]) -> ManagedModel:
