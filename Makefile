@@ -31,6 +31,8 @@ TEST_REQS := requirements/serve.txt requirements/export.txt requirements/dev.txt
 # change to any pinned file installs again.
 req_hash = $(shell cat $(1) | sha256sum | cut -c1-16)
 SERVE_STAMP := $(VENV)/.installed-serve-$(call req_hash,$(SERVE_REQS))
+EXPORT_REQS := requirements/serve.txt requirements/export.txt
+EXPORT_STAMP := $(VENV)/.installed-export-$(call req_hash,$(EXPORT_REQS))
 TEST_STAMP := $(VENV)/.installed-test-$(call req_hash,$(TEST_REQS))
 # make image-test: the Compose CLI and the clients its checks use, never torch (the export image
 # brings its own).
@@ -49,7 +51,7 @@ apt_install = export DEBIAN_FRONTEND=noninteractive; \
 	$(SUDO) apt-get install -y --no-install-recommends $(1) \
 	|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends $(1); }
 
-.PHONY: help serve test lint format hadolint compose-check k8s-check pytest dataset chromium hey train \
+.PHONY: help serve export-env test lint format hadolint compose-check k8s-check pytest dataset chromium hey train \
 	export bench mutation docker-build image-test clean
 
 help: ## List the targets.
@@ -64,6 +66,11 @@ $(SERVE_STAMP): | $(VPY)
 	rm -f $(VENV)/.installed-serve-*
 	touch $@
 
+$(EXPORT_STAMP): | $(VPY)
+	$(PIP) $(addprefix -r ,$(EXPORT_REQS))
+	rm -f $(VENV)/.installed-export-*
+	touch $@
+
 $(IMAGE_TEST_STAMP): | $(VPY)
 	$(PIP) $(addprefix -r ,$(IMAGE_TEST_REQS))
 	rm -f $(VENV)/.installed-image-test-*
@@ -71,12 +78,14 @@ $(IMAGE_TEST_STAMP): | $(VPY)
 
 $(TEST_STAMP): | $(VPY)
 	$(PIP) $(addprefix -r ,$(TEST_REQS))
-	rm -f $(VENV)/.installed-test-* $(VENV)/.installed-serve-*
-	touch $@ $(SERVE_STAMP)
+	rm -f $(VENV)/.installed-test-* $(VENV)/.installed-serve-* $(VENV)/.installed-export-*
+	touch $@ $(SERVE_STAMP) $(EXPORT_STAMP)
 
 serve: $(SERVE_STAMP) ## Serve the shipped model at http://127.0.0.1:PORT (PORT=8000; gRPC on PORT+1); installs no torch.
 	@echo "vitserve: http://$(HOST):$(PORT)  (OpenAPI docs: http://$(HOST):$(PORT)/docs; gRPC: $(HOST):$${VITSERVE_GRPC_PORT:-$$(( $(PORT) + 1 ))})"
 	VITSERVE_HOST=$(HOST) VITSERVE_PORT=$(PORT) exec $(VPY) -m service
+
+export-env: $(EXPORT_STAMP) ## Install what training and export need into .venv (torch for the CPU; after `make serve`).
 
 test: lint hadolint compose-check k8s-check pytest ## Lint, check the Dockerfile, compose file and Kubernetes manifests, run every test.
 

@@ -162,9 +162,8 @@ def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> I
             code="too_many_pixels",
         )
     try:
-        image.draft(
-            None, (draft_size, draft_size)
-        )  # JPEG only: decode at a reduced scale when it can
+        if draft_size:  # JPEG only: decode at a reduced scale when it can (0: never)
+            image.draft(None, (draft_size, draft_size))
         image.load()
         ImageOps.exif_transpose(image, in_place=True)  # a copy per image otherwise
     except Exception as error:
@@ -360,12 +359,15 @@ def _framed(
 class Preprocessor:
     """The metadata's preprocessing, as one callable per input kind."""
 
-    def __init__(self, metadata: ModelMetadata, max_pixels: int) -> None:
+    def __init__(self, metadata: ModelMetadata, max_pixels: int, draft: bool = True) -> None:
         self.metadata = metadata
         self.max_pixels = max_pixels
         spec = metadata.input
         self.channels, self.height, self.width = spec.channels, spec.height, spec.width
-        self.draft_side = draft_side(metadata.preprocessing, self.height, self.width)
+        # draft: a JPEG decoded at a reduced scale that still covers the resize (jpeg_draft)
+        self.draft_side = (
+            draft_side(metadata.preprocessing, self.height, self.width) if draft else 0
+        )
         self._mode = "L" if self.channels == 1 else "RGB"
         self._size = (self.height, self.width)
 

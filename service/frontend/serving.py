@@ -146,17 +146,18 @@ def client_gone(request: Request) -> ClientGone:
     return lambda: asyncio.ensure_future(disconnected())
 
 
-_PREPROCESSORS: dict[tuple[str, int], Preprocessor] = {}
+_PREPROCESSORS: dict[tuple[str, int, bool], Preprocessor] = {}
 
 
-def _preprocessor(view: VersionView, max_pixels: int) -> Preprocessor:
+def _preprocessor(view: VersionView, limits: LimitSettings) -> Preprocessor:
     """One Preprocessor per way of preprocessing (the engine's tables are new objects each time)."""
-    key = (view.preprocessing_key, max_pixels)
+    key = (view.preprocessing_key, limits.max_pixels_per_image, limits.jpeg_draft)
     preprocessor = _PREPROCESSORS.get(key)
     if preprocessor is None:
         if len(_PREPROCESSORS) >= 64:
             _PREPROCESSORS.clear()
-        preprocessor = _PREPROCESSORS[key] = Preprocessor(view.metadata, max_pixels)
+        preprocessor = Preprocessor(view.metadata, limits.max_pixels_per_image, limits.jpeg_draft)
+        _PREPROCESSORS[key] = preprocessor
     return preprocessor
 
 
@@ -195,7 +196,7 @@ class ServedVersion:
 
     @property
     def preprocessor(self) -> Preprocessor:
-        return _preprocessor(self.view, self.settings.limits.max_pixels_per_image)
+        return _preprocessor(self.view, self.settings.limits)
 
     def _shadow(self, images: bool) -> tuple[ShadowMark | None, Preprocessor | None]:
         """Whether this classifier call is shadowed on its model's candidate (the model's plan, in
@@ -206,7 +207,7 @@ class ServedVersion:
         if mark != "own":
             return mark, None
         candidate = model.ready[model.candidate]  # type: ignore[union-attr,index]
-        return mark, _preprocessor(candidate, self.settings.limits.max_pixels_per_image)
+        return mark, _preprocessor(candidate, self.settings.limits)
 
     async def _run(
         self,

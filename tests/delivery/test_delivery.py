@@ -615,3 +615,23 @@ def test_each_xdist_worker_looks_for_free_ports_in_its_own_share(monkeypatch):
         shares.append(set(worker_share(ports)))
     assert shares[0] and shares[1] and not shares[0] & shares[1]
     assert shares[0] | shares[1] == set(ports)
+
+
+def test_make_export_env_installs_the_export_requirements_without_the_linters():
+    plan = make_dry_run("export-env")
+    assert "requirements/export.txt" in plan and "requirements/serve.txt" in plan
+    assert "requirements/dev.txt" not in plan
+
+
+def test_the_export_stage_without_torch_says_which_command_installs_it():
+    """Right after `make serve` (no torch in .venv): one line naming `make export-env`, no
+    traceback."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['torch'] = None; import export.onnx"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "make export-env" in done.stderr and "Traceback" not in done.stderr

@@ -67,7 +67,10 @@ def test_a_second_trial_and_a_trial_with_nothing_served_are_refused(tmp_path):
     assert not (tmp_path / "m" / "1").exists()
     write(tmp_path, 1)
     write(tmp_path, 2, candidate=True)
-    with pytest.raises(RepositoryError, match="already trying version 2 .vitserve_candidate_version.; promote it or roll"):
+    with pytest.raises(
+        RepositoryError,
+        match="already trying version 2 .vitserve_candidate_version.; promote it or roll",
+    ):
         write(tmp_path, 3, candidate=True)
     assert not (tmp_path / "m" / "3").exists()
 

@@ -96,9 +96,9 @@ SOURCES = {
 }
 
 
-def served(source: str) -> Preprocessor:
+def served(source: str, draft: bool = True) -> Preprocessor:
     preprocessing = {"mean": IMAGENET_MEAN, "std": IMAGENET_STD, **SOURCES[source][1]}
-    return Preprocessor(photo_metadata(**preprocessing), max_pixels=10**8)
+    return Preprocessor(photo_metadata(**preprocessing), max_pixels=10**8, draft=draft)
 
 
 def decoded_in_full(data: bytes) -> Image.Image:
@@ -130,3 +130,17 @@ def test_a_photo_sent_as_a_file_is_within_a_level_on_average_of_the_sources(sour
         assert difference.max() <= 2e-6
         return
     assert difference.mean() < 0.02 and difference.max() < 1.0
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize(
+    "path", [path for path, drafted in PHOTOS if drafted], ids=lambda path: path.name
+)
+def test_with_the_jpeg_draft_off_a_large_photo_file_is_the_sources_exactly(source, path):
+    """``VITSERVE_JPEG_DRAFT=false``: the JPEGs that the draft would decode at 1/4 and 1/2 scale
+    are decoded in full, so the served input is the source's to float rounding."""
+    data = path.read_bytes()
+    expected = SOURCES[source][0](decoded_in_full(data))
+    tensor = served(source, draft=False).from_bytes(data, "image").tensor
+    np.testing.assert_allclose(tensor, expected, rtol=0, atol=2e-6)
+    assert np.abs(served(source).from_bytes(data, "image").tensor - expected).max() > 1e-3

@@ -20,6 +20,8 @@
   const TOP_K = 5;
   const KEY_STORAGE = "vitserve-api-key";
   let latest = 0; // only the newest request may write the results
+  let onTrial = null; // the selected model's shadow report, while it tries a candidate
+  const ink = { light: true }; // the drawing's strokes: white on black, or black on white
   const urls = { preview: null, overlay: null };
 
   keyInput.value = sessionStorage.getItem(KEY_STORAGE) || "";
@@ -98,6 +100,25 @@
       `${model.name} version ${model.version} (${model.precision}): ${model.labels.length} classes ` +
       `(${model.labels.join(", ")}), input ${model.input.width}×${model.input.height}` +
       `${accuracy}, on ${model.provider}.${attention}`;
+    drawFor(model.preprocessing ? model.preprocessing.polarity : "light-on-dark");
+  }
+
+  // The drawing and the polarity control follow what the model was trained on: strokes of the
+  // training images' colours, and no polarity choice for a model of natural photos (never inverted).
+  function drawFor(polarity) {
+    const hints = {
+      "light-on-dark": "White strokes on black, like the training images.",
+      "dark-on-light": "Black strokes on white, like the training images.",
+      natural: "This model was trained on photos: a drawing is sent as it is, black on white.",
+    };
+    $("drawing-hint").textContent = hints[polarity] || hints.natural;
+    $("polarity-row").hidden = polarity === "natural";
+    if (polarity === "natural") invert.value = "auto";
+    const light = polarity === "light-on-dark";
+    if (ink.light !== light) {
+      ink.light = light;
+      clearCanvas();
+    }
   }
 
   async function describeModel() {
@@ -147,16 +168,23 @@
       const report = response.ok ? await response.json() : null;
       if (name !== modelSelect.value) return;
       if (!report || report.candidate_version == null) {
+        onTrial = null;
         line.hidden = true;
         return;
       }
+      onTrial = report;
       const pair = report.pairs.find(
         (p) => p.live_version === report.live_version && p.candidate_version === report.candidate_version,
       );
       const trial =
         `Candidate version ${report.candidate_version} against live version ${report.live_version} ` +
         `(shadow ${report.shadow_percent}%, canary ${report.canary_percent}%): `;
-      if (!pair) {
+      const outcomes = (p) =>
+        `${p.outcomes.shed} shed, ${p.outcomes.incompatible} incompatible, ` +
+        `${p.outcomes.failed + p.outcomes.timeout} failed or timed out.`;
+      if (report.comparable === false) {
+        line.textContent = `${trial}not comparable: ${report.why}` + (pair ? ` (${outcomes(pair)})` : "");
+      } else if (!pair) {
         line.textContent = `${trial}no request compared yet.`;
       } else {
         const moves = pair.confusion
@@ -169,8 +197,8 @@
           `${trial}requests compared: ${pair.requests_compared}, top-1 agreement ` +
           `${percent(pair.top1_agreement)}, probability difference mean ` +
           `${fmt(pair.probability_difference.mean)} p99 ${fmt(pair.probability_difference.p99)}, ` +
-          `model time ${ratio == null ? "–" : ratio.toFixed(2) + "×"} the live version's, ` +
-          `${pair.outcomes.shed} shed.` +
+          `model time ${ratio == null ? "–" : ratio.toFixed(2) + "×"} the live version's ` +
+          `(${pair.model_ms.pairs} timed pairs), ${outcomes(pair)}` +
           (moves.length ? ` Moves: ${moves.join(", ")}.` : "");
       }
       line.hidden = false;
@@ -246,7 +274,14 @@
       const body = await predicted.json();
       if (ticket !== latest) return;
       renderPrediction(body.predictions[0]);
-      statusLine.textContent = `${body.model.name} version ${body.model.version} says:`;
+      const byCanary =
+        onTrial !== null &&
+        onTrial.model === body.model.name &&
+        onTrial.candidate_version === body.model.version;
+      statusLine.textContent =
+        `${body.model.name} version ${body.model.version}` +
+        (byCanary ? ` (the candidate, answering its canary share of requests)` : "") +
+        " says:";
       showShadow(); // and again every few seconds: the shadow runs once the live answer is in
       if (attended === null) {
         showError("This model has no attention graph, so there is no overlay.");
@@ -290,11 +325,11 @@
   // --- drawing ---------------------------------------------------------------------------------
   const context = canvas.getContext("2d");
   function clearCanvas() {
-    context.fillStyle = "#000";
+    context.fillStyle = ink.light ? "#000" : "#fff";
     context.fillRect(0, 0, canvas.width, canvas.height);
+    context.strokeStyle = ink.light ? "#fff" : "#000";
   }
   clearCanvas();
-  context.strokeStyle = "#fff";
   context.lineWidth = 22;
   context.lineCap = "round";
   context.lineJoin = "round";
