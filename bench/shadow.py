@@ -7,20 +7,27 @@ turn, alternated within each repeat (which goes first alternates too): c=64 sing
 (the machine saturated: the shadow should give way) and c=4 (idle time to spare: the shadow should
 compare nearly every request). Reported, as medians over the repeats: live images/s and p99 of each
 arm and their ratios (targets: >= 0.9x and <= 1.1x at c=64), the share of the shadowed service's
-requests compared at c=4 (target >= 90%), what became of the other copies, and whether every answer
-of the shadowed service equals the other's on the same images (target: 0 changed).
+requests compared at c=4 (target >= 90%), what became of the other copies, whether every answer
+of the shadowed service equals the other's on the same images (target: 0 changed), and the latency
+gate's number for this byte-identical candidate: the model time ratio (the median of the shadow's
+paired runs) and the pairs it rests on, read after each window (target: within 0.8-1.2 on a busy
+machine; ``--busy N`` adds N processes that spin on the CPU for the whole run).
 
-``python -m bench.shadow [--repeats 3] [--seconds 8]`` prints the section for BENCHMARKS.md.
+``python -m bench.shadow [--repeats 3] [--seconds 8] [--busy 2]`` prints the section for
+BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing
 import shutil
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,9 +76,32 @@ def post_json(url: str, body: bytes) -> dict:
         return json.load(answer)
 
 
-def outcomes(server: RunningServer) -> dict[str, int]:
+def comparison(server: RunningServer) -> dict:
     pairs = get_json(f"{server.url}/models/{MODEL}/shadow")["pairs"]
-    return dict(pairs[0]["outcomes"]) if pairs else {}
+    return pairs[0] if pairs else {}
+
+
+def outcomes(server: RunningServer) -> dict[str, int]:
+    return dict(comparison(server).get("outcomes", {}))
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def busy(processes: int) -> Iterator[None]:
+    """``processes`` processes that keep a core busy each (other work on a shared machine)."""
+    spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(processes)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.terminate()
+            spinner.join()
 
 
 @dataclass(frozen=True)
@@ -82,6 +112,8 @@ class Window:
     p99_ms: float | None
     failed: int
     outcomes: dict[str, int]  # the shadow's, during this window (shadow arm)
+    model_time_ratio: float | None = None  # the shadow's paired runs so far (shadow arm)
+    timed_pairs: int = 0
 
     @property
     def share_compared(self) -> float | None:
@@ -96,6 +128,7 @@ class ShadowBench:
     checked: int
     agreement: float | None
     commands: list[str]
+    busy: int = 0
 
     def spread(self, arm: str, concurrency: int, value: str) -> Spread | None:
         return Spread.of(
@@ -127,6 +160,10 @@ class ShadowBench:
             for c in (64, 4)
         }
         failed = sum(w.failed for w in self.windows)
+        gate = [w for w in self.windows if w.arm == "shadow" and w.model_time_ratio is not None]
+        ratios = Spread.of(w.model_time_ratio for w in gate)
+        pairs = max((w.timed_pairs for w in gate), default=0)
+        busy = f" with {self.busy} processes spinning on the CPU throughout" if self.busy else ""
         return "\n".join(
             [
                 "## A shadow at 100% against none",
@@ -157,6 +194,11 @@ class ShadowBench:
                     rows,
                 ),
                 "",
+                "The latency gate on this byte-identical candidate (`model_ms.ratio_p50`, the "
+                "median of candidate / live over the shadow's paired runs, read after each window"
+                f"{busy}): {spread_text(ratios, 3)} (median, min-max over {len(gate)} windows), "
+                f"resting on {pairs:,} timed pairs by the end.",
+                "",
                 "Commands:",
                 "",
                 *(f"- `{command}`" for command in self.commands),
@@ -169,8 +211,10 @@ def load(arm: str, server: RunningServer, body: Path, concurrency: int, seconds:
     argv = hey.command(server.url + "/predict", body, concurrency=concurrency, duration_s=seconds)
     result = hey.run(argv, seconds + 90)
     time.sleep(1.0)  # the copies still queued run once the load stops
-    after = outcomes(server)
+    pair = comparison(server)
+    after = dict(pair.get("outcomes", {}))
     delta = {key: after.get(key, 0) - before.get(key, 0) for key in after}
+    times = pair.get("model_ms", {})
     return Window(
         arm,
         concurrency,
@@ -178,6 +222,8 @@ def load(arm: str, server: RunningServer, body: Path, concurrency: int, seconds:
         result.ms(99),
         result.not_ok + result.error_count,
         delta,
+        times.get("ratio_p50"),
+        times.get("pairs", 0),
     )
 
 
@@ -191,7 +237,7 @@ def same_answers(servers: dict[str, RunningServer], images: list[str]) -> tuple[
     return changed, len(images)
 
 
-def run(out: Path, repeats: int, seconds: float) -> ShadowBench:
+def run(out: Path, repeats: int, seconds: float, spinners: int = 0) -> ShadowBench:
     out.mkdir(parents=True, exist_ok=True)
     images, _ = b64_pngs(32)
     body = out / "body-1.json"
@@ -208,27 +254,30 @@ def run(out: Path, repeats: int, seconds: float) -> ShadowBench:
                 hey.run(
                     hey.command(server.url + "/predict", body, concurrency=8, requests=400), 120
                 )
-            for repeat in range(repeats):
-                order = ARMS if repeat % 2 == 0 else ARMS[::-1]
-                for concurrency in (64, 4):
-                    for arm in order:
-                        windows.append(load(arm, servers[arm], body, concurrency, seconds))
+            with busy(spinners):
+                for repeat in range(repeats):
+                    order = ARMS if repeat % 2 == 0 else ARMS[::-1]
+                    for concurrency in (64, 4):
+                        for arm in order:
+                            windows.append(load(arm, servers[arm], body, concurrency, seconds))
             changed, checked = same_answers(servers, images)
             pair = get_json(f"{b.url}/models/{MODEL}/shadow")["pairs"][0]
     commands = [
-        f"python -m bench.shadow --repeats {repeats} --seconds {seconds:g}",
+        f"python -m bench.shadow --repeats {repeats} --seconds {seconds:g} --busy {spinners}",
         hey.shown(hey.command("URL", body, concurrency=64, duration_s=seconds)),
     ]
-    return ShadowBench(windows, changed, checked, pair["top1_agreement"], commands)
+    return ShadowBench(windows, changed, checked, pair["top1_agreement"], commands, spinners)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.shadow", description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--busy", type=int, default=0, help="processes spinning on the CPU")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "bench-shadow")
     arguments = parser.parse_args()
-    print(run(arguments.out, arguments.repeats, arguments.seconds).markdown())
+    bench = run(arguments.out, arguments.repeats, arguments.seconds, arguments.busy)
+    print(bench.markdown())
 
 
 if __name__ == "__main__":

@@ -47,3 +47,16 @@ def test_each_arm_serves_both_versions_and_only_one_names_a_candidate(tmp_path: 
         assert (plan.candidate_version, plan.shadow_percent) == (
             (2, 100.0) if shadow else (None, 0)
         )
+
+
+def test_the_latency_gate_is_read_from_the_shadowed_arm_with_its_pairs():
+    windows = [
+        Window("shadow", 64, 500, 200, 0, {"compared": 5}, 1.1, 40),
+        Window("shadow", 4, 200, 20, 0, {"compared": 50}, 0.9, 400),
+        Window("shadow", 4, 200, 20, 0, {"compared": 50}, 1.0, 900),
+        Window("none", 4, 200, 20, 0, {}, None, 0),
+    ]
+    text = ShadowBench(windows, 0, 32, 1.0, ["python -m bench.shadow"], busy=2).markdown()
+    assert "with 2 processes spinning on the CPU throughout" in text
+    assert "1.000 (0.900-1.100) (median, min-max over 3 windows)" in text
+    assert "resting on 900 timed pairs by the end" in text
