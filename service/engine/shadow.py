@@ -55,10 +55,14 @@ RETRY_S = 0.005  # a queue left waiting for busy versions is looked at again aft
 FAILURE_LOG_S = 60.0  # a candidate that keeps failing is logged once a minute (and always counted)
 OUTCOMES = ("compared", "shed", "failed", "timeout", "live_failed", "incompatible")
 DIFFERENCE = "per image, the largest |p_live - p_candidate| over its classes"
+# The live version runs a shadow batch again only to time it beside the candidate: every batch for
+# the first TIMED_FIRST pairs, then one in TIMED_EVERY, so that a long trial does not double its cost.
+TIMED_FIRST = 200
+TIMED_EVERY = 4
 MODEL_TIME = (
-    "per shadow batch, both versions run the same images at the same batch size, one right after "
-    "the other (order alternating) on one thread; ratio_p50 is the median of candidate / live over "
-    "those pairs"
+    "per timed shadow batch (every one of the first 200, then one in 4), both versions run the same "
+    "images at the same batch size, one right after the other (order alternating) on one thread; "
+    "ratio_p50 is the median of candidate / live over those pairs"
 )
 
 
@@ -97,6 +101,7 @@ class Comparison:
             "candidate": deque(maxlen=WINDOW),
         }
         self.ratios: deque[float] = deque(maxlen=WINDOW)
+        self.untimed = 0  # shadow batches run since the last timed pair
         self.confusion: Counter[tuple[int, int]] = Counter()
 
     def count(self, outcome: str, requests: int = 1) -> None:
@@ -128,6 +133,13 @@ class Comparison:
             self._latency[role].observe(seconds)
         if live_s > 0:
             self.ratios.append(candidate_s / live_s)
+
+    def time_next(self) -> bool:
+        """Whether the next shadow batch runs on the live version too, to be timed beside the
+        candidate (``TIMED_FIRST``, ``TIMED_EVERY``)."""
+        timed = len(self.ratios) < TIMED_FIRST or self.untimed >= TIMED_EVERY - 1
+        self.untimed = 0 if timed else self.untimed + 1
+        return timed
 
     def report(self) -> dict[str, Any]:
         compared = self.outcomes["compared"]
@@ -179,14 +191,18 @@ class _Copy:
 
 
 def paired_runs(
-    live: RunBatch,
+    live: RunBatch | None,
     candidate: RunBatch,
     live_rows: list[np.ndarray],
     candidate_rows: list[np.ndarray],
     live_first: bool,
-) -> tuple[Outputs, float, float]:
+) -> tuple[Outputs, float | None, float]:
     """The candidate's outputs, and each version's model time (joining and running its rows), run
-    one right after the other in this thread, the live version first when ``live_first``."""
+    one right after the other in this thread, the live version first when ``live_first``; ``live``
+    None: the candidate alone (an untimed batch: no live time)."""
+    if live is None:
+        outputs, times = timed_run(candidate, candidate_rows)
+        return list(outputs), None, (times.compute_input_ns + times.compute_infer_ns) / 1e9
     runs = [(live, live_rows), (candidate, candidate_rows)]
     done = [timed_run(run, rows) for run, rows in (runs if live_first else runs[::-1])]
     (_, live_times), (outputs, candidate_times) = done if live_first else done[::-1]
@@ -284,11 +300,14 @@ class ModelShadow:
         self.running = True
         for pipeline in (live, candidate):
             pipeline.hold()  # neither version is released under a running shadow
-        live_first, self.live_first = self.live_first, not self.live_first
+        timed = batch[0].comparison.time_next()
+        live_first = self.live_first
+        if timed:
+            self.live_first = not live_first
         future = loop.run_in_executor(
             self._executor,
             paired_runs,
-            live.runtime.classify_with(0),
+            live.runtime.classify_with(0) if timed else None,
             candidate.runtime.classify_with(0),
             [copy.live_rows for copy in batch],
             [copy.candidate_rows for copy in batch],
@@ -327,7 +346,8 @@ class ModelShadow:
             self._settle(batch, "failed")
             return
         outputs, live_s, candidate_s = done.result()
-        batch[0].comparison.timed(live_s, candidate_s)
+        if live_s is not None:
+            batch[0].comparison.timed(live_s, candidate_s)
         at = 0
         try:
             for copy in batch:

@@ -246,3 +246,17 @@ def test_the_parameters_are_read_and_refused_by_name():
         wrong.parameters[key].string_value = value
         with pytest.raises(ModelConfigError, match=re.escape(message)):
             candidate_plan(wrong)
+
+
+def test_every_early_shadow_batch_is_timed_then_one_in_four():
+    """The live version runs a shadow batch again only to time it: all of the first 200 batches,
+    then one in 4, so that a long trial does not double the shadow's cost."""
+    comparison = Comparison("m", 1, 2, Metrics().shadow)
+    timed = []
+    for batch in range(1000):
+        if comparison.time_next():
+            timed.append(batch)
+            comparison.timed(0.002, 0.002)
+    assert timed[:200] == list(range(200))
+    assert timed[200:] == list(range(203, 1000, 4))
+    assert comparison.report()["model_ms"]["pairs"] == 200 + 200
