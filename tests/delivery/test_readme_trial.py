@@ -81,6 +81,7 @@ def fashion_test_images() -> np.ndarray:
     return test.images[:REQUESTS, 0].numpy().copy()
 
 
+@pytest.mark.timeout(1800)  # an export of the real model: minutes on a busy 2-core machine
 def test_the_readme_trial_works_as_written_on_the_shipped_model(tmp_path, fashion_test_images):
     export, promote = readme_commands()
     assert export[:3] == [".venv/bin/python", "-m", "export.onnx"] and "--candidate" in export
