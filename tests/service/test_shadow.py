@@ -228,6 +228,54 @@ def test_a_candidate_with_other_preprocessing_is_compared_on_its_own_rows(
     assert pair["model_ms"]["pairs"] >= 1
 
 
+def test_a_candidate_at_another_input_size_is_compared_on_its_own_rows(repository, fashion_images):
+    """Version 2 is another ViT, 35 x 35 (a model fine-tuned at another resolution), with version
+    1's labels and preprocessing: each live request's images are prepared again at its size. Its
+    reference answers: onnxruntime on its file, on rows from the contract's preprocessing (tested
+    against Pillow and the source libraries in test_preprocessing_*)."""
+    import dataclasses
+
+    import torch
+
+    from export.model import VisionTransformer
+    from export.onnx_graphs import build_graphs, graph_document, with_metadata
+    from service.contract.model_repository import ModelMetadata
+    from service.contract.preprocessing import Preprocessor
+    from tests.support import TINY
+
+    torch.manual_seed(1)
+    model = VisionTransformer(dataclasses.replace(TINY, image_height=35, image_width=35)).eval()
+    with torch.no_grad():
+        torch.nn.init.normal_(model.head.weight, std=1.0)
+    live_meta = json.loads(
+        next(
+            p.value
+            for p in onnx.load(repository / MODEL_NAME / "1" / "model.onnx").metadata_props
+            if p.key == "vitserve"
+        )
+    )
+    version = repository / MODEL_NAME / "2"
+    document = graph_document(
+        model, live_meta["preprocessing"], live_meta["labels"], MODEL_NAME, 2, "classifier", "0"
+    )
+    onnx.save(with_metadata(build_graphs(model).classifier, document), version / "model.onnx")
+    configure(repository, **{CANDIDATE_VERSION: 2, SHADOW_PERCENT: 100})
+    live = probabilities(repository / MODEL_NAME / "1" / "model.onnx", fashion_images)
+    prepare = Preprocessor(ModelMetadata.model_validate(document), max_pixels=10**6)
+    rows = np.stack(
+        [prepare.from_pixels(image.tolist(), "image").tensor for image in fashion_images]
+    )
+    assert rows.shape[1:] == (1, 35, 35)
+    session = ort.InferenceSession(str(version / "model.onnx"), providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"images": rows})
+    agreement = (live.argmax(axis=1) == logits.argmax(axis=1)).mean()
+    report, pair = shadow_all(repository, fashion_images)
+    assert (report["comparable"], report["rows"]) == (True, "own")
+    assert "input 1x35x35 against 1x28x28" in report["why"]
+    assert pair["requests_compared"] == len(fashion_images)
+    assert pair["top1_agreement"] == pytest.approx(agreement)
+
+
 def test_a_candidate_with_other_labels_is_said_incomparable_everywhere(
     repository, fashion_images, caplog
 ):
