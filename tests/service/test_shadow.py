@@ -522,12 +522,27 @@ def test_poll_mode_promotes_or_rolls_back_by_the_models_own_thresholds(
     assert {k: v.string_value for k, v in parameters.items()} == {LIVE_VERSION: str(live_after)}
 
 
-def test_the_comparison_and_promotion_over_the_process_link(repository, fashion_images, tmp_path):
+@pytest.mark.parametrize("rows", ["same", "own"])
+def test_the_comparison_and_promotion_over_the_process_link(
+    repository, fashion_images, tmp_path, rows
+):
     """``python -m service``: the engine in its own process shadows, answers the comparison and
-    promotes through the link's control calls; the front ends route by the table it publishes."""
+    promotes through the link's control calls; the front ends route by the table it publishes.
+    "own": version 2 normalises otherwise, so its own rows travel after each call's rows."""
     configure(repository, **{CANDIDATE_VERSION: 2, SHADOW_PERCENT: 100})
     live = probabilities(repository / MODEL_NAME / "1" / "model.onnx", fashion_images)
     candidate = probabilities(repository / MODEL_NAME / "2" / "model.onnx", fashion_images)
+    if rows == "own":
+        mean, std = 0.5, 0.25
+        retag(
+            repository / MODEL_NAME / "2" / "model.onnx",
+            preprocessing={"mean": [mean], "std": [std]},
+        )
+        session = ort.InferenceSession(
+            str(repository / MODEL_NAME / "2" / "model.onnx"), providers=["CPUExecutionProvider"]
+        )
+        own = (fashion_images.astype(np.float32)[:, None] / 255.0 - mean) / std
+        (candidate,) = session.run(None, {"images": own.astype(np.float32)})
     log = tmp_path / "service.log"
     with (
         running_server(repository, log, suite=SERVICE) as server,
