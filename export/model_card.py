@@ -155,6 +155,15 @@ def quantization_lines(
         f"- Made by: `python -m export.onnx {run_dir} --name {entry.name} --version "
         f"{version_dir.name} --quantize int8 --quantization {method}`",
     ]
+    offline = onnx_results.get("float_agreement")
+    if offline:
+        lines.append(
+            f"- Against the float32 graph on the same test images: top-1 agreement "
+            f"{percent(offline['top1_agreement'])}; per image, the largest |p_int8 - p_float| over "
+            f"its classes: p99 {offline['probability_difference_p99']:.4f}, max "
+            f"{offline['probability_difference_max']:.4f}. Tried as a candidate (`--candidate`), the "
+            "shadow measures the same on live requests before it answers any."
+        )
     changed, images = batch_dependence(version_dir / "model.onnx")
     if method == "dynamic":
         lines.append(

@@ -139,11 +139,32 @@ def quantize_static_qdq(prepared: Path, quantized: Path, calibration: np.ndarray
     )
 
 
+def logits_of(graph: onnx.ModelProto, images: np.ndarray) -> np.ndarray:
+    """A logits graph's logits of normalised images."""
+    run = onnx_runner(export_onnx.session_for(graph))
+    return dataset_logits(run, images, lambda batch: batch, 500)
+
+
 def accuracy(graph: onnx.ModelProto, images: np.ndarray, labels: np.ndarray) -> float:
     """Test accuracy of a logits graph on normalised images."""
-    run = onnx_runner(export_onnx.session_for(graph))
-    logits = dataset_logits(run, images, lambda batch: batch, 500)
-    return float((logits.argmax(1) == labels).mean())
+    return float((logits_of(graph, images).argmax(1) == labels).mean())
+
+
+def agreement(float_logits: np.ndarray, int8_logits: np.ndarray) -> dict[str, float]:
+    """How the int8 graph answers against the float one on the same images: what a shadow trial
+    of the int8 version would measure live (top-1 agreement; per image, the largest
+    ``|p_int8 - p_float|`` over its classes, its p99 and maximum)."""
+
+    def probabilities(logits: np.ndarray) -> np.ndarray:
+        shifted = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
+        return shifted / shifted.sum(axis=1, keepdims=True)
+
+    difference = np.abs(probabilities(int8_logits) - probabilities(float_logits)).max(axis=1)
+    return {
+        "top1_agreement": float((int8_logits.argmax(1) == float_logits.argmax(1)).mean()),
+        "probability_difference_p99": float(np.percentile(difference, 99)),
+        "probability_difference_max": float(difference.max()),
+    }
 
 
 def export_quantized(
@@ -174,12 +195,15 @@ def export_quantized(
         calibration = normalize(calibration_images(train.images, calibration_count), spec).numpy()
     quantized = quantize_graph(graphs.classifier, method, calibration)
     test_images, test_labels = images.numpy(), test.labels.numpy()
-    float_accuracy = accuracy(graphs.classifier, test_images, test_labels)
-    int8_accuracy = accuracy(quantized, test_images, test_labels)
+    float_logits = logits_of(graphs.classifier, test_images)
+    int8_logits = logits_of(quantized, test_images)
+    float_accuracy = float((float_logits.argmax(1) == test_labels).mean())
+    int8_accuracy = float((int8_logits.argmax(1) == test_labels).mean())
     result = {
         "quantization": method,
         "calibration_images": calibration_count if calibration is not None else None,
         "float_test_accuracy": float_accuracy,
+        "float_agreement": agreement(float_logits, int8_logits),
         "test_accuracy": int8_accuracy,
         "test_images": len(test),
         "verification": figures,
@@ -206,6 +230,7 @@ def export_quantized(
         quantization=method,
         calibration_images=result["calibration_images"],
         float_test_accuracy=float_accuracy,
+        float_agreement=result["float_agreement"],
         attention_graph=None,
     )
     export_onnx.with_metadata(quantized, document)

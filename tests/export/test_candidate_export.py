@@ -7,10 +7,12 @@ writes is read back with the service's own reader.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from export import repository
@@ -125,3 +127,21 @@ def test_a_pinned_live_version_is_kept_and_a_share_already_set_is_kept():
     del config.parameters["vitserve_shadow_percent"]
     plan = candidate_plan(with_trial(config, [1, 2, 3], 4))
     assert (plan.live_version, plan.candidate_version, plan.shadow_percent) == (2, 4, 100.0)
+
+
+def test_an_int8_graphs_offline_agreement_is_what_a_shadow_would_measure():
+    """Computed here by hand on three images of three classes: one top-1 moves, and the largest
+    probability differences are those of the softmax of each row."""
+    from export.quantize import agreement
+
+    float_logits = np.array([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 3.0]])
+    int8_logits = np.array([[2.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 2.0]])
+    e = math.e
+    second = (e / (e + 2)) - (1 / (e + 2))  # class 0 and class 1 swap their probabilities
+    third = e**3 / (e**3 + 2) - e**2 / (e**2 + 2)
+    got = agreement(float_logits, int8_logits)
+    assert got["top1_agreement"] == pytest.approx(2 / 3)
+    assert got["probability_difference_max"] == pytest.approx(max(second, third))
+    assert got["probability_difference_p99"] == pytest.approx(
+        np.percentile([0.0, second, third], 99)
+    )

@@ -433,6 +433,20 @@ def test_int8_predictions_follow_the_float_model(quantized, exported):
     )
     assert (int8.argmax(1) == fp32.argmax(1)).mean() >= 0.97
     assert 0 < np.abs(int8 - fp32).max() < 0.5 * np.abs(fp32).max()  # close, and not the same
+    # the agreement the export records: over the whole test split, recomputed here in the export's
+    # batches of 500 (a dynamic int8 graph's scales depend on what is batched together)
+    images = normalize(test.images, spec).numpy()
+    int8, fp32 = (
+        np.concatenate(
+            [
+                ort.InferenceSession(str(path)).run(None, {"images": images[i : i + 500]})[0]
+                for i in range(0, len(images), 500)
+            ]
+        )
+        for path in (entry / "1" / "model.onnx", repo / "tiny" / "3" / "model.onnx")
+    )
+    recorded = metadata_of(entry / "1" / "model.onnx")["float_agreement"]
+    assert recorded["top1_agreement"] == pytest.approx((int8.argmax(1) == fp32.argmax(1)).mean())
 
 
 def test_static_qdq_is_calibrated_on_training_images(tiny_run, tmp_path, monkeypatch):
