@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export failed, nothing written: {error}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2))
+    if "source" in result:  # an import: which labels it was given, and why
+        print(f"labels: {result['source']['labels']}", file=sys.stderr)
     return 0
 
 

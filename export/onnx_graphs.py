@@ -338,7 +338,7 @@ def graph_document(
         "test_accuracy": test_accuracy,
         "test_images": test_images,
         "checkpoint_sha256": checkpoint_sha256,
-        "model_config": c.to_dict(),
+        "model_config": c.description(),
         "tools": tool_versions(),
         "exported_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }

@@ -34,6 +34,7 @@ class Imported:
 
     model: VisionTransformer
     labels: list[str]
+    labels_source: str  # where the labels came from, in words
     preprocessing: dict
     library: str  # "transformers" or "timm"
     architecture: str
@@ -50,6 +51,7 @@ class Imported:
             "architecture": self.architecture,
             "weights": self.weights.name,
             "weights_sha256": self.weights_sha256,
+            "labels": self.labels_source,
             "preprocessing_notes": self.notes,
         }
 
@@ -93,7 +95,8 @@ def load_imported(directory: str | Path) -> Imported:
     model.load_state_dict(state, strict=True, assign=True)
     return Imported(
         model.eval(),
-        labels,
+        labels.names,
+        labels.source,
         preprocessing,
         library,
         architecture,

@@ -12,8 +12,8 @@ MAX_LABEL_CHARS = 1000
 
 
 class Labels(NamedTuple):
-    """A checkpoint's labels, in class order, and where they came from in words (the export
-    prints it, the model card and the metadata's ``source`` say it)."""
+    """A checkpoint's labels, in class order, and where they came from, in words that follow
+    "labels" (the export prints it, the model card and the metadata's ``source`` say it)."""
 
     names: list[str]
     source: str
