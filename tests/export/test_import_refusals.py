@@ -184,7 +184,7 @@ def test_half_precision_weights_are_widened_and_integer_ones_refused(tmp_path, c
     assert model.position_embedding.dtype == torch.float32
     assert torch.equal(model.position_embedding, half["pos_embed"].float())
     assert torch.equal(
-        model.blocks[1].attention.qkv.weight, half["blocks.1.attn.qkv.weight"].float()
+        model.blocks[0].attention.qkv.weight, half["blocks.0.attn.qkv.weight"].float()
     )
 
     edit_weights(
