@@ -39,7 +39,12 @@ RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box"}
 
 def architecture(config: dict, where: str) -> str:
     names = config.get("architectures")
-    if not isinstance(names, list) or len(names) != 1 or names[0] not in ARCHITECTURES:
+    if (
+        not isinstance(names, list)
+        or len(names) != 1
+        or not isinstance(names[0], str)  # a list or an object would not even look up
+        or names[0] not in ARCHITECTURES
+    ):
         raise CheckpointError(
             f"{where}: architectures {names!r} is not imported; supported: "
             + ", ".join(ARCHITECTURES)

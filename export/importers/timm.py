@@ -244,11 +244,11 @@ def preprocessing(config: dict, vit: ViTConfig, where: str) -> tuple[dict, list[
     """The ``preprocessing`` document from ``pretrained_cfg`` as timm's eval transforms read it
     (``transforms_imagenet_eval``), and notes on what the service does differently."""
     pretrained = config.get("pretrained_cfg", {})
-    input_size = pretrained.get("input_size", [vit.in_channels, vit.image_height, vit.image_width])
-    if list(input_size) != [vit.in_channels, vit.image_height, vit.image_width]:
+    expected = [vit.in_channels, vit.image_height, vit.image_width]
+    input_size = pretrained.get("input_size", expected)
+    if input_size != expected:  # JSON's list; anything else is not the model's input either
         raise CheckpointError(
-            f"{where}: pretrained_cfg input_size {input_size} is not the model's "
-            f"{[vit.in_channels, vit.image_height, vit.image_width]}"
+            f"{where}: pretrained_cfg input_size {input_size!r} is not the model's {expected}"
         )
     interpolation = pretrained.get("interpolation", "bilinear")
     if interpolation not in INTERPOLATIONS:
@@ -288,6 +288,7 @@ def preprocessing(config: dict, vit: ViTConfig, where: str) -> tuple[dict, list[
         "pad_value": 0,
         "polarity": "natural",
         "scale": 1 / 255,
-        "mean": list(pretrained.get("mean", IMAGENET_DEFAULT_MEAN)),
-        "std": list(pretrained.get("std", IMAGENET_DEFAULT_STD)),
+        # as they are: the contract's Preprocessing refuses what is not a list of numbers
+        "mean": pretrained.get("mean", IMAGENET_DEFAULT_MEAN),
+        "std": pretrained.get("std", IMAGENET_DEFAULT_STD),
     }, notes

@@ -262,3 +262,27 @@ def test_a_version_beyond_a_signed_64_bit_integer_is_refused_where_it_enters(
     with pytest.raises(RepositoryError, match="a signed 64-bit integer"):
         onnx_export.export_model(tmp_path, "m", MAX_VERSION + 1, tmp_path / "repo")
     assert version_number(str(MAX_VERSION)) == MAX_VERSION == 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("input_size", 5, "pretrained_cfg input_size 5 is not the model's [3, 32, 32]"),
+        ("mean", 5, "preprocessing the service cannot serve"),
+        ("std", None, "preprocessing the service cannot serve"),
+    ],
+)
+def test_a_timm_pretrained_cfg_entry_of_another_type_is_refused_not_a_traceback(
+    tmp_path, capsys, key, value, message
+):
+    directory = timm_checkpoint(tmp_path)
+    edit_config(directory, lambda config: config["pretrained_cfg"].update({key: value}))
+    assert message in refused(directory, tmp_path, capsys)
+
+
+def test_hugging_face_architectures_that_are_not_names_are_refused_not_a_traceback(
+    tmp_path, capsys
+):
+    directory = hf_checkpoint(tmp_path)
+    edit_config(directory, lambda config: config.update(architectures=[["ViT"]]))
+    assert "architectures [['ViT']] is not imported" in refused(directory, tmp_path, capsys)
