@@ -31,6 +31,22 @@ def command_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     )
 
 
+def version_number(text: str) -> int:
+    """``--version``'s type: a model version, an integer from 1 to the contract's ``MAX_VERSION``
+    (a signed 64-bit integer, as the service's link and Triton's protocol carry it)."""
+    from service.contract.model_repository import MAX_VERSION
+
+    try:
+        value = int(text)
+    except ValueError:  # not a number, or more digits than int() reads
+        value = None
+    if value is None or not 1 <= value <= MAX_VERSION:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer from 1 to {MAX_VERSION}, got {text[:40]!r}"
+        )
+    return value
+
+
 def exit_status(action: Callable[[], object], *also: type[Exception]) -> int:
     """0 after ``action()``; 2 with ``error: ...`` on stderr when it raises a checkpoint, dataset or
     value error (or one of ``also``)."""

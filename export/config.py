@@ -156,6 +156,15 @@ class ViTConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def description(self) -> dict:
+        """``to_dict`` for a reader (the model card, the exported metadata): without
+        ``distillation_head`` when there is no distillation token for it to be the head of (its
+        default, true, would claim a head a plain ViT does not have)."""
+        values = self.to_dict()
+        if not self.distillation_token:
+            del values["distillation_head"]
+        return values
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 

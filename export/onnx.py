@@ -29,11 +29,11 @@ from pathlib import Path
 
 from export import quantize
 from export.checkpoint import CheckpointError, file_sha256, load_checkpoint, resolve_checkpoint
+from export.cli import version_number
 from export.data import DatasetError, load_test_split, normalize, spec_from_metadata
 from export.importers import card as import_card
 from export.importers import is_imported, load_imported, probe_images
 from export.onnx_graphs import (
-    VERIFY_BATCH_SIZES,
     VerificationError,
     build_graphs,
     classifier_graph,
@@ -41,9 +41,10 @@ from export.onnx_graphs import (
     graph_document,
     measure_accuracy,
     verify,
+    verify_batch_sizes,
     with_metadata,
 )
-from export.repository import RepositoryError, new_version_dir, write_version
+from export.repository import RepositoryError, checked_version, new_version_dir, write_version
 
 __all__ = ["build_graphs", "classifier_graph", "export_model", "main"]
 
@@ -60,6 +61,7 @@ def export_model(
 ) -> dict:
     """Export, verify and write a checkpoint; returns the metadata document and the figures.
     ``candidate``: the new version starts as the served version's candidate (``write_version``)."""
+    checked_version(version)  # before anything is read or built
     if is_imported(checkpoint):
         return export_imported(checkpoint, name, version, repo, overwrite, candidate)
     path = resolve_checkpoint(checkpoint)
@@ -67,12 +69,13 @@ def export_model(
     spec = spec_from_metadata(metadata)
     labels = json.loads(metadata["labels"])
     new_version_dir(repo, name, version, overwrite)
+    count = max(verify_batch_sizes(model.config))
     test = load_test_split(spec, data_dir)
     images = normalize(test.images, spec)
     graphs = build_graphs(model)
     # A small folder dataset may hold fewer test images than the largest batch checked: repeat them.
-    repeats = -(-max(VERIFY_BATCH_SIZES) // max(1, len(images)))
-    figures = verify(model, graphs, images.repeat(repeats, 1, 1, 1)[: max(VERIFY_BATCH_SIZES)])
+    repeats = -(-count // max(1, len(images)))
+    figures = verify(model, graphs, images[:count].repeat(repeats, 1, 1, 1)[:count])
     accuracy = measure_accuracy(graphs.classifier, images, test.labels) if measure else None
     sha = file_sha256(path)
     for graph_name, proto in (("classifier", graphs.classifier), ("attention", graphs.attention)):
@@ -107,8 +110,10 @@ def export_imported(
     new_version_dir(repo, name, version, overwrite)
     imported = load_imported(source)
     model = imported.model
+    # Refused here, before the graphs are built, when even two images would not fit.
+    count = max(verify_batch_sizes(model.config))
     graphs = build_graphs(model)
-    images = probe_images(model, imported.preprocessing, max(VERIFY_BATCH_SIZES))
+    images = probe_images(model, imported.preprocessing, count)
     figures = verify(model, graphs, images)
     for graph_name, proto in (("classifier", graphs.classifier), ("attention", graphs.attention)):
         document = graph_document(
@@ -145,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         "directory",
     )
     parser.add_argument("--name", required=True, help="model name in the repository")
-    parser.add_argument("--version", required=True, type=int, help="integer version, 1 or more")
+    parser.add_argument(
+        "--version", required=True, type=version_number, help="integer version, 1 or more"
+    )
     parser.add_argument("--repo", default="models", help="model repository directory")
     parser.add_argument("--data-dir", default=None, help="dataset directory (real test images)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing version")
@@ -158,8 +165,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     quantize.add_arguments(parser)
     args = parser.parse_args(argv)
-    if args.version < 1:
-        parser.error(f"--version must be 1 or more, got {args.version}")
     if not args.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         parser.error(f"--name may hold letters, digits, '-', '_' and '.', got {args.name!r}")
     try:
@@ -195,11 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export failed, nothing written: {error}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2))
+    if "source" in result:  # an import: which labels it was given, and why
+        print(f"labels: {result['source']['labels']}", file=sys.stderr)
     if args.candidate:
         print(
             f"version {args.version} of {args.name} is the candidate: every live request is also run "
             f"on it and compared (GET /models/{args.name}/shadow); it answers none until promoted: "
-            f"python -m service.promote --model {args.name} --min-agreement 0.99 --min-requests 500 "
+            f"python -m service.promote --model {args.name} --min-agreement 0.97 --min-requests 500 "
             "--max-latency-ratio 1.5",
             file=sys.stderr,
         )

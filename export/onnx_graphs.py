@@ -4,7 +4,8 @@ metadata written into them: what ``export.onnx`` (float32) and ``export.quantize
 Two graphs rather than one graph with two outputs, so that ``/predict`` never assembles and copies
 out attention maps it does not return (about 230 KiB an image; on the CPU the difference is within
 the machine's noise, BENCHMARKS.md, and on a GPU the maps would cross to the host). Both graphs must
-pass the ONNX checker and match PyTorch on real images at batch sizes 1, 7 and 64; the classifier
+pass the ONNX checker and match PyTorch on real images at batch sizes 1, 7 and 64 (fewer images
+where an image is large: ``verify_batch_sizes``); the classifier
 is checked against PyTorch's fused forward pass, the attention graph against the explicit one. The
 logits may differ by ``LOGITS_TOLERANCE`` of their largest magnitude (at least 1: an absolute 1e-4
 for the small logits of vitserve's own models; float32 rounding grows with the logits of a large
@@ -25,6 +26,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from export.config import ViTConfig
 from export.dataset_spec import FOLDER, DatasetSpec
 from export.evaluate import dataset_logits, onnx_runner
 from export.model import VisionTransformer, WithAttention
@@ -34,6 +36,11 @@ from service.contract.model_repository import Preprocessing, default_input_range
 OPSET = 18
 METADATA_KEY = "vitserve"
 VERIFY_BATCH_SIZES = (1, 7, 64)
+# What the verification's images and activations may take (``verification_bytes``): vitserve's own
+# models take well under a megabyte an image and are checked on 64; at 224 x 224, ViT-S/16 takes
+# about 42 MB (its attention maps, mostly) and is checked on 51, ViT-L/16 on 10 (200 MB); 64 images
+# of 3 x 4,096 x 4,096, which the import bounds allow, would take 12.9 GB for their pixels alone.
+VERIFY_MEMORY_BYTES = 2 << 30
 LOGITS_TOLERANCE = 1e-4
 ATTENTION_TOLERANCE = 1e-4
 
@@ -146,8 +153,39 @@ def session_for(model: onnx.ModelProto) -> ort.InferenceSession:
     )
 
 
+def verification_bytes(config: ViTConfig) -> int:
+    """About what one image takes through the verification, in bytes of float32: its pixels (made,
+    then fed to PyTorch and to both onnxruntime sessions), one layer's activations (the tokens
+    through the MLP, a layer's attention scores and probabilities), and every layer's attention
+    maps, which PyTorch (a list, then stacked) and onnxruntime both return."""
+    c = config
+    tokens = c.num_tokens
+    pixels = 4 * c.in_channels * c.image_height * c.image_width
+    layer = 2 * tokens * (3 * c.dim + c.mlp_dim) + 2 * c.heads * tokens**2
+    maps = 3 * c.depth * c.heads * tokens**2
+    return 4 * (pixels + layer + maps)
+
+
+def verify_batch_sizes(config: ViTConfig) -> tuple[int, ...]:
+    """The batch sizes to verify at: ``VERIFY_BATCH_SIZES``, each cut to the images
+    ``VERIFY_MEMORY_BYTES`` holds. Two at least, so that a batch of more than one image is
+    checked: VerificationError, naming the numbers, when not even two fit."""
+    per_image = verification_bytes(config)
+    fits = VERIFY_MEMORY_BYTES // per_image
+    if fits < 2:
+        c = config
+        raise VerificationError(
+            f"verifying the graphs against PyTorch would take about {per_image / 1e9:,.1f} GB an "
+            f"image ({c.in_channels}x{c.image_height}x{c.image_width} pixels, {c.num_tokens:,} "
+            f"tokens, {c.depth} layer(s) of {c.heads} head(s) of attention maps); the export holds "
+            f"at most {VERIFY_MEMORY_BYTES / 1e9:.1f} GB for two images"
+        )
+    return tuple(sorted({min(size, fits) for size in VERIFY_BATCH_SIZES}))
+
+
 def verify(model: VisionTransformer, graphs: Graphs, images: torch.Tensor) -> dict:
-    """Checker, then onnxruntime against PyTorch; raises VerificationError with the figures."""
+    """Checker, then onnxruntime against PyTorch at ``verify_batch_sizes``; raises
+    VerificationError with the figures."""
     for label, proto in (("model.onnx", graphs.classifier), ("attention.onnx", graphs.attention)):
         try:
             onnx.checker.check_model(proto, full_check=True)
@@ -156,7 +194,7 @@ def verify(model: VisionTransformer, graphs: Graphs, images: torch.Tensor) -> di
     classifier, attention = session_for(graphs.classifier), session_for(graphs.attention)
     figures = {}
     failures = []
-    for batch_size in VERIFY_BATCH_SIZES:
+    for batch_size in verify_batch_sizes(model.config):
         if len(images) < batch_size:
             raise VerificationError(f"need {batch_size} images to verify, got {len(images)}")
         batch = images[:batch_size]
@@ -300,7 +338,7 @@ def graph_document(
         "test_accuracy": test_accuracy,
         "test_images": test_images,
         "checkpoint_sha256": checkpoint_sha256,
-        "model_config": c.to_dict(),
+        "model_config": c.description(),
         "tools": tool_versions(),
         "exported_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }

@@ -17,20 +17,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from export.cli import command_parser
+from export.cli import command_parser, version_number
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = command_parser("export.pipeline", __doc__)
     parser.add_argument("--out", required=True, type=Path, help="run directory (train output)")
     parser.add_argument("--name", required=True, help="model name in the repository")
-    parser.add_argument("--version", required=True, type=int, help="integer version, 1 or more")
+    parser.add_argument(
+        "--version", required=True, type=version_number, help="integer version, 1 or more"
+    )
     parser.add_argument("--repo", default="models", type=Path, help="model repository directory")
     parser.add_argument("--data-dir", default=None, help="dataset directory (training and export)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing version")
     args, train_args = parser.parse_known_args(argv)
-    if args.version < 1:
-        parser.error(f"--version must be 1 or more, got {args.version}")
     if "--resume" in train_args:
         parser.error("--resume is implied: a run directory with last/state.json is resumed")
     return args, train_args

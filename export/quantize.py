@@ -189,7 +189,8 @@ def export_quantized(
     train = run_training_images(path, train)
     images = normalize(test.images, spec)
     graphs = export_onnx.build_graphs(model)
-    figures = export_onnx.verify(model, graphs, images[: max(export_onnx.VERIFY_BATCH_SIZES)])
+    count = max(export_onnx.verify_batch_sizes(model.config))
+    figures = export_onnx.verify(model, graphs, images[:count])
     calibration = None
     if method == "static-qdq":
         calibration = normalize(calibration_images(train.images, calibration_count), spec).numpy()

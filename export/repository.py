@@ -27,9 +27,13 @@ from service.contract.model_config import (
     with_trial,
     write_model_config,
 )
-from service.contract.model_repository import version_numbers
+from service.contract.model_repository import (
+    LABELS_FILE,
+    MAX_VERSION,
+    labels_text,
+    version_numbers,
+)
 
-LABELS_FILE = "labels.txt"
 STAGING_PREFIX = ".staging-"
 
 
@@ -84,20 +88,30 @@ def merge_config(existing: ModelConfig | None, new: ModelConfig, newest: bool) -
     return config
 
 
-def _stage(staging: Path, graphs: Mapping[str, onnx.ModelProto], labels: Sequence[str]) -> None:
+def _stage(staging: Path, graphs: Mapping[str, onnx.ModelProto], labels: str) -> None:
     for filename, graph in graphs.items():
         onnx.save_model(graph, staging / filename)
-    (staging / LABELS_FILE).write_text("\n".join(labels) + "\n", encoding="utf-8")
+    (staging / LABELS_FILE).write_text(labels, encoding="utf-8")
     for path in staging.iterdir():
         with open(path, "rb") as file:
             os.fsync(file.fileno())
     staging.chmod(0o755)  # mkdtemp makes it private; the service may run as another user
 
 
+def checked_version(version: int) -> int:
+    """A version number as the repository holds it: 1 to ``MAX_VERSION`` (RepositoryError)."""
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= MAX_VERSION:
+        raise RepositoryError(
+            f"version must be an integer from 1 to {MAX_VERSION} (a signed 64-bit integer, as the "
+            f"service and Triton's protocol carry it), got {version!r}"
+        )
+    return version
+
+
 def new_version_dir(repo: str | Path, name: str, version: int, overwrite: bool = False) -> Path:
     """``<repo>/<name>/<version>``, which an export is about to write: refused (FileExistsError) when
-    it exists, unless ``overwrite``."""
-    version_dir = Path(repo) / name / str(version)
+    it exists, unless ``overwrite``; RepositoryError for a version out of bounds."""
+    version_dir = Path(repo) / name / str(checked_version(version))
     if version_dir.exists() and not overwrite:
         raise FileExistsError(
             f"{version_dir} already exists; pass --overwrite to replace it or choose another --version"
@@ -117,10 +131,15 @@ def write_version(
 ) -> Path:
     """Write ``<repo>/<name>/<version>/`` (``graphs`` by file name, and labels.txt) whole, and the
     model's config.pbtxt where there is none or it lacks something: an image classifier taking
-    float32 ``images`` of ``input_dims`` (C, H, W) and giving ``logits``, one per label.
+    float32 ``images`` of ``input_dims`` (C, H, W) and giving ``logits``, one per label. Labels
+    the service would not read back from labels.txt as themselves are refused (RepositoryError).
     ``candidate``: the new version starts as the candidate of the version served now (shadowed on
     every live request, answering none: ``with_trial``); the config says so before the version's
     directory appears, so that a polling service never serves it live first."""
+    try:
+        text = labels_text(labels)
+    except ValueError as error:
+        raise RepositoryError(str(error)) from error
     config = default_model_config(
         name, "images", input_dims, len(labels), label_filename=labels_path(version)
     )
@@ -143,7 +162,7 @@ def write_version(
     staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=entry))
     replaced = None
     try:
-        _stage(staging, graphs, labels)
+        _stage(staging, graphs, text)
         if wanted != existing:
             write_model_config(wanted, config_path)
         if version_dir.exists():  # --overwrite: the old version steps aside, then goes

@@ -34,6 +34,7 @@ class Imported:
 
     model: VisionTransformer
     labels: list[str]
+    labels_source: str  # where the labels came from, in words
     preprocessing: dict
     library: str  # "transformers" or "timm"
     architecture: str
@@ -50,6 +51,7 @@ class Imported:
             "architecture": self.architecture,
             "weights": self.weights.name,
             "weights_sha256": self.weights_sha256,
+            "labels": self.labels_source,
             "preprocessing_notes": self.notes,
         }
 
@@ -93,7 +95,8 @@ def load_imported(directory: str | Path) -> Imported:
     model.load_state_dict(state, strict=True, assign=True)
     return Imported(
         model.eval(),
-        labels,
+        labels.names,
+        labels.source,
         preprocessing,
         library,
         architecture,
@@ -124,15 +127,17 @@ def checked_preprocessing(document: dict, channels: int, where: str) -> dict:
 
 def probe_images(model: VisionTransformer, preprocessing: dict, count: int) -> torch.Tensor:
     """``count`` seeded images for checking the graphs against PyTorch: smooth random shapes with
-    fine noise, 0-255 in every channel, normalised as the service will (scale, mean, std)."""
+    fine noise, 0-255 in every channel, normalised as the service will (scale, mean, std). Made in
+    place, so that they take twice their own size at most (the images and their noise)."""
     c = model.config
     generator = torch.Generator().manual_seed(0)
     coarse = torch.rand(count, c.in_channels, 4, 4, generator=generator)
-    smooth = torch.nn.functional.interpolate(
+    pixels = torch.nn.functional.interpolate(
         coarse, size=(c.image_height, c.image_width), mode="bicubic", align_corners=False
     )
     noise = torch.rand(count, c.in_channels, c.image_height, c.image_width, generator=generator)
-    pixels = (255 * (0.8 * smooth + 0.2 * noise)).clamp(0, 255).round()
+    pixels.mul_(0.8).add_(noise.mul_(0.2)).mul_(255).clamp_(0, 255).round_()
+    del noise
     mean = torch.tensor(preprocessing["mean"]).view(1, -1, 1, 1)
     std = torch.tensor(preprocessing["std"]).view(1, -1, 1, 1)
-    return (pixels * preprocessing["scale"] - mean) / std
+    return pixels.mul_(preprocessing["scale"]).sub_(mean).div_(std)

@@ -40,10 +40,9 @@ def render(imported: Imported, source_dir: Path, name: str, version: int, figure
         "",
         f"- Library: {LIBRARIES[imported.library]}; architecture `{imported.architecture}`.",
         f"- Weights: `{imported.weights.name}`, sha256 `{imported.weights_sha256}`.",
-        f"- {len(imported.labels)} classes (labels.txt), from the checkpoint's "
-        + ("`id2label`." if imported.library == "transformers" else "`label_names`."),
+        f"- {len(imported.labels)} classes (labels.txt); labels {imported.labels_source}.",
         f"- As vitserve's ViT, {model.num_parameters():,} parameters: "
-        f"`{json.dumps(model.config.to_dict(), sort_keys=True)}`.",
+        f"`{json.dumps(model.config.description(), sort_keys=True)}`.",
         "",
         "## Preprocessing (from the checkpoint's own config)",
         "",

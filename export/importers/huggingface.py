@@ -12,7 +12,7 @@ from pathlib import Path
 
 from export.checkpoint import CheckpointError
 from export.config import ViTConfig
-from export.importers.labels import unique_labels
+from export.importers.labels import Labels, unique_labels
 from export.importers.weights import (
     Layout,
     Target,
@@ -39,7 +39,12 @@ RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box"}
 
 def architecture(config: dict, where: str) -> str:
     names = config.get("architectures")
-    if not isinstance(names, list) or len(names) != 1 or names[0] not in ARCHITECTURES:
+    if (
+        not isinstance(names, list)
+        or len(names) != 1
+        or not isinstance(names[0], str)  # a list or an object would not even look up
+        or names[0] not in ARCHITECTURES
+    ):
         raise CheckpointError(
             f"{where}: architectures {names!r} is not imported; supported: "
             + ", ".join(ARCHITECTURES)
@@ -47,7 +52,7 @@ def architecture(config: dict, where: str) -> str:
     return names[0]
 
 
-def vit_config(config: dict, where: str) -> tuple[ViTConfig, list[str]]:
+def vit_config(config: dict, where: str) -> tuple[ViTConfig, Labels]:
     """The ViTConfig and the labels of a transformers ViT or DeiT ``config.json``, checked before
     anything is built; what vitserve's ViT cannot be (another activation) is refused."""
     _, distillation, with_teacher, _ = ARCHITECTURES[architecture(config, where)]
@@ -68,7 +73,7 @@ def vit_config(config: dict, where: str) -> tuple[ViTConfig, list[str]]:
             "image_width": width,
             "in_channels": bounded_int(where, "num_channels", config.get("num_channels", 3), 1, 3),
             "patch_size": patch[0],
-            "num_classes": len(labels),
+            "num_classes": len(labels.names),
             "dim": config.get("hidden_size", 768),
             "depth": config.get("num_hidden_layers", 12),
             "heads": config.get("num_attention_heads", 12),
@@ -91,8 +96,9 @@ def _flag(where: str, name: str, value: object) -> bool:
     return value
 
 
-def labels_of(config: dict, where: str) -> list[str]:
-    """``id2label`` in class order: its keys must be 0 .. n-1."""
+def labels_of(config: dict, where: str) -> Labels:
+    """``id2label`` in class order, by its keys' numbers (transformers writes the keys sorted as
+    text: "0", "1", "10", "11", "2", ...): they must be 0 .. n-1."""
     id2label = config.get("id2label")
     if not isinstance(id2label, dict) or not id2label:
         raise CheckpointError(f"{where}: no id2label; the labels are needed to serve the model")
@@ -103,7 +109,8 @@ def labels_of(config: dict, where: str) -> list[str]:
         raise CheckpointError(f"{where}: id2label keys must be class numbers") from None
     if sorted(by_index) != list(range(len(by_index))):
         raise CheckpointError(f"{where}: id2label must number the classes 0 to {len(by_index) - 1}")
-    return unique_labels([by_index[i] for i in range(len(by_index))], where)
+    names = unique_labels([by_index[i] for i in range(len(by_index))], where)
+    return Labels(names, "from the checkpoint's id2label")
 
 
 def weight_layout(config: ViTConfig, architecture_name: str) -> Layout:

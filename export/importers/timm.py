@@ -14,7 +14,7 @@ import re
 
 from export.checkpoint import CheckpointError
 from export.config import ViTConfig
-from export.importers.labels import unique_labels
+from export.importers.labels import Labels, unique_labels
 from export.importers.weights import Layout, Target, bounded_int, checked_config, sides
 
 # (embed_dim, depth, num_heads) of timm's named sizes
@@ -110,7 +110,7 @@ def model_args(config: dict, where: str) -> dict:
     return args
 
 
-def vit_config(config: dict, where: str) -> tuple[ViTConfig, list[str]]:
+def vit_config(config: dict, where: str) -> tuple[ViTConfig, Labels]:
     """The ViTConfig and the labels of a timm hub ``config.json``."""
     match = parse_architecture(config.get("architecture"), where)
     args = model_args(config, where)
@@ -170,13 +170,19 @@ def vit_config(config: dict, where: str) -> tuple[ViTConfig, list[str]]:
     return checked_config(where, values), labels_of(config, pretrained, classes, where)
 
 
-def labels_of(config: dict, pretrained: dict, classes: int, where: str) -> list[str]:
+def labels_of(config: dict, pretrained: dict, classes: int, where: str) -> Labels:
     """``label_names`` (a list, or a mapping of class number to name), each replaced by its
     ``label_descriptions`` entry where there is one (ImageNet's synsets become words); without
-    names, ``class 0`` ... ``class N-1``."""
+    names (``save_for_hf`` writes none unless the model was given them), ``class 0`` ...
+    ``class N-1`` for its ``num_classes``."""
     names = config.get("label_names", pretrained.get("label_names"))
     if names is None:
-        return [f"class {i}" for i in range(classes)]
+        return Labels(
+            [f"class {i}" for i in range(classes)],
+            f"numbered 'class 0' to 'class {classes - 1}': the checkpoint has no label_names "
+            f"(timm's save_for_hf writes them only for a model given them), only num_classes "
+            f"{classes}",
+        )
     if isinstance(names, dict):
         try:
             names = {int(k): v for k, v in names.items()}
@@ -193,8 +199,11 @@ def labels_of(config: dict, pretrained: dict, classes: int, where: str) -> list[
     descriptions = config.get("label_descriptions", pretrained.get("label_descriptions")) or {}
     if not isinstance(descriptions, dict):
         raise CheckpointError(f"{where}: label_descriptions must be an object")
-    return unique_labels(
-        [descriptions.get(n, n) if isinstance(n, str) else n for n in names], where
+    described = sum(1 for n in names if isinstance(n, str) and n in descriptions)
+    return Labels(
+        unique_labels([descriptions.get(n, n) if isinstance(n, str) else n for n in names], where),
+        "from the checkpoint's label_names"
+        + (f", {described} replaced by their label_descriptions" if described else ""),
     )
 
 
@@ -235,11 +244,11 @@ def preprocessing(config: dict, vit: ViTConfig, where: str) -> tuple[dict, list[
     """The ``preprocessing`` document from ``pretrained_cfg`` as timm's eval transforms read it
     (``transforms_imagenet_eval``), and notes on what the service does differently."""
     pretrained = config.get("pretrained_cfg", {})
-    input_size = pretrained.get("input_size", [vit.in_channels, vit.image_height, vit.image_width])
-    if list(input_size) != [vit.in_channels, vit.image_height, vit.image_width]:
+    expected = [vit.in_channels, vit.image_height, vit.image_width]
+    input_size = pretrained.get("input_size", expected)
+    if input_size != expected:  # JSON's list; anything else is not the model's input either
         raise CheckpointError(
-            f"{where}: pretrained_cfg input_size {input_size} is not the model's "
-            f"{[vit.in_channels, vit.image_height, vit.image_width]}"
+            f"{where}: pretrained_cfg input_size {input_size!r} is not the model's {expected}"
         )
     interpolation = pretrained.get("interpolation", "bilinear")
     if interpolation not in INTERPOLATIONS:
@@ -279,6 +288,7 @@ def preprocessing(config: dict, vit: ViTConfig, where: str) -> tuple[dict, list[
         "pad_value": 0,
         "polarity": "natural",
         "scale": 1 / 255,
-        "mean": list(pretrained.get("mean", IMAGENET_DEFAULT_MEAN)),
-        "std": list(pretrained.get("std", IMAGENET_DEFAULT_STD)),
+        # as they are: the contract's Preprocessing refuses what is not a list of numbers
+        "mean": pretrained.get("mean", IMAGENET_DEFAULT_MEAN),
+        "std": pretrained.get("std", IMAGENET_DEFAULT_STD),
     }, notes

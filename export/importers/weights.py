@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
@@ -23,6 +25,12 @@ from export.config import ViTConfig
 
 # A config file is a few kilobytes; ImageNet-21k's 21,843 labels are under a megabyte.
 MAX_CONFIG_BYTES = 8 << 20
+# Objects and arrays within each other: transformers' configs go three deep. Python's json parser
+# recurses once a level, and 100,000 levels end in a RecursionError.
+MAX_JSON_DEPTH = 32
+OPENING, CLOSING = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
+# A JSON string: its brackets are text.
+JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
 # Bounds checked before anything is allocated: beyond ViT-giant (1,408 wide, 40 deep, 16 heads)
 # and the largest class lists in use, far below what would exhaust a machine.
 LIMITS = {
@@ -52,9 +60,17 @@ class Target:
 Layout = dict[str, Target]
 
 
+def json_depth(text: str) -> int:
+    """How deep objects and arrays nest in ``text``, counted without parsing it."""
+    # UTF-8 encodes no other character with an ASCII byte: the brackets are these bytes alone.
+    codes = np.frombuffer(JSON_STRING.sub("", text).encode("utf-8"), dtype=np.uint8)
+    steps = np.isin(codes, OPENING).astype(np.int32) - np.isin(codes, CLOSING)
+    return int(np.cumsum(steps).max(initial=0))
+
+
 def read_json(path: Path) -> dict:
     """A JSON object from a file, refused (CheckpointError naming the file) when it is too large,
-    not JSON or not an object."""
+    nested deeper than ``MAX_JSON_DEPTH``, not JSON or not an object."""
     try:
         size = path.stat().st_size
     except OSError as error:
@@ -64,8 +80,18 @@ def read_json(path: Path) -> dict:
             f"{path}: {size:,} bytes; a config holds at most {MAX_CONFIG_BYTES:,}"
         )
     try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise CheckpointError(f"{path}: not valid JSON ({error})") from error
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise CheckpointError(
+            f"{path}: objects and arrays nested {depth:,} deep; a config nests at most "
+            f"{MAX_JSON_DEPTH}"
+        )
+    try:
+        document = json.loads(text)
+    except ValueError as error:  # JSONDecodeError, or an integer of more digits than int() reads
         raise CheckpointError(f"{path}: not valid JSON ({error})") from error
     if not isinstance(document, dict):
         raise CheckpointError(f"{path}: expected a JSON object")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -23,6 +24,9 @@ CLASSIFIER_FILE = "model.onnx"
 ATTENTION_FILE = "attention.onnx"
 LABELS_FILE = "labels.txt"
 CONFIG_FILE = "config.pbtxt"
+# The largest version number: a version travels as a signed 64-bit integer (the link's messages,
+# Triton's protocol), so a larger one is refused where it enters.
+MAX_VERSION = 2**63 - 1
 
 
 class ModelLoadError(RuntimeError):
@@ -367,10 +371,44 @@ def check_labels(metadata: ModelMetadata, files: VersionFiles) -> None:
         )
     if files.labels_path is None:
         return
-    lines = [line.strip() for line in files.labels_path.read_text(encoding="utf-8").splitlines()]
-    lines = [line for line in lines if line]
+    lines = read_labels(files.labels_path.read_text(encoding="utf-8"))
     if lines != metadata.labels:
         raise ModelLoadError(
             f"{files.labels_path} ({len(lines)} labels) does not match the labels in the ONNX metadata "
             f"({len(metadata.labels)} labels) of {files.classifier_path}"
         )
+
+
+def read_labels(text: str) -> list[str]:
+    """The labels of a labels.txt as the service reads them: one a line, a line ending at every
+    break ``str.splitlines`` knows (``\\n``, ``\\r``, and ``\\v``, ``\\f``, ``\\x1c``-``\\x1e``,
+    ``\\x85``, ``\\u2028``, ``\\u2029``), without the whitespace around it; blank lines skipped.
+    The export writes only labels this reads back as themselves (``labels_text``)."""
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def label_fault(label: str) -> str | None:
+    """Why ``label`` would not read back from labels.txt as itself (``read_labels``), or None."""
+    lines = read_labels(label)
+    if lines == [label]:
+        return None
+    if not lines:
+        return "it is blank"
+    breaks = sorted({f"U+{ord(c):04X}" for c in label if c.splitlines() != [c]})
+    if breaks:
+        return f"it holds a line break ({', '.join(breaks)})"
+    return "it has whitespace around it"
+
+
+def labels_text(labels: Sequence[str]) -> str:
+    """labels.txt of ``labels``, one a line: ValueError naming a label that would not read back as
+    itself (``label_fault``), or one that repeats (the service answers with labels)."""
+    for index, label in enumerate(labels):
+        fault = label_fault(label)
+        if fault is not None:
+            raise ValueError(
+                f"label {index} {label[:80]!r} cannot be written to {LABELS_FILE}: {fault}"
+            )
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"the labels are not unique; {LABELS_FILE} needs one name a class")
+    return "".join(f"{label}\n" for label in labels)

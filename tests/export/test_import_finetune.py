@@ -17,7 +17,7 @@ from tests.export.test_import_timm import write_checkpoint
 
 def test_a_folder_run_starts_from_an_imported_checkpoint(tmp_path):
     parent = tmp_path / "timm"
-    state, _ = write_checkpoint(parent, "deit-tiny-distilled-patch16")
+    state, d = write_checkpoint(parent, "deit-tiny-distilled-patch16")
     folder = write_shapes(tmp_path / "shapes", 8, seed=0)
     out = tmp_path / "run"
     code = train.main(
@@ -35,12 +35,13 @@ def test_a_folder_run_starts_from_an_imported_checkpoint(tmp_path):
     assert settings["init_from_sha256"] == file_sha256(parent / "model.safetensors")
     model, _ = load_checkpoint(out)
     c = model.config
-    assert (c.dim, c.heads, c.patch_size, c.distillation_token) == (192, 3, 16, True)
+    kept = (c.dim, c.heads, c.depth, c.patch_size, c.distillation_token)
+    assert kept == (d["dim"], d["heads"], d["depth"], 16, True)
     assert c.num_classes == 3  # circle, square, triangle: a new head
     trained = load_file(str(out / "model.safetensors"))
     # timm's names for the weights the run kept from its parent
     for ours, theirs in (
-        ("blocks.1.attention.qkv.weight", "blocks.1.attn.qkv.weight"),
+        ("blocks.0.attention.qkv.weight", "blocks.0.attn.qkv.weight"),
         ("blocks.0.mlp.fc2.bias", "blocks.0.mlp.fc2.bias"),
         ("distillation_token", "dist_token"),
         ("position_embedding", "pos_embed"),

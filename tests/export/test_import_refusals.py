@@ -4,7 +4,9 @@ before a model is built where the config is at fault, and with nothing written."
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,10 @@ from safetensors.torch import load_file, save_file
 import export.importers
 from export import onnx as onnx_export
 from export.checkpoint import CheckpointError
+from export.cli import version_number
 from export.importers import load_imported
+from export.repository import RepositoryError
+from service.contract.model_repository import MAX_VERSION
 from tests.export.test_import_timm import write_checkpoint
 
 CASE = "deit-tiny-distilled-patch16"
@@ -179,10 +184,105 @@ def test_half_precision_weights_are_widened_and_integer_ones_refused(tmp_path, c
     assert model.position_embedding.dtype == torch.float32
     assert torch.equal(model.position_embedding, half["pos_embed"].float())
     assert torch.equal(
-        model.blocks[1].attention.qkv.weight, half["blocks.1.attn.qkv.weight"].float()
+        model.blocks[0].attention.qkv.weight, half["blocks.0.attn.qkv.weight"].float()
     )
 
     edit_weights(
         directory, lambda state: state.update({"head.bias": torch.zeros(3, dtype=torch.int64)})
     )
     assert "head.bias is not a floating-point tensor" in refused(directory, tmp_path, capsys)
+
+
+class MakesADirectory:
+    """Unpickled, it makes ``path``: what a malicious checkpoint's code could do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.path),))
+
+
+def test_a_torch_save_zip_whose_pickle_runs_code_is_refused_without_running_it(tmp_path, capsys):
+    # torch's own zip format, as pytorch_model.bin is saved: it memory-maps, so the refusal is
+    # torch.load(weights_only=True)'s, not a format error's.
+    directory = timm_checkpoint(tmp_path)
+    state = load_file(str(directory / "model.safetensors"))
+    marker = tmp_path / "ran"
+    state["head.bias"] = MakesADirectory(marker)
+    (directory / "model.safetensors").unlink()
+    torch.save(state, directory / "pytorch_model.bin")
+    assert zipfile.is_zipfile(directory / "pytorch_model.bin")
+    err = refused(directory, tmp_path, capsys)
+    assert "weights_only=True" in err
+    assert not marker.exists()
+
+
+def nested(depth: int) -> str:
+    return '{"a": ' + "[" * depth + "]" * depth + "}"
+
+
+@pytest.mark.parametrize("file", ["config.json", "preprocessor_config.json"])
+def test_json_nested_100000_deep_is_refused_not_a_recursion_error(tmp_path, capsys, file):
+    directory = hf_checkpoint(tmp_path)
+    (directory / file).write_text(nested(100_000))
+    err = refused(directory, tmp_path, capsys)
+    assert f"{file}: objects and arrays nested 100,001 deep; a config nests at most 32" in err
+    assert "Traceback" not in err
+
+
+def test_json_within_the_depth_bound_reads_and_an_integer_too_long_to_read_is_refused(
+    tmp_path, capsys
+):
+    directory = hf_checkpoint(tmp_path)
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "task_specific_params": json.loads(nested(30))}))
+    assert load_imported(directory).labels == [
+        "tabby cat",
+        "crane (class 1)",
+        "crane (class 2)",
+        "sports car",
+    ]
+    path.write_text(json.dumps(config)[:-1] + ', "big": ' + "9" * 5000 + "}")
+    assert "config.json: not valid JSON (Exceeds the limit" in refused(directory, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("version", ["99999999999999999999999", str(2**63), "0", "9" * 5000])
+def test_a_version_beyond_a_signed_64_bit_integer_is_refused_where_it_enters(
+    tmp_path, capsys, version
+):
+    argv = [str(tmp_path), "--name", "m", "--version", version, "--repo", str(tmp_path / "repo")]
+    with pytest.raises(SystemExit) as exit_:
+        onnx_export.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--version: must be an integer from 1 to {MAX_VERSION}" in err
+    assert "Traceback" not in err
+    with pytest.raises(RepositoryError, match="a signed 64-bit integer"):
+        onnx_export.export_model(tmp_path, "m", MAX_VERSION + 1, tmp_path / "repo")
+    assert version_number(str(MAX_VERSION)) == MAX_VERSION == 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("input_size", 5, "pretrained_cfg input_size 5 is not the model's [3, 32, 32]"),
+        ("mean", 5, "preprocessing the service cannot serve"),
+        ("std", None, "preprocessing the service cannot serve"),
+    ],
+)
+def test_a_timm_pretrained_cfg_entry_of_another_type_is_refused_not_a_traceback(
+    tmp_path, capsys, key, value, message
+):
+    directory = timm_checkpoint(tmp_path)
+    edit_config(directory, lambda config: config["pretrained_cfg"].update({key: value}))
+    assert message in refused(directory, tmp_path, capsys)
+
+
+def test_hugging_face_architectures_that_are_not_names_are_refused_not_a_traceback(
+    tmp_path, capsys
+):
+    directory = hf_checkpoint(tmp_path)
+    edit_config(directory, lambda config: config.update(architectures=[["ViT"]]))
+    assert "architectures [['ViT']] is not imported" in refused(directory, tmp_path, capsys)

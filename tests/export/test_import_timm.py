@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from export import onnx as onnx_export
+from export.importers import load_imported
+from service.contract.model_repository import read_labels, version_files
 from tests.export.import_support import (
     ATTENTION_PARITY,
     LOGITS_PARITY,
@@ -31,7 +33,15 @@ from tests.export.import_support import (
 
 # architecture, model_args, whether saved as pytorch_model.bin
 CASES = {
-    "deit-tiny-distilled-patch16": ("deit_tiny_distilled_patch16_224", {"img_size": 32}, False),
+    # Made smaller through model_args, as timm allows (48 wide, not tiny's 192; one block): it runs
+    # first and pays the exporter's warm-up, and the export's time is in tracing each block's
+    # operations. What it alone checks (the distillation token and head) takes no second block;
+    # the other cases map two.
+    "deit-tiny-distilled-patch16": (
+        "deit_tiny_distilled_patch16_224",
+        {"img_size": 32, "embed_dim": 48, "num_heads": 3, "depth": 1},
+        False,
+    ),
     "vit-small-patch32-avg-pool-fc-norm": (
         "vit_small_patch32_224",
         {"img_size": 64, "global_pool": "avg"},
@@ -51,11 +61,13 @@ CASES = {
 SIZES = {"tiny": (192, 3), "small": (384, 6)}  # timm's embed_dim, num_heads
 LABELS = ["n01440764", "n02102040", "n02979186"]
 DESCRIPTIONS = {"n01440764": "tench", "n02102040": "English springer"}
-DEPTH = 2
+DEPTH = 2  # blocks, unless a case's model_args say otherwise
 
 
 def described(architecture: str, args: dict) -> dict:
     dim, heads = SIZES[architecture.split("_")[1]]
+    dim, heads = args.get("embed_dim", dim), args.get("num_heads", heads)
+    depth = args.get("depth", DEPTH)
     size = args["img_size"]
     height, width = (size, size) if isinstance(size, int) else size
     pool = args.get("global_pool", "token")
@@ -70,6 +82,7 @@ def described(architecture: str, args: dict) -> dict:
         "fc_norm": pool == "avg" if args.get("fc_norm") is None else args["fc_norm"],
         "qkv_bias": args.get("qkv_bias", True),
         "distilled": "distilled" in architecture,
+        "depth": depth,
     }
 
 
@@ -92,7 +105,7 @@ def timm_state(d: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         shapes.update({"head_dist.weight": (classes, dim), "head_dist.bias": (classes,)})
     norm = "fc_norm" if d["fc_norm"] else "norm"
     shapes.update({f"{norm}.weight": (dim,), f"{norm}.bias": (dim,)})
-    for i in range(DEPTH):
+    for i in range(d["depth"]):
         b = f"blocks.{i}"
         shapes.update({f"{b}.norm1.weight": (dim,), f"{b}.norm1.bias": (dim,)})
         shapes.update({f"{b}.attn.qkv.weight": (3 * dim, dim), f"{b}.attn.proj.weight": (dim, dim)})
@@ -115,7 +128,7 @@ def timm_forward(s: dict, d: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch
     x = torch.cat([*prefix, x], dim=1) + s["pos_embed"]
     batch, tokens, _ = x.shape
     maps = []
-    for i in range(DEPTH):
+    for i in range(d["depth"]):
         b = f"blocks.{i}"
         y = F.layer_norm(x, (dim,), s[f"{b}.norm1.weight"], s[f"{b}.norm1.bias"], eps=1e-6)
         qkv = F.linear(y, s[f"{b}.attn.qkv.weight"], s.get(f"{b}.attn.qkv.bias"))
@@ -148,7 +161,7 @@ def hub_config(architecture: str, args: dict, d: dict) -> dict:
         "global_pool": d["pool"],
         "label_names": LABELS,
         "label_descriptions": DESCRIPTIONS,
-        "model_args": {**args, "depth": DEPTH},
+        "model_args": {"depth": d["depth"], **args},
         "pretrained_cfg": {
             "tag": "test",
             "input_size": [3, d["height"], d["width"]],
@@ -206,3 +219,59 @@ def test_served_graphs_match_timms_forward(tmp_path, case):
     assert pre.mean == [0.485, 0.456, 0.406] and pre.std == [0.229, 0.224, 0.225]
     assert pre.scale == pytest.approx(1 / 255)
     assert metadata.pooling == ("token" if d["pool"] == "token" else "mean")
+    card = (tmp_path / "repo" / "imported" / "MODEL_CARD.md").read_text()
+    assert (
+        "labels from the checkpoint's label_names, 2 replaced by their label_descriptions" in card
+    )
+    # a distillation head only where timm's model has one
+    if d["distilled"]:
+        assert '"distillation_head": true' in card
+    else:
+        assert '"distillation_head"' not in card and '"distillation_token": false' in card
+
+
+def test_layer_norms_take_timms_epsilon_seen_on_tokens_of_tiny_variance(tmp_path):
+    """timm's ViT builds every norm with eps 1e-6 (vision_transformer.py: ``partial(nn.LayerNorm,
+    eps=1e-6)``). With the embeddings scaled down 1,000 times the tokens' variance is near it, where
+    another epsilon (1e-5) moves the logits far beyond the parity bound; on ordinary weights it
+    hides under it."""
+    directory = tmp_path / "tiny-variance"
+    state, d = write_checkpoint(directory, "deit-tiny-distilled-patch16")
+    for name in ("patch_embed.proj.weight", "patch_embed.proj.bias", "pos_embed"):
+        state[name] = state[name] * 1e-3
+    for name in ("cls_token", "dist_token"):
+        state[name] = state[name] * 1e-3
+    save_file(state, str(directory / "model.safetensors"))
+    model = load_imported(directory).model
+    images = torch.randn(4, 3, d["height"], d["width"], generator=torch.Generator().manual_seed(1))
+    expected, _ = timm_forward(state, d, images)
+    with torch.no_grad():
+        logits = model(images)
+    assert logits_error(logits.numpy(), expected) <= LOGITS_PARITY
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert len(norms) == 2 * d["depth"] + 1 and {m.eps for m in norms} == {1e-6}
+
+
+def test_a_save_for_hf_checkpoint_without_label_names_is_numbered_and_says_so(tmp_path, capsys):
+    """timm's ``save_for_hf`` writes ``label_names`` only for a model given them: such a checkpoint
+    exports as it is, its classes numbered, and the export and the model card say why."""
+    directory = tmp_path / "no-names"
+    write_checkpoint(directory, "vit-tiny-patch14-token-no-qkv-bias")
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    del config["label_names"], config["label_descriptions"]
+    path.write_text(json.dumps(config))
+    repo = tmp_path / "repo"
+    argv = [str(directory), "--name", "plain", "--version", "1", "--repo", str(repo)]
+    assert onnx_export.main(argv) == 0
+    why = (
+        "numbered 'class 0' to 'class 2': the checkpoint has no label_names (timm's save_for_hf "
+        "writes them only for a model given them), only num_classes 3"
+    )
+    out, err = capsys.readouterr()
+    assert f"labels: {why}" in err
+    assert json.loads(out)["source"]["labels"] == why
+    files = version_files(repo, "plain", 1)
+    assert read_labels(files.labels_path.read_text()) == ["class 0", "class 1", "class 2"]
+    card = (repo / "plain" / "MODEL_CARD.md").read_text()
+    assert f"3 classes (labels.txt); labels {why}." in card
