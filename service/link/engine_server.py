@@ -102,7 +102,10 @@ class EngineServer:
         loop = asyncio.get_running_loop()
         with wire.socket_path(path) as address:
             self._server = await loop.create_unix_server(
-                lambda: wire.Link(protocol.to_engine, self.take, self._lost), address
+                lambda: wire.Link(
+                    protocol.to_engine, self.take, self._lost, unsendable=_refusal_instead
+                ),
+                address,
             )
         self._tasks = [loop.create_task(self._publish(), name="engine-tables")]
 
@@ -314,6 +317,20 @@ class EngineServer:
         self._answer(link, answer)
         self._publish_now.set()  # a load or unload changes the table
         self._publish_due.set()
+
+
+def _refusal_instead(message: Any, error: Exception) -> wire.Item | None:
+    """An answer or a result that cannot be encoded (a number beyond msgpack's 64 bits): its call is
+    refused instead, so its caller is answered and the rest of the message goes. A table that cannot
+    be sent is dropped (logged by the outbox); the next one goes."""
+    call = getattr(message, "call", None)
+    if call is None or isinstance(message, Refusal):
+        return None
+    failure = ServiceError(
+        f"the engine's answer to this call cannot be sent ({type(error).__name__}: {error})",
+        code="unsendable_answer",
+    )
+    return (Refusal(call, ErrorInfo.of(failure)), [])
 
 
 def _peer_pid(link: wire.Link) -> int | None:

@@ -144,6 +144,7 @@ class Link(asyncio.Protocol):
         on_message: OnMessage,
         on_lost: Callable[[Link], None] | None = None,
         max_bytes: int = MAX_MESSAGE_BYTES,
+        unsendable: Unsendable | None = None,
     ) -> None:
         self._decoder = decoder
         self._on_message = on_message
@@ -151,7 +152,7 @@ class Link(asyncio.Protocol):
         self._max_bytes = max_bytes
         self._partial = bytearray()  # the start of a message still arriving
         self.transport: Any = None  # an asyncio.Transport (uvloop's are not its subclasses)
-        self.outbox = Outbox(self._write)
+        self.outbox = Outbox(self._write, unsendable)
         self.closed: asyncio.Future = asyncio.get_running_loop().create_future()
 
     @property
@@ -212,13 +213,22 @@ def _ignore(link: Link, items: list[Item]) -> None:
     """What a refused link does with what still arrives before it is gone."""
 
 
+# what a side does with an item that cannot be encoded (a number beyond msgpack's 64 bits): the item
+# to send instead (its call's refusal), or None (its caller has been answered here)
+Unsendable = Callable[[Any, Exception], Item | None]
+
+
 class Outbox:
     """Items to send on a link, sent together once the event loop has run what is ready; an item put
     ``at_once`` (a lone call, or its answer: nothing else in flight) goes now when nothing waits before
-    it, since no partner will join it this turn (docs/decisions.md#outbox-at-once)."""
+    it, since no partner will join it this turn (docs/decisions.md#outbox-at-once).
 
-    def __init__(self, send: Callable[[bytes], None]) -> None:
+    An item that cannot be encoded is refused on its own: ``unsendable(item, error)`` answers its
+    caller (or names the item to send instead), and the other items of the message still go."""
+
+    def __init__(self, send: Callable[[bytes], None], unsendable: Unsendable | None = None) -> None:
         self._send = send
+        self._unsendable = unsendable
         self._items: list[Item] = []
 
     def put(self, message: Any, *raw: Any, at_once: bool = False) -> None:
@@ -234,6 +244,37 @@ class Outbox:
         if not items:
             return
         try:
-            self._send(pack(items))
+            message = pack(items)
+        except Exception:  # one item that cannot be encoded: find it, and send the others
+            items = self._encodable(items)
+            if not items:
+                return
+            message = pack(items)
+        try:
+            self._send(message)
         except Exception as error:
             logger.error("a message to the other process was not sent: %r", error)
+
+    def _encodable(self, items: list[Item]) -> list[Item]:
+        """``items`` less those that cannot be encoded, each refused on its own (replaced by what
+        ``unsendable`` gives, when that can be encoded)."""
+        kept = []
+        for item in items:
+            try:
+                encoder.encode(item[0])
+            except Exception as error:
+                logger.error(
+                    "a %s to the other process cannot be encoded and is refused: %r",
+                    type(item[0]).__name__,
+                    error,
+                )
+                instead = None if self._unsendable is None else self._unsendable(item[0], error)
+                if instead is None:
+                    continue
+                try:
+                    encoder.encode(instead[0])
+                except Exception:
+                    continue
+                item = instead
+            kept.append(item)
+        return kept

@@ -507,3 +507,28 @@ def test_an_engine_fault_on_one_route_fails_only_its_calls(tmp_path):
     }
     assert isinstance(answered[1], Answer)
     assert answered[2].error.status_code == 500 and answered[2].error.code == "inference_failed"
+
+
+def test_an_item_that_cannot_be_encoded_is_refused_alone_and_the_others_still_go():
+    """A version beyond msgpack's 64 bits in one call made the whole message fail to encode: every
+    item packed with it was dropped, and its caller waited for ever. Now it is handed to
+    ``unsendable`` on its own (which answers its caller), and the other items go."""
+    sent: list[bytes] = []
+    refused: list = []
+    unsendable_call = protocol.Remote(2, "promote", "m", 10**23)
+
+    def unsendable(message, error):
+        refused.append((message, type(error)))
+
+    async def scenario():
+        outbox = wire.Outbox(sent.append, unsendable)
+        outbox.put(Cancel(1))
+        outbox.put(unsendable_call)
+        outbox.put(Failed("m", 1, 5), b"raw")
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    assert refused == [(unsendable_call, OverflowError)]
+    assert [unpacked(message) for message in sent] == [
+        [(Cancel(1), []), (Failed("m", 1, 5), [b"raw"])]
+    ]

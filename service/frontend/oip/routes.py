@@ -30,6 +30,7 @@ from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from service.contract.model_config import ENCODED_IMAGE_DIMS, ENCODED_IMAGE_INPUT
+from service.contract.model_repository import MAX_VERSION
 from service.errors import NotFound, ServiceError
 from service.frontend.error_responses import request_id_of
 from service.frontend.hot_routes import hot
@@ -76,9 +77,15 @@ def version_number(version: str | None) -> int | None:
     """A protocol version string as the repository's integer; 404 for anything else."""
     if version is None:
         return None
-    if not (version.isascii() and version.isdigit()) or not 0 < len(version.lstrip("0")) <= 19:
-        raise NotFound(f"unknown version '{version}': versions are positive integers")
-    return int(version.lstrip("0"))  # int() refuses more than 4,300 digits, zeros included
+    digits = version.lstrip("0")
+    if (
+        not (version.isascii() and version.isdigit())
+        or not 0 < len(digits) <= len(str(MAX_VERSION))
+        or int(digits) > MAX_VERSION  # int() refuses more than 4,300 digits, zeros included
+    ):
+        shown = version if len(version) <= 40 else f"{version[:40]}..."
+        raise NotFound(f"unknown version '{shown}': versions are integers from 1 to {MAX_VERSION}")
+    return int(digits)
 
 
 async def served_version(
