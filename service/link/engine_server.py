@@ -37,7 +37,7 @@ import numpy as np
 
 from service.engine.core import Engine, Route
 from service.engine.request import Request
-from service.errors import InferenceFailed, ServiceError
+from service.errors import ClientDisconnected, InferenceFailed, ServiceError
 from service.link import protocol, wire
 from service.link.arena import ArenaReader, expected_block
 from service.link.protocol import (
@@ -66,7 +66,7 @@ ROW_DTYPE_TEXT = ROW_DTYPE.str  # as a call names it (``dtype.str`` formats it a
 _PEER = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
-CANCELLED = object()  # a call whose client went away before it started
+CANCELLED = object()  # a call whose client went away before it started: it never runs
 
 
 def bad_call(message: str) -> ServiceError:
@@ -262,10 +262,15 @@ class EngineServer:
         arrived, self._arrived = self._arrived, []
         alone = len(arrived) == 1 and len(self._calls) == 1 and not self._running
         routes: dict[tuple, list[Request]] = {}
-        cancelled = []
         reply = self._reply
         for link, message, raw in arrived:
             key = (link, message.call)
+            if self._calls[key] is CANCELLED or link.closing:
+                # its client went away (or its front end broke the protocol) before it started:
+                # it never runs, not even inline (a lone image runs before submit returns)
+                del self._calls[key]
+                self._answer(link, Refusal(message.call, ErrorInfo.of(_not_run(message))))
+                continue
             try:
                 rows = self._rows(link, message, raw)
             except Exception as error:
@@ -273,8 +278,6 @@ class EngineServer:
                 self._answer_error(link, message.call, message.request_id, error)
                 continue
             request = Request(rows, reply, message.request_id, key)
-            if self._calls[key] is CANCELLED:
-                cancelled.append(request)
             self._calls[key] = request
             route = (message.name, message.version, message.requested, message.key, message.graph)
             if message.trace is None:
@@ -284,8 +287,6 @@ class EngineServer:
                     self._submit(route, [request], alone)
         for route, requests in routes.items():
             self._submit(route, requests, alone)
-        for request in cancelled:
-            request.cancel()
 
     def _submit(self, route: tuple, requests: list[Request], alone: bool) -> None:
         try:
@@ -317,6 +318,13 @@ class EngineServer:
         self._answer(link, answer)
         self._publish_now.set()  # a load or unload changes the table
         self._publish_due.set()
+
+
+def _not_run(message: Infer) -> ClientDisconnected:
+    images = message.shape[0] if message.shape else 0
+    return ClientDisconnected(
+        f"the client went away before the request started; none of its {images} images were run"
+    )
 
 
 def _refusal_instead(message: Any, error: Exception) -> wire.Item | None:

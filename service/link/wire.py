@@ -159,6 +159,11 @@ class Link(asyncio.Protocol):
     def open(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
 
+    @property
+    def closing(self) -> bool:
+        """Closed, or closing (refused): what it still brings will not be answered."""
+        return self.transport is not None and self.transport.is_closing()
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
 
