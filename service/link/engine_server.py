@@ -103,7 +103,11 @@ class EngineServer:
         with wire.socket_path(path) as address:
             self._server = await loop.create_unix_server(
                 lambda: wire.Link(
-                    protocol.to_engine, self.take, self._lost, unsendable=_refusal_instead
+                    protocol.to_engine,
+                    self.take,
+                    self._lost,
+                    unsendable=_refusal_instead,
+                    bound_unread=True,
                 ),
                 address,
             )
