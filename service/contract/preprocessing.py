@@ -18,13 +18,14 @@ Last, scale and normalise with the metadata's mean and std.
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from service.contract.geometry import (
     RESAMPLE,
@@ -134,6 +135,17 @@ def pixels_to_decode(data: bytes) -> int | None:
     return None
 
 
+# an object's default repr, as Pillow puts the file it was given in its messages
+_OBJECT_REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")
+
+
+def pillow_problem(error: Exception, image_format: str) -> str:
+    """What Pillow found wrong, for the client: never an object's repr (its memory address)."""
+    if isinstance(error, UnidentifiedImageError):
+        return f"not a valid {image_format} file"
+    return _OBJECT_REPR.sub("the image", str(error)) or type(error).__name__
+
+
 def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> Image.Image:
     """Decode the first frame, upright, after checking the header's pixel count against the limit."""
     image_format = sniff_format(data, field)
@@ -146,7 +158,8 @@ def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> I
         raise InvalidInput(too_many, field=field, code="too_many_pixels") from error
     except Exception as error:  # Pillow raises many exception types for malformed headers
         raise InvalidInput(
-            f"{field}: cannot decode the {image_format} image ({error})",
+            f"{field}: cannot decode the {image_format} image "
+            f"({pillow_problem(error, image_format)})",
             field=field,
             code="undecodable_image",
         ) from error
@@ -169,7 +182,8 @@ def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> I
         ImageOps.exif_transpose(image, in_place=True)  # a copy per image otherwise
     except Exception as error:
         raise InvalidInput(
-            f"{field}: cannot decode the {image_format} image ({error})",
+            f"{field}: cannot decode the {image_format} image "
+            f"({pillow_problem(error, image_format)})",
             field=field,
             code="undecodable_image",
         ) from error
