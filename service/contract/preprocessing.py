@@ -35,6 +35,7 @@ from service.contract.geometry import (
     resize_and_crop,
     shrink,
 )
+from service.contract.jpeg_data import truncation
 from service.contract.model_repository import ModelMetadata, Preprocessing
 from service.errors import InvalidInput, UnsupportedMediaType
 
@@ -174,6 +175,9 @@ def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> I
             field=field,
             code="too_many_pixels",
         )
+    truncated = truncation(data) if image_format == "JPEG" else None
+    if truncated is not None:  # libjpeg would fill the missing blocks with grey, and say nothing
+        raise InvalidInput(f"{field}: {truncated}", field=field, code="truncated_image")
     try:
         image.draft(
             None, (draft_size, draft_size)
