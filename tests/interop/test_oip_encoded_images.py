@@ -95,9 +95,14 @@ def assert_equal_to_predict(probabilities: np.ndarray, predicted: np.ndarray) ->
     assert predicted.max(axis=1).min() > 0.0  # a real answer, not an empty one
 
 
-def test_the_metadata_declares_the_encoded_input(http_client):
+def test_the_metadata_declares_only_the_graph_s_tensor(http_client):
+    """Generic clients (perf_analyzer) fill every input the metadata lists: the files' input is
+    served, not declared (docs/decisions.md#encoded-image-input-undeclared)."""
     inputs = http_client.get_model_metadata(MODEL_NAME)["inputs"]
-    assert {"name": "image", "datatype": "BYTES", "shape": [-1, 1]} in inputs
+    assert [tensor["name"] for tensor in inputs] == ["images"]
+    assert [tensor["name"] for tensor in http_client.get_model_config(MODEL_NAME)["input"]] == [
+        "images"
+    ]
 
 
 def test_tritonclient_http_sends_files_as_binary_tensor_data(http_client, predicted):
