@@ -75,6 +75,10 @@ def hostile_messages(witness: Path) -> dict[str, bytes]:
         "frames that do not add up": framed(
             protocol.encoder.encode([(infer(1, ROWS), [16])]), b"\0" * 8
         ),
+        # a raw section longer than its frames: bytes no item claims (a '>' for the '!=' missed it)
+        "a raw section longer than its frames": framed(
+            protocol.encoder.encode([(infer(1, ROWS), [16])]), b"\0" * 24
+        ),
         "call before hello": framed(protocol.encoder.encode([(infer(1, ROWS), [16])]), b"\0" * 16),
     }
 
