@@ -5,8 +5,11 @@ fault of the service is a 500. How they are written to clients is the front end'
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
+
+_OBJECT_REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")
 
 
 class ServiceError(Exception):
@@ -25,6 +28,8 @@ class ServiceError(Exception):
         headers: Mapping[str, str] | None = None,
         details: list[dict[str, Any]] | None = None,
     ) -> None:
+        if " at 0x" in message:  # an object's repr (a library's message): never its address
+            message = _OBJECT_REPR.sub("<object>", message)
         super().__init__(message)
         self.message = message
         self.field = field

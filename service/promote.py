@@ -6,7 +6,8 @@ asks again until then); enough, with top-1 agreement at least ``--min-agreement`
 difference's p99 at most ``--max-p99-difference`` (when given) and the candidate's model time at most
 ``--max-latency-ratio`` times the live version's, promotes it (``POST .../shadow/promote``); enough that
 misses a threshold rolls it back (``POST .../shadow/rollback``), unless ``--keep``. Every decision is
-logged with its numbers. ``--dry-run`` decides and logs, and changes nothing.
+logged with its numbers. ``--dry-run`` decides and logs, and changes nothing. The API key comes from
+``--api-key`` or, kept out of the process list, from ``VITSERVE_API_KEY`` (the service's own variable).
 
 Exit codes: 0 promoted (or would be), 3 not enough evidence yet, 4 rolled back (or would be, or kept
 with ``--keep``), 1 the service refused or could not be reached, 2 bad arguments.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import urllib.error
@@ -26,10 +28,13 @@ from collections.abc import Callable
 from typing import Any
 
 from service.contract.candidates import Thresholds, judge
+from service.settings.group import ENV_PREFIX
 
 logger = logging.getLogger("vitserve.promote")
 
 EXIT_PROMOTED, EXIT_FAILED, EXIT_WAIT, EXIT_ROLLED_BACK = 0, 1, 3, 4
+# the API key, when --api-key does not give it: the service's own setting (api_key)
+API_KEY_VARIABLE = f"{ENV_PREFIX}API_KEY"
 
 
 # (method, path) -> the JSON answer; raises RuntimeError with the service's message on a refusal
@@ -118,11 +123,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--max-latency-ratio", type=float, required=True, help="candidate / live model time (p50)"
     )
     parser.add_argument("--max-p99-difference", type=float, help="max |p_live - p_candidate|, p99")
-    parser.add_argument("--api-key", help="the service's API key, when it has one")
+    parser.add_argument(
+        "--api-key",
+        help=f"the service's API key, when it has one; default: the environment's {API_KEY_VARIABLE}, "
+        "the variable the service reads (prefer it: a command line is visible to every user in ps)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="decide and log; change nothing")
     parser.add_argument("--keep", action="store_true", help="never roll back; only promote")
     parser.add_argument("--wait-s", type=float, default=0.0, help="ask again until enough evidence")
     arguments = parser.parse_args(argv)
+    if arguments.api_key is None:
+        arguments.api_key = os.environ.get(API_KEY_VARIABLE) or None
     if not 0 <= arguments.min_agreement <= 1:
         parser.error("--min-agreement must lie in 0..1")
     if arguments.min_requests < 1 or arguments.max_latency_ratio <= 0:

@@ -45,6 +45,7 @@ UNTIMED = (
     "tests/reliability/test_bad_input_corpus.py",
     "tests/reliability/test_docs.py",
     "tests/reliability/test_hostile_repository.py",
+    "tests/reliability/test_image_errors.py",
     "tests/reliability/test_json_guard.py",
     "tests/reliability/test_lying_headers.py",
     "tests/reliability/test_probe_listener.py",

@@ -41,12 +41,13 @@ DEFAULT_MAX_QUEUE_SIZE = 512
 DEFAULT_REQUEST_TIMEOUT_US = 30_000_000
 
 # The encoded-image input: one image file (PNG, JPEG, WebP, BMP or GIF) per batch element, which the
-# service decodes and preprocesses as /predict does. Triton declares a string input as TYPE_STRING
-# (BYTES on the wire), dims [1] under batching; it is optional, since a request sends either it or the
-# graph's tensor. It is declared in the served configuration only, never written into config.pbtxt:
-# the file's inputs are the ONNX graph's, and Triton's ONNX Runtime backend refuses one the graph lacks.
+# service decodes and preprocesses as /predict does; a request sends either it or the graph's tensor.
+# It is declared nowhere a generic client reads: not in config.pbtxt (the file's inputs are the ONNX
+# graph's, and Triton's ONNX Runtime backend refuses one the graph lacks), nor in the served model
+# metadata or configuration, whose every input generic Triton clients fill (perf_analyzer 2.51 sends
+# data for every input of the metadata, optional or not, and refuses a configured input the metadata
+# lacks): docs/decisions.md#encoded-image-input-undeclared.
 ENCODED_IMAGE_INPUT = "image"
-ENCODED_IMAGE_DIMS = (1,)
 
 MAX_CONFIG_BYTES = 1024 * 1024  # a config.pbtxt is a few hundred bytes; a larger one is refused
 
@@ -143,17 +144,6 @@ def default_model_config(
         kind=model_config_pb2.ModelInstanceGroup.KIND_AUTO, count=instance_count
     )
     return config
-
-
-def declare_encoded_image_input(config: ModelConfig) -> None:
-    """Add the encoded-image input to a served configuration that does not list it yet."""
-    if all(tensor.name != ENCODED_IMAGE_INPUT for tensor in config.input):
-        config.input.add(
-            name=ENCODED_IMAGE_INPUT,
-            data_type=model_config_pb2.TYPE_STRING,
-            dims=list(ENCODED_IMAGE_DIMS),
-            optional=True,
-        )
 
 
 @dataclass(frozen=True)

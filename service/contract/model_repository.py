@@ -24,8 +24,9 @@ CLASSIFIER_FILE = "model.onnx"
 ATTENTION_FILE = "attention.onnx"
 LABELS_FILE = "labels.txt"
 CONFIG_FILE = "config.pbtxt"
-# The largest version number: a version travels as a signed 64-bit integer (the link's messages,
-# Triton's protocol), so a larger one is refused where it enters.
+# The largest version number: a version travels as a signed 64-bit integer (Triton's protobufs, the
+# process link's msgpack), so a larger one is refused where it enters, and a version directory named
+# beyond it is not a version.
 MAX_VERSION = 2**63 - 1
 
 
@@ -262,16 +263,39 @@ class VersionFiles:
 
 def version_numbers(model_dir: Path) -> list[int]:
     """The version directories of a model, ascending. Only plain positive integers count, so a
-    version being staged under another name (``.staging-*``) is never seen half-written."""
+    version being staged under another name (``.staging-*``) is never seen half-written, and none
+    beyond :data:`MAX_VERSION`."""
     try:
         children = list(Path(model_dir).iterdir())
     except OSError:
         return []
     return sorted(
-        int(p.name)
+        int(p.name.lstrip("0"))  # int() refuses 4,300 digits, zeros included
         for p in children
-        if p.is_dir() and p.name.isascii() and p.name.isdigit() and int(p.name) > 0
+        if p.is_dir() and p.name.isascii() and p.name.isdigit() and _in_range(p)
     )
+
+
+_OUT_OF_RANGE: set[Path] = set()  # version directories already warned about
+
+
+def _in_range(directory: Path) -> bool:
+    """A version directory's number is from 1 to :data:`MAX_VERSION`; one beyond it is ignored, with
+    one warning (never per poll): it could not travel on the link nor be asked for by a client."""
+    digits = directory.name.lstrip("0")
+    if not digits:
+        return False
+    if len(digits) <= len(str(MAX_VERSION)) and int(digits) <= MAX_VERSION:
+        return True
+    if directory not in _OUT_OF_RANGE:
+        _OUT_OF_RANGE.add(directory)
+        logger.warning(
+            "ignoring the version directory %s of model %r: version numbers go from 1 to %d",
+            directory.name[:40] + ("..." if len(directory.name) > 40 else ""),
+            directory.parent.name,
+            MAX_VERSION,
+        )
+    return False
 
 
 def model_names(repository: Path) -> list[str]:

@@ -18,13 +18,14 @@ Last, scale and normalise with the metadata's mean and std.
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from service.contract.geometry import (
     RESAMPLE,
@@ -34,6 +35,7 @@ from service.contract.geometry import (
     resize_and_crop,
     shrink,
 )
+from service.contract.jpeg_data import truncation
 from service.contract.model_repository import ModelMetadata, Preprocessing
 from service.errors import InvalidInput, UnsupportedMediaType
 
@@ -134,6 +136,17 @@ def pixels_to_decode(data: bytes) -> int | None:
     return None
 
 
+# an object's default repr, as Pillow puts the file it was given in its messages
+_OBJECT_REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")
+
+
+def pillow_problem(error: Exception, image_format: str) -> str:
+    """What Pillow found wrong, for the client: never an object's repr (its memory address)."""
+    if isinstance(error, UnidentifiedImageError):
+        return f"not a valid {image_format} file"
+    return _OBJECT_REPR.sub("the image", str(error)) or type(error).__name__
+
+
 def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> Image.Image:
     """Decode the first frame, upright, after checking the header's pixel count against the limit."""
     image_format = sniff_format(data, field)
@@ -146,7 +159,8 @@ def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> I
         raise InvalidInput(too_many, field=field, code="too_many_pixels") from error
     except Exception as error:  # Pillow raises many exception types for malformed headers
         raise InvalidInput(
-            f"{field}: cannot decode the {image_format} image ({error})",
+            f"{field}: cannot decode the {image_format} image "
+            f"({pillow_problem(error, image_format)})",
             field=field,
             code="undecodable_image",
         ) from error
@@ -161,6 +175,9 @@ def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> I
             field=field,
             code="too_many_pixels",
         )
+    truncated = truncation(data) if image_format == "JPEG" else None
+    if truncated is not None:  # libjpeg would fill the missing blocks with grey, and say nothing
+        raise InvalidInput(f"{field}: {truncated}", field=field, code="truncated_image")
     try:
         if draft_size:  # JPEG only: decode at a reduced scale when it can (0: never)
             image.draft(None, (draft_size, draft_size))
@@ -168,7 +185,8 @@ def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> I
         ImageOps.exif_transpose(image, in_place=True)  # a copy per image otherwise
     except Exception as error:
         raise InvalidInput(
-            f"{field}: cannot decode the {image_format} image ({error})",
+            f"{field}: cannot decode the {image_format} image "
+            f"({pillow_problem(error, image_format)})",
             field=field,
             code="undecodable_image",
         ) from error

@@ -22,7 +22,6 @@ from service.contract.model_config import (
     PLATFORM,
     DataType,
     ModelConfig,
-    declare_encoded_image_input,
 )
 from service.engine.model_manager import ModelManager
 from service.engine.model_versions import served_model_config
@@ -69,8 +68,6 @@ def served_config(manager: ModelManager, name: str, version: int | None = None) 
         config.output.add(
             name=meta.outputs.logits, data_type=DataType.TYPE_FP32, dims=[meta.num_classes]
         )
-    if pipeline is not None:
-        declare_encoded_image_input(config)
     return config_dict(config)
 
 

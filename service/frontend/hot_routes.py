@@ -39,6 +39,7 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.contract.candidates import CLIENT_KEY_HEADER
+from service.contract.model_repository import MAX_VERSION
 from service.frontend.security import OPENAPI_SECURITY, check_request_api_key
 from service.frontend.serving import ServedVersion
 from service.frontend.state import frontend_state
@@ -114,7 +115,9 @@ def add_model_routes(
     async def named_model(request: Request, name: str) -> Any:
         return await _serve(handler, request, name, None)
 
-    async def one_version(request: Request, name: str, version: int = Path(ge=1)) -> Any:
+    async def one_version(
+        request: Request, name: str, version: int = Path(ge=1, le=MAX_VERSION)
+    ) -> Any:
         return await _serve(handler, request, name, version)
 
     if hot_lane:

@@ -37,7 +37,7 @@ import numpy as np
 
 from service.engine.core import Engine, Route
 from service.engine.request import Request
-from service.errors import InferenceFailed, ServiceError
+from service.errors import ClientDisconnected, InferenceFailed, ServiceError
 from service.link import protocol, wire
 from service.link.arena import ArenaReader, expected_block
 from service.link.protocol import (
@@ -67,7 +67,7 @@ ROW_DTYPE_TEXT = ROW_DTYPE.str  # as a call names it (``dtype.str`` formats it a
 _PEER = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 
-CANCELLED = object()  # a call whose client went away before it started
+CANCELLED = object()  # a call whose client went away before it started: it never runs
 
 
 def bad_call(message: str) -> ServiceError:
@@ -103,7 +103,14 @@ class EngineServer:
         loop = asyncio.get_running_loop()
         with wire.socket_path(path) as address:
             self._server = await loop.create_unix_server(
-                lambda: wire.Link(protocol.to_engine, self.take, self._lost), address
+                lambda: wire.Link(
+                    protocol.to_engine,
+                    self.take,
+                    self._lost,
+                    unsendable=_refusal_instead,
+                    bound_unread=True,
+                ),
+                address,
             )
         self._tasks = [loop.create_task(self._publish(), name="engine-tables")]
 
@@ -266,10 +273,15 @@ class EngineServer:
         arrived, self._arrived = self._arrived, []
         alone = len(arrived) == 1 and len(self._calls) == 1 and not self._running
         routes: dict[tuple, list[Request]] = {}
-        cancelled = []
         reply = self._reply
         for link, message, raw in arrived:
             key = (link, message.call)
+            if self._calls[key] is CANCELLED or link.closing:
+                # its client went away (or its front end broke the protocol) before it started:
+                # it never runs, not even inline (a lone image runs before submit returns)
+                del self._calls[key]
+                self._answer(link, Refusal(message.call, ErrorInfo.of(_not_run(message))))
+                continue
             try:
                 rows = self._rows(link, message, raw)
             except Exception as error:
@@ -286,8 +298,6 @@ class EngineServer:
                 shadow = ShadowCopy(message.shadow)
             request = Request(rows, reply, message.request_id, key)
             request.shadow = shadow
-            if self._calls[key] is CANCELLED:
-                cancelled.append(request)
             self._calls[key] = request
             route = (message.name, message.version, message.requested, message.key, message.graph)
             if message.trace is None:
@@ -297,8 +307,6 @@ class EngineServer:
                     self._submit(route, [request], alone)
         for route, requests in routes.items():
             self._submit(route, requests, alone)
-        for request in cancelled:
-            request.cancel()
 
     def _submit(self, route: tuple, requests: list[Request], alone: bool) -> None:
         try:
@@ -330,6 +338,27 @@ class EngineServer:
         self._answer(link, answer)
         self._publish_now.set()  # a load or unload changes the table
         self._publish_due.set()
+
+
+def _not_run(message: Infer) -> ClientDisconnected:
+    images = message.shape[0] if message.shape else 0
+    return ClientDisconnected(
+        f"the client went away before the request started; none of its {images} images were run"
+    )
+
+
+def _refusal_instead(message: Any, error: Exception) -> wire.Item | None:
+    """An answer or a result that cannot be encoded (a number beyond msgpack's 64 bits): its call is
+    refused instead, so its caller is answered and the rest of the message goes. A table that cannot
+    be sent is dropped (logged by the outbox); the next one goes."""
+    call = getattr(message, "call", None)
+    if call is None or isinstance(message, Refusal):
+        return None
+    failure = ServiceError(
+        f"the engine's answer to this call cannot be sent ({type(error).__name__}: {error})",
+        code="unsendable_answer",
+    )
+    return (Refusal(call, ErrorInfo.of(failure)), [])
 
 
 def _peer_pid(link: wire.Link) -> int | None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import ServiceUnavailable
+from service.errors import InvalidInput, ServiceUnavailable
 from service.link import protocol, wire
 from service.link.arena import Arena, Region
 from service.link.client import EngineClient
@@ -165,7 +165,10 @@ class RemoteEngine(EngineClient):
             try:
                 with wire.socket_path(self.addresses.engine) as address:
                     _, link = await loop.create_unix_connection(
-                        lambda: wire.Link(protocol.to_front_end, self._take), address
+                        lambda: wire.Link(
+                            protocol.to_front_end, self._take, unsendable=self._unsendable
+                        ),
+                        address,
                     )
             except OSError:  # not listening (yet, or again)
                 await asyncio.sleep(RECONNECT_S)
@@ -324,6 +327,27 @@ class RemoteEngine(EngineClient):
                 watch.cancel()
             if not future.done():  # the caller itself was cancelled
                 self._cancel(call_id)
+
+    def _unsendable(self, message: Any, error: Exception) -> wire.Item | None:
+        """A call whose message cannot be encoded (a number beyond msgpack's 64 bits) is answered
+        here with the error, on its own: the other calls of its message still go."""
+        if type(message) not in (Infer, Remote):
+            return None
+        entry = self._pending.pop(message.call, None)
+        if entry is None:
+            return None
+        future, region, _, deadline = entry
+        deadline.cancel()
+        if region is not None and self.arena is not None:
+            self.arena.free(region)
+        if not future.done():
+            future.set_exception(
+                InvalidInput(
+                    f"the call cannot be sent to the engine ({type(error).__name__}: {error})",
+                    code="unsendable_call",
+                )
+            )
+        return None
 
     def _cancel(self, call_id: int) -> None:
         if call_id in self._pending and self._link is not None:

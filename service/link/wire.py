@@ -37,6 +37,12 @@ _PREFIX = struct.Struct("<QQ")
 # what would hurt the process reading it
 MAX_MESSAGE_BYTES = 256 * 2**20
 
+# a reader that does not read (the engine's answers to a front end that never reads them): past
+# UNREAD_PAUSE_BYTES unsent, the link stops reading that side's calls until they drain; past
+# UNREAD_MAX_BYTES (a burst of calls read before the pause), it is closed
+UNREAD_PAUSE_BYTES = 4 * 2**20
+UNREAD_MAX_BYTES = 64 * 2**20
+
 Item = tuple[Any, list]  # a protocol struct and its raw frames
 OnMessage = Callable[["Link", list[Item]], None]
 
@@ -136,7 +142,13 @@ class Link(asyncio.Protocol):
     """One end of a front end's connection to the engine: each message that arrives, decoded with
     ``decoder``, goes to ``on_message(link, items)`` in order; ``outbox`` sends. A message that breaks
     the protocol, or an ``on_message`` that raises :class:`LinkViolation`, closes the link.
-    ``on_lost(link)`` runs once, when the connection has ended (either side closed it, or died)."""
+    ``on_lost(link)`` runs once, when the connection has ended (either side closed it, or died).
+
+    ``bound_unread``: what this side sends and the other leaves unread is bounded (the engine's side:
+    a front end that never reads its answers must not hold the engine's memory). Past
+    ``UNREAD_PAUSE_BYTES`` waiting to be sent, the other side's messages are not read until they
+    drain (asyncio's ``pause_writing``); past ``UNREAD_MAX_BYTES`` the link is closed. Never both
+    sides: each would wait for the other to read."""
 
     def __init__(
         self,
@@ -144,6 +156,8 @@ class Link(asyncio.Protocol):
         on_message: OnMessage,
         on_lost: Callable[[Link], None] | None = None,
         max_bytes: int = MAX_MESSAGE_BYTES,
+        unsendable: Unsendable | None = None,
+        bound_unread: bool = False,
     ) -> None:
         self._decoder = decoder
         self._on_message = on_message
@@ -151,15 +165,37 @@ class Link(asyncio.Protocol):
         self._max_bytes = max_bytes
         self._partial = bytearray()  # the start of a message still arriving
         self.transport: Any = None  # an asyncio.Transport (uvloop's are not its subclasses)
-        self.outbox = Outbox(self._write)
+        self.outbox = Outbox(self._write, unsendable)
+        self._bound_unread = bound_unread
+        self.reading_paused = False  # the other side's messages wait: ours to it are unread
         self.closed: asyncio.Future = asyncio.get_running_loop().create_future()
 
     @property
     def open(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
 
+    @property
+    def closing(self) -> bool:
+        """Closed, or closing (refused): what it still brings will not be answered."""
+        return self.transport is not None and self.transport.is_closing()
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
+        if self._bound_unread:
+            transport.set_write_buffer_limits(high=UNREAD_PAUSE_BYTES)  # type: ignore[attr-defined]
+
+    def pause_writing(self) -> None:
+        """What we sent waits unread past the high-water mark: read nothing more from the other side
+        (its calls would only add answers) until it drains."""
+        if self._bound_unread and self.open:
+            self.reading_paused = True
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.reading_paused:
+            self.reading_paused = False
+            if self.open:
+                self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.closed.done():
@@ -181,8 +217,21 @@ class Link(asyncio.Protocol):
             self.transport.abort()
 
     def _write(self, message: bytes) -> None:
-        if self.open:
-            self.transport.write(message)
+        if not self.open:
+            return
+        if self._bound_unread:
+            unsent = self.transport.get_write_buffer_size() + len(message)
+            if (
+                unsent > UNREAD_MAX_BYTES
+            ):  # closed, rather than held for a reader that does not read
+                self.refuse(
+                    LinkViolation(
+                        f"the other side leaves what it is sent unread: {unsent} bytes would "
+                        f"wait, above the link's {UNREAD_MAX_BYTES}"
+                    )
+                )
+                return
+        self.transport.write(message)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -212,13 +261,22 @@ def _ignore(link: Link, items: list[Item]) -> None:
     """What a refused link does with what still arrives before it is gone."""
 
 
+# what a side does with an item that cannot be encoded (a number beyond msgpack's 64 bits): the item
+# to send instead (its call's refusal), or None (its caller has been answered here)
+Unsendable = Callable[[Any, Exception], Item | None]
+
+
 class Outbox:
     """Items to send on a link, sent together once the event loop has run what is ready; an item put
     ``at_once`` (a lone call, or its answer: nothing else in flight) goes now when nothing waits before
-    it, since no partner will join it this turn (docs/decisions.md#outbox-at-once)."""
+    it, since no partner will join it this turn (docs/decisions.md#outbox-at-once).
 
-    def __init__(self, send: Callable[[bytes], None]) -> None:
+    An item that cannot be encoded is refused on its own: ``unsendable(item, error)`` answers its
+    caller (or names the item to send instead), and the other items of the message still go."""
+
+    def __init__(self, send: Callable[[bytes], None], unsendable: Unsendable | None = None) -> None:
         self._send = send
+        self._unsendable = unsendable
         self._items: list[Item] = []
 
     def put(self, message: Any, *raw: Any, at_once: bool = False) -> None:
@@ -234,6 +292,37 @@ class Outbox:
         if not items:
             return
         try:
-            self._send(pack(items))
+            message = pack(items)
+        except Exception:  # one item that cannot be encoded: find it, and send the others
+            items = self._encodable(items)
+            if not items:
+                return
+            message = pack(items)
+        try:
+            self._send(message)
         except Exception as error:
             logger.error("a message to the other process was not sent: %r", error)
+
+    def _encodable(self, items: list[Item]) -> list[Item]:
+        """``items`` less those that cannot be encoded, each refused on its own (replaced by what
+        ``unsendable`` gives, when that can be encoded)."""
+        kept = []
+        for item in items:
+            try:
+                encoder.encode(item[0])
+            except Exception as error:
+                logger.error(
+                    "a %s to the other process cannot be encoded and is refused: %r",
+                    type(item[0]).__name__,
+                    error,
+                )
+                instead = None if self._unsendable is None else self._unsendable(item[0], error)
+                if instead is None:
+                    continue
+                try:
+                    encoder.encode(instead[0])
+                except Exception:
+                    continue
+                item = instead
+            kept.append(item)
+        return kept

@@ -77,9 +77,9 @@ def test_health_and_metadata(grpc_client, http, model_repository):
     graph = onnx.load(str(model_repository / MODEL_NAME / "1" / "model.onnx")).graph
     dims = [d.dim_value or -1 for d in graph.input[0].type.tensor_type.shape.dim]
     metadata = grpc_client.get_model_metadata(MODEL_NAME, as_json=True)
+    # the graph's input only: the image files' input is served, not declared
     assert metadata["inputs"] == [
         {"name": graph.input[0].name, "datatype": "FP32", "shape": [str(d) for d in dims]},
-        {"name": "image", "datatype": "BYTES", "shape": ["-1", "1"]},
     ]
     assert [o["name"] for o in metadata["outputs"]] == [graph.output[0].name, "probabilities"]
     assert metadata["versions"] == ["1"] and metadata["platform"] == "onnxruntime_onnx"
@@ -93,12 +93,9 @@ def test_model_config_is_the_file_with_the_settings_in_force(grpc_client, http, 
     )
     config = grpc_client.get_model_config(MODEL_NAME).config
     assert (config.name, config.platform) == (on_disk.name, on_disk.platform)
-    # the file's inputs (the graph's), then the encoded-image input, declared as Triton declares a
-    # string input; the file never holds it (Triton's ONNX Runtime backend would refuse it)
-    image = model_config_pb2.ModelInput(
-        name="image", data_type=model_config_pb2.TYPE_STRING, dims=[1], optional=True
-    )
-    assert list(config.input) == [*on_disk.input, image]
+    # the file's inputs (the graph's) only: the image files' input is served, not declared, since
+    # generic clients fill every declared input (docs/decisions.md#encoded-image-input-undeclared)
+    assert list(config.input) == list(on_disk.input)
     assert all(tensor.name != "image" for tensor in on_disk.input)
     assert list(config.output) == list(on_disk.output)
     assert config.version_policy == on_disk.version_policy

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from PIL import Image, ImageDraw
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from tests.interop.eco_support import eco_server
+from tests.interop.eco_support import eco_app, eco_server
 from tests.support import MODEL_NAME, Server
 
 pytestmark = pytest.mark.timeout(300)
@@ -95,9 +96,14 @@ def assert_equal_to_predict(probabilities: np.ndarray, predicted: np.ndarray) ->
     assert predicted.max(axis=1).min() > 0.0  # a real answer, not an empty one
 
 
-def test_the_metadata_declares_the_encoded_input(http_client):
+def test_the_metadata_declares_only_the_graph_s_tensor(http_client):
+    """Generic clients (perf_analyzer) fill every input the metadata lists: the files' input is
+    served, not declared (docs/decisions.md#encoded-image-input-undeclared)."""
     inputs = http_client.get_model_metadata(MODEL_NAME)["inputs"]
-    assert {"name": "image", "datatype": "BYTES", "shape": [-1, 1]} in inputs
+    assert [tensor["name"] for tensor in inputs] == ["images"]
+    assert [tensor["name"] for tensor in http_client.get_model_config(MODEL_NAME)["input"]] == [
+        "images"
+    ]
 
 
 def test_tritonclient_http_sends_files_as_binary_tensor_data(http_client, predicted):
@@ -249,3 +255,42 @@ def test_grpc_serialized_elements_must_fill_the_contents(stub):
         stub.ModelInfer(request)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "holds 5 bytes after its 1 elements" in error.value.details()
+
+
+@pytest.mark.parametrize("over", [0, 1])
+def test_a_bytes_request_of_exactly_max_body_bytes_is_served_and_one_byte_more_is_413(
+    model_repository, predicted, over
+):
+    """The body limit is inclusive: a request of image files whose body is exactly max_body_bytes
+    long is served (the same answer as /predict), one of a byte more is 413 naming the limit."""
+    files = b"".join(len(data).to_bytes(4, "little") + data for data in FILES)
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "image",
+                    "shape": [2, 1],
+                    "datatype": "BYTES",
+                    "parameters": {"binary_data_size": len(files)},
+                }
+            ]
+        }
+    ).encode()
+    body = header + files
+    with eco_app(model_repository, grpc=False, max_body_bytes=len(body) - over) as client:
+        response = client.post(
+            f"/v2/models/{MODEL_NAME}/infer",
+            content=body,
+            headers={
+                "Content-Type": "application/octet-stream",
+                "Inference-Header-Content-Length": str(len(header)),
+            },
+        )
+    if over:
+        assert response.status_code == 413, response.text
+        assert f"max_body_bytes={len(body) - 1}" in response.json()["error"]
+        return
+    assert response.status_code == 200, response.text
+    outputs = {output["name"]: output for output in response.json()["outputs"]}
+    probabilities = np.array(outputs["probabilities"]["data"], np.float32).reshape(2, -1)
+    assert_equal_to_predict(probabilities, predicted)

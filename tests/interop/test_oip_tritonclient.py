@@ -148,15 +148,12 @@ def test_model_metadata_is_the_onnx_graph(client, model_repository: Path):
     assert metadata["name"] == MODEL_NAME
     assert metadata["versions"] == ["1"]
     assert metadata["platform"] == "onnxruntime_onnx"
-    # The graph's input, then the encoded-image input the service decodes (Triton's string input
-    # under batching: dims [1]).
+    # The graph's input only: the image files' input is served, not declared (generic clients
+    # fill every input the metadata lists).
     assert tensors(graph.input) == [
         {"name": "images", "datatype": "FP32", "shape": [-1, 1, 28, 28]}
     ]
-    assert metadata["inputs"] == [
-        *tensors(graph.input),
-        {"name": "image", "datatype": "BYTES", "shape": [-1, 1]},
-    ]
+    assert metadata["inputs"] == tensors(graph.input)
     # The graph's outputs, then the one vitserve adds.
     classes = metadata["outputs"][0]["shape"][1]
     assert metadata["outputs"] == [

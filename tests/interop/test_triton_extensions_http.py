@@ -47,9 +47,8 @@ def test_model_config_as_triton_answers_it(client, http, model_repository):
     config = client.get_model_config(MODEL_NAME)
     for key in ("name", "platform", "output", "version_policy"):
         assert config[key] == expected[key], key
-    # the file's inputs, then the image-file input, as Triton declares a string input
-    image = {"name": "image", "data_type": "TYPE_STRING", "dims": ["1"], "optional": True}
-    assert config["input"] == [*expected["input"], image]
+    # the file's inputs only (the image files' input is served, not declared)
+    assert config["input"] == expected["input"]
     assert config["input"][0]["dims"] == ["1", "28", "28"]  # protobuf's JSON: int64 as strings
     # The settings in force: the server runs max_batch_size 8 and a 20 ms delay (environment).
     assert expected["max_batch_size"] != 8 and config["max_batch_size"] == 8

@@ -276,3 +276,32 @@ def test_a_model_whose_config_is_refused_says_why_on_every_route(repository):
         ):
             assert answer.status_code == 503, answer.text
             assert row["reason"] in answer.text and "retry shortly" not in answer.text
+
+
+def test_a_version_directory_beyond_64_bits_is_ignored_and_the_table_still_travels(
+    repository, service_log
+):
+    """A version directory named beyond 2**63 - 1 (the link's msgpack holds 64-bit integers) made
+    every table update fail to encode in poll mode: the whole service answered 503. It is ignored,
+    with one warning (not one per poll), and the table the engine sends still encodes."""
+    from service.link import protocol, wire
+    from service.link.protocol import TableUpdate
+
+    pixels = {"images": [{"pixels": [[0] * 28] * 28}]}
+    names = ["99999999999999999999999", "9223372036854775808", "0" * 30 + "9" * 200]
+    with polled(repository) as client:
+        engine = client.app.state.frontend.engine.engine
+        for name in names:  # a real version's files: the latest-version policy would pick it
+            shutil.copytree(repository / MODEL_NAME / "1", repository / MODEL_NAME / name)
+        for _ in range(3):
+            client.portal.call(engine.manager.poll_once)
+        table = engine.table()
+        message = wire.pack([(TableUpdate(1, 1, table), [])])  # what the engine would send
+        (decoded,) = wire.unpack(memoryview(message), protocol.to_front_end)
+        assert decoded[0].table == table
+        assert client.post(f"/models/{MODEL_NAME}/predict", json=pixels).status_code == 200
+        versions = [row.get("version") for row in index(client)[MODEL_NAME]]
+    assert versions == ["1"], versions
+    warnings = [r.getMessage() for r in service_log.records if r.levelname == "WARNING"]
+    for name in names:
+        assert sum(name[:40] in w and "from 1 to" in w for w in warnings) == 1, warnings

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from service.frontend.app import create_app
-from tests.support import MODEL_NAME, RELIABILITY, free_port, make_settings
+from tests.support import MODEL_NAME, RELIABILITY, assert_error, free_port, make_settings
 
 LONG = "9" * 5000
 VERSIONS = [LONG, "1" + "0" * 4400, "0" * 5000 + "1", "99999999999999999999"]
@@ -73,3 +73,40 @@ def test_a_long_version_is_an_unknown_version_over_grpc(served, version):
                 codes.append((name, error.code()))
     fine = {grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT}
     assert all(code in fine for _, code in codes), codes
+
+
+# issue "Reliability round five": a version beyond 64 bits passed the routes' ge=1 and broke the link
+# (msgpack holds 64-bit integers): POST .../shadow/promote?version=<23 digits> hung for ever.
+BEYOND = ["9223372036854775808", "99999999999999999999999"]  # 2**63, and the reported one
+
+
+@pytest.mark.parametrize("version", BEYOND)
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/models/{name}/shadow/promote?version={v}",
+        "/models/{name}/versions/{v}/predict",
+    ],
+)
+def test_a_version_beyond_the_largest_is_refused_422_naming_the_bound(served, path, version):
+    client, _ = served
+    body = {"images": [{"pixels": [[0]]}]}
+    response = client.post(path.format(name=MODEL_NAME, v=version), json=body)
+    error = assert_error(response, 422, "version", str(2**63 - 1))
+    assert error["field"].endswith("version"), error
+
+
+@pytest.mark.parametrize("version", BEYOND)
+def test_a_protocol_version_beyond_the_largest_is_unknown_naming_the_bound(served, version):
+    client, port = served
+    for path in ("/v2/models/{name}/versions/{v}", "/v2/models/{name}/versions/{v}/config"):
+        response = client.get(path.format(name=MODEL_NAME, v=version))
+        assert response.status_code == 404, response.text
+        assert f"from 1 to {2**63 - 1}" in response.json()["error"], response.text
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        request = service_pb2.ModelConfigRequest(name=MODEL_NAME, version=version)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ModelConfig(request, timeout=30)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    assert f"from 1 to {2**63 - 1}" in refused.value.details()

@@ -256,3 +256,23 @@ def test_malformed_bytes_tensors_are_refused(meta, shape, data, fragment):
     with pytest.raises(codec.OipError) as error:
         codec.decode_request(body, length, meta, max_images=8)
     assert fragment in error.value.message, error.value.message
+
+
+@pytest.mark.parametrize("count", [8, 9])
+def test_a_bytes_input_of_exactly_the_image_limit_is_taken_and_one_more_is_refused(meta, count):
+    """max_images_per_request=8 is inclusive: 8 files are taken (none at the limit was tested, so
+    a limit of 8 refusing 8 went unseen), 9 are refused naming the limit."""
+    data = b"".join(
+        len(f"file{i}").to_bytes(4, "little") + f"file{i}".encode() for i in range(count)
+    )
+    body, length = encoded_request([count, 1], data)
+    if count == 9:
+        with pytest.raises(codec.OipError) as error:
+            codec.decode_request(body, length, meta, max_images=8)
+        assert "batch size 9 (shape[0]) must be from 1 to max_images_per_request=8" in str(
+            error.value.message
+        )
+        return
+    with pytest.raises(EncodedImages) as raised:
+        codec.decode_request(body, length, meta, max_images=8)
+    assert [image.data for image in raised.value.images] == [f"file{i}".encode() for i in range(8)]

@@ -226,24 +226,66 @@ class WatchedRequest:
             request.deliver(0, self._outputs)
 
 
+@pytest.mark.parametrize("inline", [False, True])
 @pytest.mark.parametrize("cancelled", [False, True])
-def test_a_cancel_in_the_same_message_as_its_call_reaches_it(tmp_path, cancelled):
-    engine = CancelWatchingEngine()
+def test_a_call_cancelled_in_the_same_message_never_runs(tmp_path, cancelled, inline):
+    """A cancel that travels with its call reaches it before it starts: the call is answered 499
+    and never handed to the engine. It used to be handed over and cancelled after, and a lone
+    image of an idle model (``inline``) ran before the cancel came (3 of 21 in a fuzz)."""
+    engine = CancelWatchingEngine(inline=inline)
     rows = np.zeros((1, 1, 2, 2), np.float32)
+    sent: list[bytes] = []
 
     async def scenario():
         server = EngineServer(engine, wire.Addresses.in_directory(str(tmp_path)))
-        link = hello(server)  # never connected: its answers go nowhere
+        link = hello(server, sent)
         items = [(infer(5, rows), [rows.tobytes()])]
         if cancelled:
             items.append((Cancel(5), []))
         # one message's items, handed over as the server's links hand them
         server.take(link, wire.unpack(memoryview(wire.pack(items)), protocol.to_engine))
-        await until(lambda: engine.gone_at_start)  # started in the next turn, answered after
+        await until(lambda: not server._calls)  # started in the next turn, answered after
+        await asyncio.sleep(0)  # the answer's flush
         await server.close()
 
     asyncio.run(scenario())
-    assert engine.gone_at_start == [cancelled]
+    answers = [
+        item
+        for message in sent
+        for item, _ in wire.unpack(memoryview(message), protocol.to_front_end)
+        if not isinstance(item, TableUpdate)
+    ]
+    if cancelled:
+        assert engine.started == 0 and engine.gone_at_start == []
+        (refusal,) = answers
+        assert refusal.call == 5 and refusal.error.code == "client_disconnected"
+        assert refusal.error.status_code == 499
+    else:
+        assert engine.gone_at_start == [False]
+        assert [(type(item), item.call) for item in answers] == [(Answer, 5)]
+
+
+def test_the_calls_of_a_front_end_that_broke_the_protocol_never_run(tmp_path):
+    """A message whose second call reuses the first's id closes its link; the first, arrived in
+    the same message, is not handed to the engine either (it used to run, alone and inline)."""
+    engine = CancelWatchingEngine(inline=True)
+    rows = np.zeros((1, 1, 2, 2), np.float32)
+    addresses = wire.Addresses.in_directory(str(tmp_path))
+
+    async def scenario():
+        server = EngineServer(engine, addresses)
+        await server.bind()
+        received: list = []
+        link = await connect(addresses.engine, received)
+        await until(lambda: received)  # its table: said hello
+        link.outbox.put(infer(1, rows), rows.data)
+        link.outbox.put(infer(1, rows), rows.data)  # the same message, the same id
+        await asyncio.wait_for(asyncio.shield(link.closed), 5)
+        await until(lambda: not server._calls)
+        await server.close()
+
+    asyncio.run(scenario())
+    assert engine.started == 0
 
 
 def test_only_a_call_with_no_other_in_progress_is_run_alone(tmp_path):
@@ -505,3 +547,28 @@ def test_an_engine_fault_on_one_route_fails_only_its_calls(tmp_path):
     }
     assert isinstance(answered[1], Answer)
     assert answered[2].error.status_code == 500 and answered[2].error.code == "inference_failed"
+
+
+def test_an_item_that_cannot_be_encoded_is_refused_alone_and_the_others_still_go():
+    """A version beyond msgpack's 64 bits in one call made the whole message fail to encode: every
+    item packed with it was dropped, and its caller waited for ever. Now it is handed to
+    ``unsendable`` on its own (which answers its caller), and the other items go."""
+    sent: list[bytes] = []
+    refused: list = []
+    unsendable_call = protocol.Remote(2, "promote", "m", 10**23)
+
+    def unsendable(message, error):
+        refused.append((message, type(error)))
+
+    async def scenario():
+        outbox = wire.Outbox(sent.append, unsendable)
+        outbox.put(Cancel(1))
+        outbox.put(unsendable_call)
+        outbox.put(Failed("m", 1, 5), b"raw")
+        await asyncio.sleep(0)
+
+    asyncio.run(scenario())
+    assert refused == [(unsendable_call, OverflowError)]
+    assert [unpacked(message) for message in sent] == [
+        [(Cancel(1), []), (Failed("m", 1, 5), [b"raw"])]
+    ]

@@ -75,6 +75,10 @@ def hostile_messages(witness: Path) -> dict[str, bytes]:
         "frames that do not add up": framed(
             protocol.encoder.encode([(infer(1, ROWS), [16])]), b"\0" * 8
         ),
+        # a raw section longer than its frames: bytes no item claims (a '>' for the '!=' missed it)
+        "a raw section longer than its frames": framed(
+            protocol.encoder.encode([(infer(1, ROWS), [16])]), b"\0" * 24
+        ),
         "call before hello": framed(protocol.encoder.encode([(infer(1, ROWS), [16])]), b"\0" * 16),
     }
 
@@ -229,3 +233,99 @@ def test_a_call_that_is_merely_wrong_is_refused_alone_and_its_link_goes_on(tmp_p
 
 def _fields(message: Infer) -> dict:
     return {name: getattr(message, name) for name in message.__struct_fields__}
+
+
+class Answers(StrictEngine):
+    """Answers every call at once with ``width`` float32 a row: sizeable answers for few bytes of
+    call."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+
+    def submit(self, route, requests, alone=False):
+        for request in requests:
+            self.started += 1
+            request.deliver(0, [np.zeros((len(request.rows), self.width), np.float32)])
+
+
+CALLS = 4 * 2000  # the report: 4 x 2,000 calls whose answers were never read
+
+
+async def unread_calls(server: EngineServer, path: str) -> tuple:
+    """A same-user client that says hello and sends ``CALLS`` calls without reading a byte of what
+    comes back; returns its reader and the engine's end of its link."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    writer.write(wire.pack([(Hello(None), [])]))
+    await until(lambda: len(server._links) == 1)
+    (link,) = server._links
+    for first in range(1, CALLS + 1, 100):  # asyncio keeps what the socket does not take
+        writer.write(wire.pack([(infer(i, ROWS), [ROWS.data]) for i in range(first, first + 100)]))
+    return reader, writer, link
+
+
+def test_a_front_end_that_never_reads_is_not_sent_more_than_the_bound(tmp_path, monkeypatch):
+    """A client that never reads its answers held the engine's memory (234 -> 348 MiB for 4 x 2,000
+    calls) until it disconnected. Past UNREAD_PAUSE_BYTES unsent, the engine stops reading its
+    calls: it holds what one read brought at most, and every call is answered once the client
+    reads."""
+    monkeypatch.setattr(wire, "UNREAD_PAUSE_BYTES", 64 * 1024, raising=False)
+    monkeypatch.setattr(wire, "UNREAD_MAX_BYTES", 64 * 2**20, raising=False)  # not reached
+    engine = Answers(width=512)  # 2 KiB an answer: 16 MiB for every call
+    addresses = wire.Addresses.in_directory(str(tmp_path))
+
+    async def scenario():
+        server = EngineServer(engine, addresses)
+        await server.bind()
+        reader, writer, link = await unread_calls(server, addresses.engine)
+        # settled: it stopped reading (or, unbounded, read every call), and answered what it read
+        await until(
+            lambda: (
+                (getattr(link, "reading_paused", False) or engine.started == CALLS)
+                and not server._calls
+                and not server._arrived
+            )
+        )
+        held, started = link.transport.get_write_buffer_size(), engine.started
+        answered: list = []
+        client = wire.Link(protocol.to_front_end, lambda _, items: answered.extend(items))
+        while len([a for a, _ in answered if isinstance(a, Answer)]) < CALLS:
+            client.data_received(await reader.read(1 << 20))
+        writer.close()
+        await server.close()
+        return held, started, {a.call for a, _ in answered if isinstance(a, Answer)}
+
+    held, started, answered = asyncio.run(scenario())
+    # one read of calls (asyncio reads 256 KiB: about 2,600 calls, 5 MiB of answers) past the mark
+    assert held <= 64 * 1024 + 256 * 1024 // 90 * 2100, held
+    assert started < CALLS, started  # it stopped reading: the rest waited in the client
+    assert answered == set(range(1, CALLS + 1))  # and it read again once the answers drained
+
+
+def test_a_front_end_whose_unread_answers_pass_the_limit_is_closed(tmp_path, monkeypatch):
+    """Answers so large that one read of calls passes UNREAD_MAX_BYTES: the link is closed and its
+    calls let go, rather than held for a client that does not read."""
+    monkeypatch.setattr(wire, "UNREAD_PAUSE_BYTES", 64 * 1024, raising=False)
+    monkeypatch.setattr(wire, "UNREAD_MAX_BYTES", 2**20, raising=False)
+    engine = Answers(width=4096)  # 16 KiB an answer: 128 MiB for every call
+    addresses = wire.Addresses.in_directory(str(tmp_path))
+
+    async def scenario():
+        server = EngineServer(engine, addresses)
+        await server.bind()
+        _, writer, link = await unread_calls(server, addresses.engine)
+        await until(lambda: link.closed.done() or engine.started == CALLS, 30)
+        await until(lambda: link.closed.done() or not server._calls, 30)
+        closed = link.closed.done()
+        honest: list = []
+        other = await connect(addresses.engine, honest)
+        other.outbox.put(infer(1, ROWS), ROWS.data)
+        await until(lambda: calls_answered(honest))
+        other.close()
+        writer.close()
+        await server.close()
+        return closed, server._calls, engine.started
+
+    closed, calls, started = asyncio.run(scenario())
+    assert closed and not calls
+    assert started < CALLS, started

@@ -5,6 +5,7 @@ offsets worked out by hand in each test, never through ``service.contract.geomet
 from __future__ import annotations
 
 import re
+from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
 
 import numpy as np
 import pytest
@@ -85,16 +86,29 @@ def test_resize_crop_resizes_the_shorter_side_and_crops_the_centre(
     np.testing.assert_allclose(prepared.tensor, expected, atol=1e-5)
 
 
-def test_a_round_crop_offset_rounds_half_the_margin_to_even():
-    """torchvision's CenterCrop (timm): round(159 / 2) = 80, where Hugging Face's floor gives 79;
-    round(32 / 2) = 16 either way."""
-    image = photo(427, 640, seed=1)
+@pytest.mark.parametrize("width", [636, 640])
+def test_a_round_crop_offset_rounds_half_the_margin_to_even(width):
+    """torchvision's CenterCrop (timm) rounds half the margin to even (Python's round). At 636
+    pixels the resized width is 381, a margin of 157: 78.5 rounds to 78, where rounding half up gives
+    79; at 640 it is 383, a margin of 159: 79.5 rounds to 80, where Hugging Face's floor gives 79.
+    The offsets are computed here with decimal's ROUND_HALF_EVEN, not the service's rounding."""
+    height, shorter_side, crop = 427, 256, 224
+    resized = (shorter_side, int(shorter_side * width / height))
+    margins = (resized[0] - crop, resized[1] - crop)
+
+    def half(margin: int, rounding: str) -> int:
+        return int((Decimal(margin) / 2).quantize(Decimal(1), rounding=rounding))
+
+    top, left = (half(margin, ROUND_HALF_EVEN) for margin in margins)
+    if width == 636:  # the case where half-to-even and half-up differ
+        assert (margins[1], left, half(margins[1], ROUND_HALF_UP)) == (157, 78, 79)
+    image = photo(height, width, seed=1)
     served = preprocessor(
-        resize="resize-crop", shorter_side=256, resample="bicubic", crop_offset="round"
+        resize="resize-crop", shorter_side=shorter_side, resample="bicubic", crop_offset="round"
     )
     prepared = served.from_bytes(encode(image), "image")
     np.testing.assert_allclose(
-        prepared.tensor, reference(image, (256, 383), 16, 80, "bicubic"), atol=1e-5
+        prepared.tensor, reference(image, resized, top, left, "bicubic"), atol=1e-5
     )
 
 

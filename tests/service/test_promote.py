@@ -59,3 +59,46 @@ def test_no_candidate_and_bad_arguments_are_refused():
         judge(report(500, 1.0, 0.0, 1.0, candidate=None), THRESHOLDS)
     with pytest.raises(SystemExit):
         parse(["--model", "m", "--min-agreement", "99", "--min-requests", "5"])
+
+
+REQUIRED = ["--model", "m", "--min-agreement", "0.9", "--min-requests", "1"]
+REQUIRED += ["--max-latency-ratio", "2"]
+
+
+def test_the_api_key_comes_from_the_service_s_own_variable_and_never_needs_the_command_line(
+    monkeypatch, capsys
+):
+    """On the command line the key is visible to every user in ``ps``: the command also takes it
+    from VITSERVE_API_KEY, the variable the service reads, and says so in --help; a request it
+    sends carries it (seen by a server here)."""
+    import http.server
+    import threading
+
+    from service.promote import main
+    from service.settings.server import ServerSettings
+
+    monkeypatch.setenv("VITSERVE_API_KEY", "from-the-environment")
+    assert ServerSettings().api_key.get_secret_value() == "from-the-environment"  # the service's
+    assert parse(REQUIRED).api_key == "from-the-environment"
+    assert parse([*REQUIRED, "--api-key", "given"]).api_key == "given"
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    assert "VITSERVE_API_KEY" in " ".join(capsys.readouterr().out.split())
+
+    seen: list[str | None] = []
+
+    class Service(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Service)
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    assert main([*REQUIRED, "--url", url]) == 1  # refused (401): it is the header that counts
+    server.server_close()
+    assert seen == ["Bearer from-the-environment"]

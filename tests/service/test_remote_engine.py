@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from service.errors import ServiceUnavailable
+from service.errors import InvalidInput, ServiceUnavailable
 from service.link import remote as remote_module
 from service.link import wire
 from service.link.arena import block_name
@@ -293,3 +293,33 @@ def test_a_table_its_dead_engine_sent_never_makes_the_front_end_ready(tmp_path):
         return seen
 
     assert asyncio.run(scenario()) == [True, False, False, True, True]
+
+
+def test_a_call_that_cannot_be_encoded_is_refused_alone_and_its_partners_are_answered(tmp_path):
+    """``promote?version=<23 digits>`` went into the outbox with other calls: the message failed
+    to encode, every call in it was dropped and each caller waited for ever. Now that call alone is
+    refused (422) and the calls sent with it are answered."""
+
+    class Controlled(CancelWatchingEngine):
+        async def control(self, op, **arguments):
+            return {"op": op, **arguments}
+
+    async def scenario():
+        server, remote = await started(Controlled(), tmp_path)
+        async with asyncio.timeout(30):  # a dropped call would wait for ever
+            results = await asyncio.gather(
+                remote.config("m", 1),  # alone: it goes at once
+                remote.promote("m", 10**23),  # these two share a message
+                remote.config("m", 2),
+                return_exceptions=True,
+            )
+        pending = len(remote._pending)
+        await remote.stop()
+        await server.close()
+        return results, pending
+
+    (first, refused, partner), pending = asyncio.run(scenario())
+    assert first == {"op": "config", "name": "m", "version": 1}
+    assert isinstance(refused, InvalidInput) and refused.code == "unsendable_call", refused
+    assert partner == {"op": "config", "name": "m", "version": 2}
+    assert pending == 0

@@ -29,12 +29,12 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
-from service.contract.model_config import ENCODED_IMAGE_DIMS, ENCODED_IMAGE_INPUT
+from service.contract.model_repository import MAX_VERSION
 from service.errors import NotFound, ServiceError
 from service.frontend.error_responses import request_id_of
 from service.frontend.hot_routes import hot
 from service.frontend.oip.codec import decode_request, encode_response
-from service.frontend.oip.encoded import ENCODED_DATATYPE, EncodedImages
+from service.frontend.oip.encoded import EncodedImages
 from service.frontend.oip.schemas import (
     EXTENSIONS,
     HEADER_LENGTH,
@@ -76,9 +76,15 @@ def version_number(version: str | None) -> int | None:
     """A protocol version string as the repository's integer; 404 for anything else."""
     if version is None:
         return None
-    if not (version.isascii() and version.isdigit()) or not 0 < len(version.lstrip("0")) <= 19:
-        raise NotFound(f"unknown version '{version}': versions are positive integers")
-    return int(version.lstrip("0"))  # int() refuses more than 4,300 digits, zeros included
+    digits = version.lstrip("0")
+    if (
+        not (version.isascii() and version.isdigit())
+        or not 0 < len(digits) <= len(str(MAX_VERSION))
+        or int(digits) > MAX_VERSION  # int() refuses more than 4,300 digits, zeros included
+    ):
+        shown = version if len(version) <= 40 else f"{version[:40]}..."
+        raise NotFound(f"unknown version '{shown}': versions are integers from 1 to {MAX_VERSION}")
+    return int(digits)
 
 
 async def served_version(
@@ -106,11 +112,10 @@ def metadata_of(state: FrontendState, name: str, version: str | None) -> ModelMe
         versions=[str(v) for v in table.model(name).ready_versions()],
         platform=PLATFORM,
         inputs=[
+            # the graph's tensor only: generic clients fill every input listed (the image files'
+            # input is documented, not declared: service/contract/model_config.py)
             MetadataTensor(
                 name=spec.name, datatype="FP32", shape=[-1, spec.channels, spec.height, spec.width]
-            ),
-            MetadataTensor(
-                name=ENCODED_IMAGE_INPUT, datatype=ENCODED_DATATYPE, shape=[-1, *ENCODED_IMAGE_DIMS]
             ),
         ],
         outputs=[

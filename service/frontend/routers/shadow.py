@@ -11,6 +11,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, Field
 
+from service.contract.model_repository import MAX_VERSION
 from service.frontend.routers._openapi import ERROR_RESPONSES
 from service.frontend.security import require_api_key
 from service.frontend.state import frontend_state
@@ -115,7 +116,9 @@ async def shadow(name: str, request: Request) -> ShadowReport:
 async def promote(
     name: str,
     request: Request,
-    version: int | None = Query(None, ge=1, description="the candidate expected (409 if not)"),
+    version: int | None = Query(
+        None, ge=1, le=MAX_VERSION, description="the candidate expected (409 if not)"
+    ),
 ) -> Decision:
     state = frontend_state(request)
     return Decision.model_validate(await state.engine.promote(name, version))
