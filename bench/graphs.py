@@ -9,7 +9,10 @@ are not all zero), three graphs of the same model:
 
 - ``vitserve``: ``export.onnx_graphs.classifier_graph``, what ``python -m export.onnx`` ships;
 - ``torch legacy``: ``torch.onnx.export(dynamo=False)`` at opset 17 of the same model as PyTorch
-  runs it (fused attention), with a dynamic batch axis;
+  runs it (fused attention), with a dynamic batch axis. Both exporters trace the same blocks
+  (``torch.onnx.is_in_onnx_export()`` is true in both: GELU and q, k, v written as onnxruntime
+  fuses them, docs/decisions.md#onnx-graph-for-onnxruntime), so the two rows compare exporters,
+  as the issue did on a Hugging Face DeiT (separate q, k, v; a GELU the legacy exporter fuses);
 - ``int8 dynamic``: vitserve's graph through ``export.quantize.quantize_graph(..., "dynamic")``
   (onnxruntime's ``quantize_dynamic``, int8 weights per tensor).
 
