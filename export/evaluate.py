@@ -308,6 +308,8 @@ def evaluate_onnx(
         "quantization": provenance.get("quantization"),
         "calibration_images": provenance.get("calibration_images"),
         "float_test_accuracy": provenance.get("float_test_accuracy"),
+        "onnxruntime_fusions": provenance.get("onnxruntime_fusions"),
+        "exported_with_onnxruntime": provenance.get("tools", {}).get("onnxruntime"),
         **results,
     }
 

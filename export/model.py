@@ -93,10 +93,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, return_attention: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, tokens, dim = x.shape
-        qkv = (
-            self.qkv(x).reshape(batch, tokens, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        )
-        q, k, v = qkv.unbind(0)  # each (B, heads, tokens, head_dim)
+        q, k, v = self.project(x)  # each (B, heads, tokens, head_dim)
         probabilities = None
         if self.fused and not return_attention:
             out = F.scaled_dot_product_attention(
@@ -109,12 +106,46 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(batch, tokens, dim)
         return self.projection_dropout(self.projection(out)), probabilities
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values, each (B, heads, tokens, head_dim), from the packed ``qkv``.
+
+        In PyTorch, one matrix product cut into three views. Exported to ONNX, three products by
+        thirds of the packed weight (onnxruntime folds the slices of the initializer when it loads
+        the graph): cutting the product's output would be a Split and three Squeeze nodes copying
+        every token's q, k and v (docs/decisions.md#onnx-graph-for-onnxruntime).
+        """
+        batch, tokens, dim = x.shape
+        if not torch.onnx.is_in_onnx_export():
+            qkv = self.qkv(x).reshape(batch, tokens, 3, self.heads, self.head_dim)
+            return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        weight, bias = self.qkv.weight, self.qkv.bias
+        thirds = [slice(i * dim, (i + 1) * dim) for i in range(3)]  # Slice nodes; chunk is a Split
+        q, k, v = (
+            F.linear(x, weight[rows], None if bias is None else bias[rows])
+            .reshape(batch, tokens, self.heads, self.head_dim)
+            .transpose(1, 2)
+            for rows in thirds
+        )
+        return q, k, v
+
+
+class GELU(nn.Module):
+    """Exact GELU: ``F.gelu`` in PyTorch; exported to ONNX, the erf formula in the order
+    onnxruntime fuses (with fc1's bias, into one BiasGelu node). The exporter's own spelling,
+    ``x * (0.5 * (1 + erf(x / sqrt(2))))``, is not a pattern onnxruntime matches, and stayed five
+    nodes (docs/decisions.md#onnx-graph-for-onnxruntime)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.onnx.is_in_onnx_export():
+            return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+        return F.gelu(x)
+
 
 class MLP(nn.Module):
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
         self.fc1 = nn.Linear(config.dim, config.mlp_dim)
-        self.activation = nn.GELU()
+        self.activation = GELU()
         self.fc2 = nn.Linear(config.mlp_dim, config.dim)
         self.dropout = nn.Dropout(config.dropout)
 

@@ -29,6 +29,7 @@ from export.evaluate import (
 from export.hardware import cpu_model
 from export.lineage import Stage, training_stages
 from export.model_flags import architecture_flags
+from export.onnx_graphs import fusions_text
 from export.report import plot_curves, read_metrics, write_report
 from export.teacher import TEACHER_FILE, teacher_metadata
 from export.train_settings import TrainSettings
@@ -227,6 +228,19 @@ def lineage_lines(stages: list[Stage]) -> list[str]:
     return lines
 
 
+def fusion_lines(version_dir: Path, onnx_results: dict) -> list[str]:
+    """What onnxruntime's CPU optimizer fuses in the graph, as counted when it was exported (none
+    for a graph exported before the count was recorded)."""
+    fusions = onnx_results.get("onnxruntime_fusions")
+    if fusions is None:
+        return []
+    return [
+        f"- onnxruntime's fusions in `{version_dir.name}/model.onnx` (CPU, ORT_ENABLE_ALL, "
+        f"onnxruntime {onnx_results.get('exported_with_onnxruntime')} at export): "
+        f"{fusions_text(fusions)}."
+    ]
+
+
 def percent(value: float) -> str:
     return f"{100 * value:.2f}%"
 
@@ -294,6 +308,7 @@ def render(
         f"(cross-entropy {results['loss']:.4f}).",
         f"- Reproduce: `python -m export.evaluate {entry}/{version_dir.name}/model.onnx`",
         f"- ONNX file sha256: `{onnx_results['sha256']}`",
+        *fusion_lines(version_dir, onnx_results),
         "",
         "## Model",
         "",

@@ -18,8 +18,11 @@ import datetime as dt
 import json
 import logging
 import sys
+import tempfile
 import warnings
+from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -181,6 +184,34 @@ def verify_batch_sizes(config: ViTConfig) -> tuple[int, ...]:
             f"at most {VERIFY_MEMORY_BYTES / 1e9:.1f} GB for two images"
         )
     return tuple(sorted({min(size, fits) for size in VERIFY_BATCH_SIZES}))
+
+
+# The domain of the nodes onnxruntime's graph optimizer fuses (BiasGelu, FusedMatMul,
+# SkipLayerNormalization, ...); its NCHWc layout nodes have a domain of their own and are not counted.
+FUSED_DOMAIN = "com.microsoft"
+
+
+def onnxruntime_fusions(model: onnx.ModelProto) -> dict[str, int]:
+    """How many nodes of each fused type onnxruntime's CPU optimizer (``ORT_ENABLE_ALL``, this
+    onnxruntime) makes of ``model``: its optimized graph, as written by
+    ``SessionOptions.optimized_model_filepath``, counted by type. One session, no inference run."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # the warning that an ENABLE_ALL graph is machine-specific
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = 1
+    with tempfile.TemporaryDirectory(prefix="vitserve-fusions-") as work:
+        options.optimized_model_filepath = str(Path(work) / "optimized.onnx")
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        optimized = onnx.load(options.optimized_model_filepath, load_external_data=False)
+    counts = Counter(node.op_type for node in optimized.graph.node if node.domain == FUSED_DOMAIN)
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+def fusions_text(fusions: dict[str, int] | None) -> str:
+    """``BiasGelu x12, FusedMatMul x12``; ``none`` for an empty count."""
+    if not fusions:
+        return "none"
+    return ", ".join(f"{op} x{count}" for op, count in fusions.items())
 
 
 def verify(model: VisionTransformer, graphs: Graphs, images: torch.Tensor) -> dict:
@@ -348,6 +379,10 @@ def graph_document(
 
 
 def with_metadata(model: onnx.ModelProto, document: dict) -> onnx.ModelProto:
+    """Writes ``document`` into ``model``; a classifier's also records ``onnxruntime_fusions``,
+    the nodes onnxruntime fuses in it (:func:`onnxruntime_fusions`), for the model card."""
+    if document.get("graph") == "classifier" and "onnxruntime_fusions" not in document:
+        document["onnxruntime_fusions"] = onnxruntime_fusions(model)
     onnx.helper.set_model_props(model, {METADATA_KEY: json.dumps(document, sort_keys=True)})
     model.producer_name = "vitserve-export"
     return model

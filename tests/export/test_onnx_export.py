@@ -223,6 +223,23 @@ def test_model_card_reports_the_onnx_accuracy(exported, tiny_run):
         assert (repo / "tiny" / "card" / plot).stat().st_size > 0
 
 
+def test_onnxruntime_fuses_every_blocks_gelu_and_the_card_says_so(exported, tiny_run):
+    """The exported GELU is the pattern onnxruntime fuses (with fc1's bias, BiasGelu), and q, k,
+    v are three products rather than one cut by Split and Squeeze; the count recorded at export
+    is what the model card shows."""
+    from export.model_card import write_model_card
+
+    repo, _ = exported
+    depth = load_checkpoint(tiny_run)[0].config.depth
+    fusions = metadata_of(repo / "tiny/3/model.onnx")["onnxruntime_fusions"]
+    assert fusions["BiasGelu"] == depth
+    assert "onnxruntime_fusions" not in metadata_of(repo / "tiny/3/attention.onnx")
+    raw = Counter(node.op_type for node in onnx.load(str(repo / "tiny/3/model.onnx")).graph.node)
+    assert raw["Squeeze"] == raw["Split"] == 0
+    text = write_model_card(tiny_run, repo / "tiny", version=3).read_text()
+    assert f"BiasGelu x{depth}" in text and "onnxruntime's fusions" in text
+
+
 def test_model_card_refuses_an_entry_from_another_checkpoint(exported, tiny_run, tmp_path):
     from export.model_card import write_model_card
 
