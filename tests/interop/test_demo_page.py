@@ -311,3 +311,53 @@ def test_the_page_shows_a_candidates_comparison(browser, model_repository, tmp_p
         context.close()
     assert shown.startswith("Candidate version 2 against live version 1 (shadow 100%, canary 0%)")
     assert "top-1 agreement 100.0%" in shown and "0 shed" in shown
+
+
+def test_the_page_names_the_canarys_answer_and_follows_the_models_polarity(
+    browser, model_repository, tmp_path, correct_image
+):
+    """With the candidate answering every unversioned request (canary 100%), the answer is named
+    as the candidate's, beside the live version the header describes; a model trained on natural
+    photos gets no polarity control and a drawing hint of its own."""
+    import shutil
+
+    from service.contract.model_config import read_model_config, write_model_config
+    from tests.service.test_shadow import retag
+
+    repository = tmp_path / "models"
+    shutil.copytree(model_repository, repository)
+    shutil.copytree(repository / MODEL_NAME / "1", repository / MODEL_NAME / "2")
+    config = read_model_config(repository / MODEL_NAME / "config.pbtxt")
+    config.version_policy.specific.versions[:] = [1, 2]
+    config.parameters["vitserve_live_version"].string_value = "1"
+    config.parameters["vitserve_candidate_version"].string_value = "2"
+    config.parameters["vitserve_canary_percent"].string_value = "100"
+    write_model_config(config, repository / MODEL_NAME / "config.pbtxt")
+    shutil.copytree(repository / MODEL_NAME / "1", repository / "photos" / "1")
+    for graph in ("model.onnx", "attention.onnx"):
+        retag(repository / "photos" / "1" / graph, preprocessing={"polarity": "natural"})
+    image, _ = correct_image
+    with running_server(repository, tmp_path / "service.log", suite=INTEROP) as trying:
+        context = browser.new_context()
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(f"{trying.url}/")
+        page.wait_for_function("() => document.getElementById('shadow').textContent !== ''")
+        assert f"{MODEL_NAME} version 1" in page.locator("#model-info").inner_text()
+        assert "White strokes on black" in page.locator("#drawing-hint").inner_text()
+        assert page.locator("#polarity-row").is_visible()
+        page.set_input_files("#file-input", str(image))
+        page.wait_for_function(
+            "() => document.getElementById('status').textContent.includes('says')"
+        )
+        status = page.locator("#status").inner_text()
+        page.select_option("#model", "photos")
+        page.wait_for_function(
+            "() => document.getElementById('drawing-hint').textContent.includes('photos')"
+        )
+        polarity_hidden = page.locator("#polarity-row").is_hidden()
+        context.close()
+    assert status == (
+        f"{MODEL_NAME} version 2 (the candidate, answering its canary share of requests) says:"
+    )
+    assert polarity_hidden
