@@ -277,9 +277,9 @@ def test_the_person_picks_the_model(browser, model_repository, tmp_path, correct
     assert f'vitserve_batch_size_count{{graph="classifier",model="{MODEL_NAME}"}} 0.0' in metrics
 
 
-def test_the_page_shows_a_candidates_comparison(browser, model_repository, tmp_path, correct_image):
-    """A model trying version 2 (the same files as version 1, so onnxruntime gives both the same
-    answer: agreement 100%) in the shadow of every request: after one upload the page says so."""
+def trying(model_repository: Path, tmp_path: Path, **parameters: str) -> Path:
+    """A copy of the repository whose model tries version 2 (the same files as version 1) with
+    ``parameters`` (vitserve's, without the prefix) in its config.pbtxt."""
     import shutil
 
     from service.contract.model_config import read_model_config, write_model_config
@@ -289,9 +289,16 @@ def test_the_page_shows_a_candidates_comparison(browser, model_repository, tmp_p
     shutil.copytree(repository / MODEL_NAME / "1", repository / MODEL_NAME / "2")
     config = read_model_config(repository / MODEL_NAME / "config.pbtxt")
     config.version_policy.specific.versions[:] = [1, 2]
-    config.parameters["vitserve_candidate_version"].string_value = "2"
-    config.parameters["vitserve_shadow_percent"].string_value = "100"
+    for key, value in {"candidate_version": "2", **parameters}.items():
+        config.parameters[f"vitserve_{key}"].string_value = value
     write_model_config(config, repository / MODEL_NAME / "config.pbtxt")
+    return repository
+
+
+def test_the_page_shows_a_candidates_comparison(browser, model_repository, tmp_path, correct_image):
+    """A model trying version 2 (the same files as version 1, so onnxruntime gives both the same
+    answer: agreement 100%) in the shadow of every request: after one upload the page says so."""
+    repository = trying(model_repository, tmp_path, shadow_percent="100")
     image, label = correct_image
     with running_server(repository, tmp_path / "service.log", suite=INTEROP) as trying:
         context = browser.new_context()
@@ -321,18 +328,9 @@ def test_the_page_names_the_canarys_answer_and_follows_the_models_polarity(
     photos gets no polarity control and a drawing hint of its own."""
     import shutil
 
-    from service.contract.model_config import read_model_config, write_model_config
     from tests.service.test_shadow import retag
 
-    repository = tmp_path / "models"
-    shutil.copytree(model_repository, repository)
-    shutil.copytree(repository / MODEL_NAME / "1", repository / MODEL_NAME / "2")
-    config = read_model_config(repository / MODEL_NAME / "config.pbtxt")
-    config.version_policy.specific.versions[:] = [1, 2]
-    config.parameters["vitserve_live_version"].string_value = "1"
-    config.parameters["vitserve_candidate_version"].string_value = "2"
-    config.parameters["vitserve_canary_percent"].string_value = "100"
-    write_model_config(config, repository / MODEL_NAME / "config.pbtxt")
+    repository = trying(model_repository, tmp_path, live_version="1", canary_percent="100")
     shutil.copytree(repository / MODEL_NAME / "1", repository / "photos" / "1")
     for graph in ("model.onnx", "attention.onnx"):
         retag(repository / "photos" / "1" / graph, preprocessing={"polarity": "natural"})
