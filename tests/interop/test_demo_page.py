@@ -277,7 +277,7 @@ def test_the_person_picks_the_model(browser, model_repository, tmp_path, correct
     assert f'vitserve_batch_size_count{{graph="classifier",model="{MODEL_NAME}"}} 0.0' in metrics
 
 
-def trying(model_repository: Path, tmp_path: Path, **parameters: str) -> Path:
+def trying_repository(model_repository: Path, tmp_path: Path, **parameters: str) -> Path:
     """A copy of the repository whose model tries version 2 (the same files as version 1) with
     ``parameters`` (vitserve's, without the prefix) in its config.pbtxt."""
     import shutil
@@ -298,7 +298,7 @@ def trying(model_repository: Path, tmp_path: Path, **parameters: str) -> Path:
 def test_the_page_shows_a_candidates_comparison(browser, model_repository, tmp_path, correct_image):
     """A model trying version 2 (the same files as version 1, so onnxruntime gives both the same
     answer: agreement 100%) in the shadow of every request: after one upload the page says so."""
-    repository = trying(model_repository, tmp_path, shadow_percent="100")
+    repository = trying_repository(model_repository, tmp_path, shadow_percent="100")
     image, label = correct_image
     with running_server(repository, tmp_path / "service.log", suite=INTEROP) as trying:
         context = browser.new_context()
@@ -330,7 +330,9 @@ def test_the_page_names_the_canarys_answer_and_follows_the_models_polarity(
 
     from tests.service.test_shadow import retag
 
-    repository = trying(model_repository, tmp_path, live_version="1", canary_percent="100")
+    repository = trying_repository(
+        model_repository, tmp_path, live_version="1", canary_percent="100"
+    )
     shutil.copytree(repository / MODEL_NAME / "1", repository / "photos" / "1")
     for graph in ("model.onnx", "attention.onnx"):
         retag(repository / "photos" / "1" / graph, preprocessing={"polarity": "natural"})
