@@ -94,7 +94,9 @@ class Engine:
             self.metrics.ready.set(1)
         if self.settings.repository.model_control == "poll":
             every_s = self.settings.repository.repository_poll_s
-            self._promoter = self._loop.create_task(promotion.watch(self, every_s))
+            self._promoter = self._loop.create_task(
+                promotion.watch(self.manager, self.shadows, every_s)
+            )
 
     def begin_shutdown(self) -> None:
         """Readiness turns false at once; queued images run without waiting for a batch to fill, and
@@ -222,7 +224,7 @@ class Engine:
         if op == "shadow":
             return self.shadows.report(arguments["name"])
         if op in ("promote", "rollback"):
-            return await promotion.decide(self, op, arguments["name"], arguments.get("version"))
+            return await promotion.decide(manager, op, arguments["name"], arguments.get("version"))
         if op in ("load", "unload"):
             mode = self.settings.repository.model_control
             if mode != "explicit":
