@@ -1,7 +1,7 @@
 """The engine: every model version, its batchers and sessions, and the engine's phase. No transport.
 
-Front ends reach it through ``service/link/`` (in their own process, or over the process link): they read
-its :class:`~service.link.protocol.ModelTable`, hand it requests (:class:`~service.engine.request.Request`:
+Front ends reach it in their own process (``local.py``), or over the process link (``server.py``): they read
+its :class:`~service.contract.table.ModelTable`, hand it requests (:class:`~service.engine.request.Request`:
 rows, a request id and a reply) with the :class:`Route` they resolved, to :meth:`Engine.submit`, or
 await one with :meth:`Engine.infer`, and call :meth:`Engine.control` for the repository index, explicit
 load and unload, the served configuration and Triton's statistics.
@@ -18,12 +18,12 @@ import numpy as np
 from msgspec.structs import replace
 
 from service.contract.model_repository import ModelLoadError
+from service.contract.table import Graph, ModelTable, Outputs, Phase, ShadowCopy
 from service.engine import promotion, reports
 from service.engine.model_manager import ModelManager
 from service.engine.request import Request, awaited
 from service.engine.shadow import Shadows
 from service.errors import ServiceError
-from service.link.protocol import Graph, ModelTable, Outputs, Phase, ShadowCopy
 from service.observability.metrics import Metrics
 from service.settings import Settings
 

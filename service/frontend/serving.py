@@ -22,10 +22,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from service.contract.preprocessing import Invert, Prepared, Preprocessor, pixels_to_decode
+from service.contract.table import Graph, Outputs, ShadowCopy, ShadowMark, VersionView
 from service.errors import InvalidInput, NotFound, ServiceError
 from service.frontend.error_responses import request_id_of
 from service.frontend.inputs import RawImage
-from service.link.protocol import Graph, Outputs, ShadowCopy, ShadowMark, VersionView
 from service.observability import tracing
 from service.settings import LimitSettings, Settings
 

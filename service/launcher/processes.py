@@ -139,7 +139,7 @@ async def _report_health(board: HealthBoard, core: Engine) -> None:
 async def _serve_engine(settings: Settings, addresses: Addresses, board: HealthBoard) -> int:
     from service.contract.model_repository import ModelLoadError
     from service.engine.core import Engine
-    from service.link.engine_server import EngineServer
+    from service.engine.server import EngineServer
     from service.observability import tracing
     from service.observability.metrics import Metrics
 

@@ -27,25 +27,12 @@ from typing import Any
 
 import numpy as np
 
+from service.contract.table import Graph, ModelTable, Outputs, ShadowCopy, VersionView
 from service.errors import InvalidInput, ServiceUnavailable
 from service.link import protocol, wire
 from service.link.arena import Arena, Region
 from service.link.client import EngineClient
-from service.link.protocol import (
-    Answer,
-    Cancel,
-    Failed,
-    Graph,
-    Hello,
-    Infer,
-    ModelTable,
-    Outputs,
-    Remote,
-    Result,
-    ShadowCopy,
-    TableUpdate,
-    VersionView,
-)
+from service.link.protocol import Answer, Cancel, Failed, Hello, Infer, Remote, Result, TableUpdate
 from service.observability import tracing
 from service.observability.metrics import Metrics
 

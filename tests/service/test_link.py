@@ -14,18 +14,11 @@ import numpy as np
 import pytest
 from msgspec.structs import replace
 
+from service.contract.table import ModelTable
+from service.engine.server import EngineServer
 from service.link import protocol, wire
 from service.link.arena import PAGE, Arena, block_name
-from service.link.engine_server import EngineServer
-from service.link.protocol import (
-    Answer,
-    Cancel,
-    Failed,
-    Hello,
-    Infer,
-    ModelTable,
-    TableUpdate,
-)
+from service.link.protocol import Answer, Cancel, Failed, Hello, Infer, TableUpdate
 
 
 def raw_bytes(raw: list) -> list[bytes]:
