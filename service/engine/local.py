@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from service.contract.control import ControlOp, arguments
 from service.contract.table import Graph, ModelTable, Outputs, ShadowCopy, VersionView
 from service.engine.core import Engine, Route
 from service.link.client import EngineClient
-from service.link.protocol import ControlOp, Remote
 from service.observability.metrics import Metrics
 from service.settings import Settings
 
@@ -67,7 +67,7 @@ class LocalEngine(EngineClient):
     async def control(
         self, op: ControlOp, name: str | None = None, version: int | None = None
     ) -> Any:
-        return await self.engine.control(op, **Remote(1, op, name, version).arguments())
+        return await self.engine.control(op, **arguments(op, name, version))
 
     def record_failure(self, view: VersionView, ns: int) -> None:
         self.engine.record_failure(view.name, view.version, ns)

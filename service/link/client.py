@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from service.contract.control import ControlOp
 from service.contract.table import Graph, ModelTable, Outputs, ShadowCopy, VersionView
-from service.link.protocol import ControlOp
 
 
 class EngineClient(ABC):

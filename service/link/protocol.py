@@ -20,19 +20,17 @@ engine's (service/engine/server.py).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 from pydantic import BaseModel
 
 from service import errors
+from service.contract import control
+from service.contract.control import ControlOp
 from service.contract.table import Graph, ModelTable, Outputs, ShadowMark
 from service.errors import ServiceError
-
-ControlOp = Literal[
-    "index", "load", "unload", "config", "statistics", "metrics", "shadow", "promote", "rollback"
-]
 
 # bounds of what a message may hold: far above anything a front end sends, far below what would hurt
 MAX_TEXT = 1024  # a model name, a request id, a trace header
@@ -94,7 +92,8 @@ class Failed(msgspec.Struct, tag="failed", array_like=True, frozen=True):
 
 
 class Remote(msgspec.Struct, tag="remote", array_like=True, frozen=True):
-    """A control call: ``Engine.control(op, name=..., version=...)``."""
+    """A control call: ``Engine.control(op, ...)`` with the arguments ``op`` takes
+    (service/contract/control.py)."""
 
     call: CallId
     op: ControlOp
@@ -102,13 +101,7 @@ class Remote(msgspec.Struct, tag="remote", array_like=True, frozen=True):
     version: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
     def arguments(self) -> dict[str, Any]:
-        if self.op in ("load", "unload", "shadow", "rollback"):
-            return {"name": self.name}
-        if self.op == "promote":
-            return {"name": self.name, "version": self.version}
-        if self.op in ("config", "statistics"):
-            return {"name": self.name, "version": self.version}
-        return {}
+        return control.arguments(self.op, self.name, self.version)
 
 
 ToEngine = Hello | Infer | Cancel | Failed | Remote
@@ -183,19 +176,6 @@ class TableUpdate(msgspec.Struct, tag="table", array_like=True, frozen=True):
 
 ToFrontEnd = Answer | Refusal | Result | TableUpdate
 
-# what each control call answers (checked as the front end decodes it)
-RESULT_TYPES: dict[str, Any] = {
-    "index": list[tuple[str, int | None, str, str]],
-    "config": dict[str, Any],
-    "statistics": list[dict[str, Any]],
-    "load": None,
-    "unload": None,
-    "metrics": None,
-    "shadow": dict[str, Any],
-    "promote": dict[str, Any],
-    "rollback": dict[str, Any],
-}
-
 
 # --- encoding ---------------------------------------------------------------------------------------
 
@@ -220,8 +200,8 @@ to_front_end = msgspec.msgpack.Decoder(list[tuple[ToFrontEnd, FrameLengths]], de
 
 
 def result_value(op: str, raw: msgspec.Raw) -> Any:
-    """A control call's value, checked against its operation's type."""
-    return msgspec.msgpack.decode(raw, type=RESULT_TYPES[op])
+    """A control call's value, checked against its operation's type (service/contract/control.py)."""
+    return msgspec.msgpack.decode(raw, type=control.OPERATIONS[op].answers)
 
 
 # each output dtype's text, for the few dtypes models answer in (``dtype.str`` formats a new string
