@@ -3,19 +3,45 @@ against the plain server, and against the anchors mosec and Triton (docs/decisio
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from bench.stats import fmt, median, ratio
-
-if TYPE_CHECKING:
-    from bench.comparison import Comparison
+from bench.stats import Spread, fmt, median, ratio
 
 PNG, TENSOR = "png", "tensor"  # the kinds of request: base64 PNGs, or the model's FP32 tensor
 TARGET_LEVELS = (64, 256)  # the concurrency levels of both sets of targets
 ANCHOR_LEVELS = (1, 64, 256)  # the anchors' points for base64 PNGs ...
 TENSOR_LEVELS = (64,)  # ... and for the FP32 tensor on /v2
 MiB = 1024  # KiB per MiB
+
+
+class Started(Protocol):
+    """What the targets read of a server's starts (bench/comparison.py's ``Start``)."""
+
+    @property
+    def ready_s(self) -> Spread: ...
+
+    @property
+    def peak_kib(self) -> int | None: ...
+
+
+class Run(Protocol):
+    """What the targets read of one run: bench/comparison.py's ``Comparison``, which renders the
+    targets, so it is named here by what it offers rather than imported back."""
+
+    @property
+    def starts(self) -> Mapping[str, Started]: ...
+
+    def spread(
+        self, server: str, images: int, c: int, attr: str = "ok_rps", *, kind: str = PNG
+    ) -> Spread | None: ...
+
+    def busy(self, server: str, images: int, c: int, *, kind: str = PNG) -> bool: ...
+
+    def best(self, server: str, images: int) -> tuple[int | None, float | None]: ...
+
+    def best_ceiling(self) -> tuple[int | None, Spread | None]: ...
 
 
 @dataclass(frozen=True)
@@ -31,7 +57,7 @@ class Target:
         return verdict + (" (busy machine: not a result)" if self.busy else "")
 
 
-def plain_targets(result: Comparison) -> list[Target]:
+def plain_targets(result: Run) -> list[Target]:
     """The targets against the plain server: requests/s and p99, the ceiling, int8, start-up, memory."""
     rows = []
     for c in TARGET_LEVELS:
@@ -87,7 +113,7 @@ def plain_targets(result: Comparison) -> list[Target]:
 
 
 def _faster(
-    result: Comparison,
+    result: Run,
     than: str,
     c: int,
     kind: str,
@@ -107,9 +133,7 @@ def _faster(
     )
 
 
-def _lower_p99(
-    result: Comparison, than: str, c: int, what: str, whose: str | None = None
-) -> Target:
+def _lower_p99(result: Run, than: str, c: int, what: str, whose: str | None = None) -> Target:
     """vitserve's p99 below ``than``'s (shown as ``whose``), base64 PNGs at ``c``."""
     ours, theirs = (result.spread(k, 1, c, "p99_ms") for k in ("vitserve", than))
     both = ours is not None and theirs is not None
@@ -121,7 +145,7 @@ def _lower_p99(
     )
 
 
-def anchor_targets(result: Comparison) -> list[Target]:
+def anchor_targets(result: Run) -> list[Target]:
     """The targets against the anchors: ahead of mosec and Triton, c=1 as the plain server, memory,
     start-up."""
     rows = []
@@ -153,7 +177,7 @@ def anchor_targets(result: Comparison) -> list[Target]:
     return rows
 
 
-def _start_up(result: Comparison, what: str, limit_s: float) -> Target:
+def _start_up(result: Run, what: str, limit_s: float) -> Target:
     """vitserve's slowest start, spawn to ready, under ``limit_s``."""
     start = result.starts.get("vitserve")
     return Target(
@@ -164,7 +188,7 @@ def _start_up(result: Comparison, what: str, limit_s: float) -> Target:
     )
 
 
-def _peak_memory(result: Comparison, what: str, limit_mib: int, how: str) -> Target:
+def _peak_memory(result: Run, what: str, limit_mib: int, how: str) -> Target:
     """vitserve's peak memory over its process tree (measured as ``how`` says) under ``limit_mib``."""
     start = result.starts.get("vitserve")
     peak = start.peak_kib if start else None

@@ -31,11 +31,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
+from service.contract.table import Outputs
 from service.engine.batch_runs import Instances, RunBatch, Segment, require_finite
 from service.engine.request import ClientGone, Request, TimedOut
 from service.engine.statistics import ModelStatistics
 from service.errors import ClientDisconnected, ServiceError, ServiceUnavailable
-from service.link.protocol import Outputs
 from service.observability import tracing
 from service.observability.metrics import Metrics
 

@@ -1,7 +1,7 @@
 """The engine: every model version, its batchers and sessions, and the engine's phase. No transport.
 
-Front ends reach it through ``service/link/`` (in their own process, or over the process link): they read
-its :class:`~service.link.protocol.ModelTable`, hand it requests (:class:`~service.engine.request.Request`:
+Front ends reach it in their own process (``local.py``), or over the process link (``server.py``): they read
+its :class:`~service.contract.table.ModelTable`, hand it requests (:class:`~service.engine.request.Request`:
 rows, a request id and a reply) with the :class:`Route` they resolved, to :meth:`Engine.submit`, or
 await one with :meth:`Engine.infer`, and call :meth:`Engine.control` for the repository index, explicit
 load and unload, the served configuration and Triton's statistics.
@@ -10,36 +10,26 @@ load and unload, the served configuration and Triton's statistics.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 from msgspec.structs import replace
 
+from service.contract.control import OPERATIONS
 from service.contract.model_repository import ModelLoadError
+from service.contract.table import Graph, ModelTable, Outputs, Phase, ShadowCopy
 from service.engine import promotion, reports
 from service.engine.model_manager import ModelManager
 from service.engine.request import Request, awaited
 from service.engine.shadow import Shadows
 from service.errors import ServiceError
-from service.link.protocol import Graph, ModelTable, Outputs, Phase, ShadowCopy
 from service.observability.metrics import Metrics
 from service.settings import Settings
 
 logger = logging.getLogger("vitserve")
-
-CONTROL_OPS = (
-    "index",
-    "load",
-    "unload",
-    "config",
-    "statistics",
-    "metrics",
-    "shadow",
-    "promote",
-    "rollback",
-)
 
 
 class Route(NamedTuple):
@@ -94,7 +84,9 @@ class Engine:
             self.metrics.ready.set(1)
         if self.settings.repository.model_control == "poll":
             every_s = self.settings.repository.repository_poll_s
-            self._promoter = self._loop.create_task(promotion.watch(self, every_s))
+            self._promoter = self._loop.create_task(
+                promotion.watch(self.manager, self.shadows, every_s)
+            )
 
     def begin_shutdown(self) -> None:
         """Readiness turns false at once; queued images run without waiting for a batch to fill, and
@@ -209,37 +201,45 @@ class Engine:
 
     async def control(self, op: str, **arguments: Any) -> Any:
         """The repository index, explicit load and unload, the served config and the statistics;
-        ``metrics`` writes the statistics to their Prometheus series, before a scrape."""
+        ``metrics`` writes the statistics to their Prometheus series, before a scrape. ``arguments``:
+        those ``op`` takes (service/contract/control.py's table, which every caller follows)."""
         manager = self.manager
-        if op == "metrics":
-            return manager.publish_statistics()
-        if op == "index":
-            return reports.index(manager)
-        if op == "config":
-            return reports.served_config(manager, arguments["name"], arguments.get("version"))
-        if op == "statistics":
-            return reports.statistics(manager, arguments.get("name"), arguments.get("version"))
-        if op == "shadow":
-            return self.shadows.report(arguments["name"])
-        if op in ("promote", "rollback"):
-            return await promotion.decide(self, op, arguments["name"], arguments.get("version"))
-        if op in ("load", "unload"):
-            mode = self.settings.repository.model_control
-            if mode != "explicit":
-                raise ServiceError(
-                    f"explicit model {op} is not allowed: the model control mode is '{mode}' "
-                    "(set VITSERVE_MODEL_CONTROL=explicit)",
-                    status_code=400,
-                    code="bad_request",
-                )
-            if op == "unload":
-                return await manager.unload(arguments["name"])
-            try:
-                return await manager.load(arguments["name"])
-            except ModelLoadError as error:
-                raise ServiceError(
-                    f"failed to load '{arguments['name']}': {error}",
-                    status_code=400,
-                    code="load_failed",
-                ) from None
-        raise ValueError(f"unknown engine control {op!r}; known: {', '.join(CONTROL_OPS)}")
+        handlers: dict[str, Callable[..., Any]] = {
+            "index": lambda: reports.index(manager),
+            "load": lambda name: self._explicit("load", name),
+            "unload": lambda name: self._explicit("unload", name),
+            "config": lambda name, version=None: reports.served_config(manager, name, version),
+            "statistics": lambda name=None, version=None: reports.statistics(
+                manager, name, version
+            ),
+            "metrics": manager.publish_statistics,
+            "shadow": self.shadows.report,
+            "promote": lambda name, version=None: promotion.decide(
+                manager, "promote", name, version
+            ),
+            "rollback": lambda name: promotion.decide(manager, "rollback", name, None),
+        }
+        handler = handlers.get(op)
+        if handler is None:
+            raise ValueError(f"unknown engine control {op!r}; known: {', '.join(OPERATIONS)}")
+        value = handler(**arguments)
+        return await value if inspect.isawaitable(value) else value
+
+    async def _explicit(self, op: str, name: str) -> None:
+        """An explicit load or unload: refused unless the model control mode is 'explicit'."""
+        mode = self.settings.repository.model_control
+        if mode != "explicit":
+            raise ServiceError(
+                f"explicit model {op} is not allowed: the model control mode is '{mode}' "
+                "(set VITSERVE_MODEL_CONTROL=explicit)",
+                status_code=400,
+                code="bad_request",
+            )
+        if op == "unload":
+            return await self.manager.unload(name)
+        try:
+            return await self.manager.load(name)
+        except ModelLoadError as error:
+            raise ServiceError(
+                f"failed to load '{name}': {error}", status_code=400, code="load_failed"
+            ) from None

@@ -29,6 +29,7 @@ from service.contract.model_repository import (
     model_names,
     version_numbers,
 )
+from service.contract.table import ModelTable, ModelView
 from service.engine.model_versions import (
     ManagedModel,
     Signature,
@@ -43,7 +44,6 @@ from service.engine.model_versions import (
 from service.engine.pipeline import ModelPipeline
 from service.engine.runtime import Runtime
 from service.errors import NotFound
-from service.link.protocol import ModelTable, ModelView
 from service.observability.metrics import Metrics, forget_series
 from service.settings import Settings
 
@@ -159,7 +159,7 @@ class ModelManager:
         return self.settings.repository.model_control == "explicit"
 
     def routing(self) -> ModelTable:
-        """The models as requests are resolved against them (service/link/protocol.py holds the rules:
+        """The models as requests are resolved against them (service/contract/table.py holds the rules:
         unknown, not ready, not loaded in explicit mode)."""
         return ModelTable(
             default_name=self.default_name,
@@ -201,7 +201,7 @@ class ModelManager:
         return self.resolve(name, requested)
 
     def views(self) -> dict[str, ModelView]:
-        """Every model as front ends see it (service/link/protocol.py)."""
+        """Every model as front ends see it (service/contract/table.py)."""
         return {name: model.view() for name, model in self.models.items()}
 
     @property

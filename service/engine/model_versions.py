@@ -29,9 +29,9 @@ from service.contract.model_repository import (
     VersionFiles,
     version_files,
 )
+from service.contract.table import ModelView
 from service.engine.pipeline import ModelPipeline
 from service.errors import ServiceUnavailable
-from service.link.protocol import ModelView
 from service.settings import BatchingSettings, LimitSettings
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ class ManagedModel:
         return self._comparison[1]
 
     def view(self) -> ModelView:
-        """This model as front ends see it (service/link/protocol.py)."""
+        """This model as front ends see it (service/contract/table.py)."""
         comparison = self.comparison()
         return ModelView(
             name=self.name,

@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 
 from service.contract.model_config import ServingConfig
+from service.contract.table import Graph, Serving, VersionView
 from service.engine.batcher import DynamicBatcher
 from service.engine.request import Request
 from service.engine.runtime import Runtime
 from service.engine.statistics import ModelStatistics
 from service.errors import InvalidInput, NotFound, ServiceError
-from service.link.protocol import Graph, Serving, VersionView
 from service.observability.metrics import Metrics
 from service.settings import BatchingSettings, LimitSettings
 

@@ -15,16 +15,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from service.contract.candidates import Thresholds, judge
 from service.contract.model_config import CandidatePlan, with_candidate_plan, write_model_config
 from service.contract.model_repository import CONFIG_FILE, ModelLoadError
+from service.engine.model_manager import ModelManager
 from service.engine.model_versions import model_config
+from service.engine.shadow import Shadows
 from service.errors import ServiceError
-
-if TYPE_CHECKING:
-    from service.engine.core import Engine
 
 logger = logging.getLogger("vitserve")
 
@@ -33,10 +32,9 @@ def _conflict(message: str) -> ServiceError:
     return ServiceError(message, status_code=409, code="no_candidate")
 
 
-async def decide(engine: Engine, op: str, name: str, version: int | None) -> dict[str, Any]:
+async def decide(manager: ModelManager, op: str, name: str, version: int | None) -> dict[str, Any]:
     """``promote`` (the candidate, which must be ``version`` when given, becomes live) or
     ``rollback`` (the candidate's trial ends); what the model serves afterwards."""
-    manager = engine.manager
     model = manager.model(name)
     plan = model.plan
     candidate = plan.candidate_version
@@ -106,13 +104,13 @@ async def decide(engine: Engine, op: str, name: str, version: int | None) -> dic
     }
 
 
-async def watch(engine: Engine, every_s: float) -> None:
+async def watch(manager: ModelManager, shadows: Shadows, every_s: float) -> None:
     """Poll mode's automatic promotion: every ``every_s``, each model whose parameters give the
     thresholds (``vitserve_promote_*``) has its candidate judged as ``python -m service.promote``
     would, and promoted or rolled back once the evidence is in. Runs until cancelled."""
     while True:
         await asyncio.sleep(every_s)
-        for name, model in list(engine.manager.models.items()):
+        for name, model in list(manager.models.items()):
             plan = model.plan
             if not plan.promoting:
                 continue
@@ -122,7 +120,7 @@ async def watch(engine: Engine, every_s: float) -> None:
                 plan.promote_max_latency_ratio,  # type: ignore[arg-type]
                 plan.promote_max_p99_difference,
             )
-            verdict = judge(engine.shadows.report(name), thresholds)
+            verdict = judge(shadows.report(name), thresholds)
             if verdict.action == "wait":
                 continue
             logger.warning(
@@ -132,6 +130,6 @@ async def watch(engine: Engine, every_s: float) -> None:
                 f" ({'; '.join(verdict.reasons)})" if verdict.reasons else "",
             )
             try:
-                await decide(engine, verdict.action, name, plan.candidate_version)
+                await decide(manager, verdict.action, name, plan.candidate_version)
             except ServiceError as error:
                 logger.error("automatic %s of %s failed: %s", verdict.action, name, error.message)

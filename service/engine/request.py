@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from service.contract.table import Outputs, ShadowCopy
 from service.engine.statistics import BatchTimes
-from service.link.protocol import Outputs, ShadowCopy
 from service.observability import tracing
 
 Reply = Callable[["Request", Outputs | None, Exception | None], None]

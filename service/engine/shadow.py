@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.contract.probabilities import softmax
+from service.contract.table import Outputs
 from service.engine.batch_runs import RunBatch, timed_run
-from service.link.protocol import Outputs
 from service.observability.logs import Throttle
 from service.observability.shadow_metrics import ShadowSeries
 

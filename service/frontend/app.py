@@ -27,7 +27,7 @@ from service.frontend.routers import attention, demo, health, metrics, models, p
 from service.frontend.schemas import AttentionRequest, PredictRequest
 from service.frontend.security import OPENAPI_SECURITY, SECURITY_SCHEMES, require_api_key
 from service.frontend.state import FrontendState
-from service.link.client import EngineClient, LocalEngine
+from service.link.client import EngineClient
 from service.observability import logs, tracing
 from service.observability.metrics import Metrics
 from service.settings import Settings
@@ -124,7 +124,13 @@ def create_app(
     settings = settings or Settings()
     logs.configure(settings.server.log_level, settings.server.log_format)
     app_metrics = process_metrics or Metrics()
-    local = LocalEngine.create(settings, app_metrics) if engine is None else None
+    local = None
+    if engine is None:
+        # imported only here: a front end given the engine process's link never loads the engine
+        # (nor onnxruntime); tests/service/test_remote_engine.py checks
+        from service.engine.local import LocalEngine
+
+        local = LocalEngine.create(settings, app_metrics)
     client = local if local is not None else engine
     assert client is not None
     state = FrontendState(settings, app_metrics, client, worker)

@@ -16,7 +16,7 @@ from service.frontend.probes import EventLoopHealth, ProbeListener
 from service.frontend.server import guarded_protocol
 from service.launcher.cli import EXIT_START_FAILED
 from service.launcher.health import FrontEndBeat
-from service.launcher.processes import ANSWER_MARGIN_S, freeze_heap
+from service.launcher.process_setup import ANSWER_MARGIN_S, freeze_heap
 from service.observability.logs import uvicorn_log_config
 from service.settings import Settings
 

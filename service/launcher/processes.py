@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import gc
 import logging
 import os
 import signal
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from service.launcher.cli import EXIT_START_FAILED
 from service.launcher.health import ENGINE_BEAT_S, FrontEndBeat, HealthBoard
+from service.launcher.process_setup import freeze_heap
 from service.link.wire import Addresses
 from service.settings import Settings
 
@@ -31,9 +31,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vitserve")
 
-# uvicorn cancels open requests this long after the service's own drain deadline, which answers what
-# is left 503: long enough for those answers to be written.
-ANSWER_MARGIN_S = 5.0
 # the processes' names (ps, top, /proc/PID/comm)
 ENGINE_NAME = "vitserve-engine"
 FRONT_END_NAME = "vitserve-front"
@@ -63,14 +60,6 @@ def private_temporary_files(addresses: Addresses) -> None:
     directory = os.path.dirname(addresses.engine)
     os.environ["TMPDIR"] = directory  # for native code, and the processes this one starts
     tempfile.tempdir = directory  # Python's cache of it, copied from the supervisor by a fork
-
-
-def freeze_heap() -> None:
-    """Take what is alive once the process is set up (modules, the app, the models' sessions) out of
-    the cyclic collector's reach: each full collection walked all of it on the event loop, and those
-    pauses were the slowest requests (p99 at c=64: 70-88 ms frozen, 115-153 ms not; BENCHMARKS.md)."""
-    gc.collect()
-    gc.freeze()
 
 
 def front_end(
@@ -150,7 +139,7 @@ async def _report_health(board: HealthBoard, core: Engine) -> None:
 async def _serve_engine(settings: Settings, addresses: Addresses, board: HealthBoard) -> int:
     from service.contract.model_repository import ModelLoadError
     from service.engine.core import Engine
-    from service.link.engine_server import EngineServer
+    from service.engine.server import EngineServer
     from service.observability import tracing
     from service.observability.metrics import Metrics
 

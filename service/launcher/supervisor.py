@@ -35,6 +35,7 @@ from service.frontend.probes import STALL_S, ProbeListener
 from service.launcher import processes, run_directory
 from service.launcher.health import STARTING, HealthBoard, SupervisedHealth
 from service.launcher.ports import hold_grpc, is_loose, listen, tighten
+from service.launcher.process_setup import ANSWER_MARGIN_S
 from service.link.arena import unlink_blocks
 from service.link.wire import Addresses
 from service.settings import Settings
@@ -309,7 +310,7 @@ class Supervisor:
         for listener in getattr(self, "listeners", []):
             listener.close()  # new connections are refused once the front ends close theirs
         front_ends = [p for p in self.front_ends.values() if p.is_alive()]
-        drain_s = self.settings.server.graceful_shutdown_s + processes.ANSWER_MARGIN_S
+        drain_s = self.settings.server.graceful_shutdown_s + ANSWER_MARGIN_S
         _join(front_ends, drain_s + KILL_WAIT_S)
         if self.engine is not None:
             _signal(self.engine, signal.SIGTERM)

@@ -1,27 +1,19 @@
-"""The engine as a front end sees it: the table of models, inference on rows, and control calls."""
+"""The engine as a front end sees it: the table of models, inference on rows, and control calls.
+
+Two kinds: ``service/link/remote.py``'s ``RemoteEngine`` reaches the engine process over the link;
+``service/engine/local.py``'s ``LocalEngine`` runs the engine in the front end's own process.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from service.link.protocol import (
-    ControlOp,
-    Graph,
-    ModelTable,
-    Outputs,
-    Remote,
-    ShadowCopy,
-    VersionView,
-)
-
-if TYPE_CHECKING:  # front-end processes never import the engine (nor onnxruntime)
-    from service.engine.core import Engine
-    from service.observability.metrics import Metrics
-    from service.settings import Settings
+from service.contract.control import ControlOp
+from service.contract.table import Graph, ModelTable, Outputs, ShadowCopy, VersionView
 
 
 class EngineClient(ABC):
@@ -113,61 +105,3 @@ class EngineClient(ABC):
     @abstractmethod
     def record_failure(self, view: VersionView, ns: int) -> None:
         """``Engine.record_failure``: a request refused here counts in the version's statistics."""
-
-
-class LocalEngine(EngineClient):
-    """The engine in the front end's own process and event loop: the lifespan starts and stops it."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    @classmethod
-    def create(cls, settings: Settings, metrics: Metrics) -> LocalEngine:
-        """A new engine in this process (imported here: a front end of another process never loads
-        onnxruntime)."""
-        from service.engine.core import Engine
-
-        return cls(Engine(settings, metrics))
-
-    @property
-    def table(self) -> ModelTable:
-        return self.engine.table()
-
-    @property
-    def connected(self) -> bool:
-        return True
-
-    async def start(self) -> None:
-        await self.engine.start()
-
-    async def stop(self) -> None:
-        await self.engine.stop()
-
-    def begin_shutdown(self) -> None:
-        self.engine.begin_shutdown()
-
-    def admit(self, view: VersionView, requested: int | None, graph: Graph, count: int) -> None:
-        self.engine.admit(view.name, view.version, requested, view.preprocessing_key, graph, count)
-
-    async def infer(
-        self,
-        view: VersionView,
-        requested: int | None,
-        graph: Graph,
-        rows: np.ndarray,
-        request_id: str | None,
-        disconnected: Awaitable[object] | None,
-        shadow: ShadowCopy | None = None,
-    ) -> Outputs:
-        from service.engine.core import Route
-
-        route = Route(view.name, view.version, requested, view.preprocessing_key, graph)
-        return await self.engine.infer(route, rows, request_id, disconnected, shadow)
-
-    async def control(
-        self, op: ControlOp, name: str | None = None, version: int | None = None
-    ) -> Any:
-        return await self.engine.control(op, **Remote(1, op, name, version).arguments())
-
-    def record_failure(self, view: VersionView, ns: int) -> None:
-        self.engine.record_failure(view.name, view.version, ns)

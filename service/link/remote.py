@@ -27,25 +27,13 @@ from typing import Any
 
 import numpy as np
 
+from service.contract.control import ControlOp
+from service.contract.table import Graph, ModelTable, Outputs, ShadowCopy, VersionView
 from service.errors import InvalidInput, ServiceUnavailable
 from service.link import protocol, wire
 from service.link.arena import Arena, Region
 from service.link.client import EngineClient
-from service.link.protocol import (
-    Answer,
-    Cancel,
-    Failed,
-    Graph,
-    Hello,
-    Infer,
-    ModelTable,
-    Outputs,
-    Remote,
-    Result,
-    ShadowCopy,
-    TableUpdate,
-    VersionView,
-)
+from service.link.protocol import Answer, Cancel, Failed, Hello, Infer, Remote, Result, TableUpdate
 from service.observability import tracing
 from service.observability.metrics import Metrics
 
@@ -416,7 +404,7 @@ class RemoteEngine(EngineClient):
             self._link.outbox.put(Failed(view.name, view.version, ns))
 
     async def control(
-        self, op: protocol.ControlOp, name: str | None = None, version: int | None = None
+        self, op: ControlOp, name: str | None = None, version: int | None = None
     ) -> Any:
         message = Remote(next(self._ids), op, name, version)
         value = await self._call(message, (), None, CALL_DEADLINE_S)

@@ -18,12 +18,12 @@ from service.errors import InvalidInput, ServiceUnavailable
 from service.frontend.inputs import RawImage
 from service.frontend.serving import (
     INLINE_PIXELS,
-    DecodeGate,
     client_gone,
     declared_pixels,
     decode_inline,
     prepare_batch,
 )
+from service.frontend.state import DecodeGate
 from service.observability.metrics import Metrics
 from service.settings import Settings
 from tests.service.test_preprocessing import MEAN, STD, metadata

@@ -9,23 +9,18 @@ import asyncio
 import os
 import random
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import pytest
 from msgspec.structs import replace
 
+from service.contract.control import OPERATIONS, ControlOp
+from service.contract.table import ModelTable
+from service.engine.server import EngineServer
 from service.link import protocol, wire
 from service.link.arena import PAGE, Arena, block_name
-from service.link.engine_server import EngineServer
-from service.link.protocol import (
-    Answer,
-    Cancel,
-    Failed,
-    Hello,
-    Infer,
-    ModelTable,
-    TableUpdate,
-)
+from service.link.protocol import Answer, Cancel, Failed, Hello, Infer, TableUpdate
 
 
 def raw_bytes(raw: list) -> list[bytes]:
@@ -572,3 +567,27 @@ def test_an_item_that_cannot_be_encoded_is_refused_alone_and_the_others_still_go
     assert [unpacked(message) for message in sent] == [
         [(Cancel(1), []), (Failed("m", 1, 5), [b"raw"])]
     ]
+
+
+def test_each_control_operation_is_called_with_the_arguments_its_row_names():
+    """One table (service/contract/control.py) says what each operation takes: the Remote message
+    hands Engine.control those arguments and no others, and the link knows no other operation."""
+    expected = {
+        "index": {},
+        "metrics": {},
+        "load": {"name": "m"},
+        "unload": {"name": "m"},
+        "shadow": {"name": "m"},
+        "rollback": {"name": "m"},
+        "config": {"name": "m", "version": 3},
+        "statistics": {"name": "m", "version": 3},
+        "promote": {"name": "m", "version": 3},
+    }
+    assert get_args(ControlOp) == tuple(OPERATIONS) and set(OPERATIONS) == set(expected)
+    for op, arguments in expected.items():
+        assert protocol.Remote(1, op, "m", 3).arguments() == arguments, op
+    unknown = protocol.encoder.encode([(protocol.Remote(1, "index"), [])]).replace(
+        b"index", b"erase"
+    )
+    with pytest.raises(protocol.msgspec.ValidationError, match="Invalid enum value 'erase'"):
+        protocol.to_engine.decode(unknown)

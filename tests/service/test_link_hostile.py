@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from service.engine.server import EngineServer
 from service.errors import NotFound
 from service.link import protocol, wire
 from service.link.arena import PAGE, SHM, Arena, block_name
-from service.link.engine_server import EngineServer
 from service.link.protocol import Answer, Cancel, Hello, Infer, Refusal, TableUpdate
 from tests.service.test_link import CancelWatchingEngine, calls_answered, connect, infer, until
 

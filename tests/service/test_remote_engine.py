@@ -15,12 +15,13 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from service.contract.table import ModelTable
+from service.engine.server import EngineServer
 from service.errors import InvalidInput, ServiceUnavailable
 from service.link import remote as remote_module
 from service.link import wire
 from service.link.arena import block_name
-from service.link.engine_server import EngineServer
-from service.link.protocol import Infer, ModelTable
+from service.link.protocol import Infer
 from service.link.remote import RemoteEngine
 from service.observability.metrics import Metrics
 from tests.service.test_arena import whole_again
@@ -132,16 +133,16 @@ def test_control_calls_come_back_as_their_operation_s_type(tmp_path):
 
 
 def test_no_module_a_front_end_runs_imports_the_engine():
-    """Front ends share the protocol with the engine, never its code: importing every front-end
-    module and the front end's half of the link loads nothing from ``service/engine/`` (nor
-    onnxruntime)."""
+    """Front ends share the protocol and the table with the engine, never its code: importing every
+    front-end module, every module of the link and the table loads nothing from ``service/engine/``
+    (nor onnxruntime). The engine's end of the link and the in-process engine are the engine's."""
     script = """
 import pkgutil, importlib, sys
-import service.frontend
-for module in pkgutil.walk_packages(service.frontend.__path__, "service.frontend."):
-    importlib.import_module(module.name)
-for name in ("client", "remote", "wire", "protocol", "arena"):
-    importlib.import_module("service.link." + name)
+import service.frontend, service.link
+for package in (service.frontend, service.link):
+    for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        importlib.import_module(module.name)
+importlib.import_module("service.contract.table")
 print(sorted(m for m in sys.modules if m.startswith("service.engine") or m == "onnxruntime"))
 """
     result = subprocess.run(

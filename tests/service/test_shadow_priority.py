@@ -21,10 +21,10 @@ from service.contract.model_config import (
     ModelConfigError,
     candidate_plan,
 )
+from service.contract.table import ShadowCopy
 from service.engine.batcher import DynamicBatcher
 from service.engine.request import Request
 from service.engine.shadow import Comparison, ModelShadow, Shadows
-from service.link.protocol import ShadowCopy
 from service.observability.metrics import Metrics
 
 

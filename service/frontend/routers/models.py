@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from service.contract.preprocessing import ACCEPTED_FORMATS
+from service.contract.table import ModelTable, ModelView
 from service.frontend.routers._openapi import ERROR_RESPONSES
 from service.frontend.schemas import (
     BatchingInfo,
@@ -16,7 +17,6 @@ from service.frontend.schemas import (
 )
 from service.frontend.security import require_api_key
 from service.frontend.state import frontend_state
-from service.link.protocol import ModelTable, ModelView
 from service.settings import LimitSettings, Settings
 
 router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key)])

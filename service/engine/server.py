@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from service.contract.table import Outputs, ShadowCopy
 from service.engine.core import Engine, Route
 from service.engine.request import Request
 from service.errors import ClientDisconnected, InferenceFailed, ServiceError
@@ -47,11 +48,9 @@ from service.link.protocol import (
     Hello,
     Infer,
     LinkViolation,
-    Outputs,
     Refusal,
     Remote,
     Result,
-    ShadowCopy,
     TableUpdate,
 )
 from service.observability import tracing
