@@ -14,6 +14,8 @@ Shared by both sides and by neither's code: the engine and the front ends import
 from __future__ import annotations
 
 import random
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Annotated, Literal, NamedTuple
 
@@ -44,6 +46,22 @@ class ShadowCopy(NamedTuple):
 
     mark: ShadowMark
     rows: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class Call:
+    """One request as a front end hands it to the engine, built once (``ServedVersion._run``) and
+    taken as it is by either engine client: the version it was routed to, the version the client
+    asked for (None: the live one), the graph, the rows (one image each, preprocessed for the
+    version), its id, what completes when its client has gone, and its copy for the candidate."""
+
+    view: VersionView
+    requested: int | None
+    graph: Graph
+    rows: np.ndarray
+    request_id: str | None = None
+    disconnected: Awaitable[object] | None = None
+    shadow: ShadowCopy | None = None
 
 
 class Serving(msgspec.Struct, frozen=True):

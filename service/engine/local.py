@@ -7,13 +7,10 @@ The engine's, not the link's: it imports the engine (and so onnxruntime), which 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
 from typing import Any
 
-import numpy as np
-
 from service.contract.control import ControlOp, arguments
-from service.contract.table import Graph, ModelTable, Outputs, ShadowCopy, VersionView
+from service.contract.table import Call, Graph, ModelTable, Outputs, VersionView
 from service.engine.core import Engine, Route
 from service.link.client import EngineClient
 from service.observability.metrics import Metrics
@@ -51,18 +48,12 @@ class LocalEngine(EngineClient):
     def admit(self, view: VersionView, requested: int | None, graph: Graph, count: int) -> None:
         self.engine.admit(view.name, view.version, requested, view.preprocessing_key, graph, count)
 
-    async def infer(
-        self,
-        view: VersionView,
-        requested: int | None,
-        graph: Graph,
-        rows: np.ndarray,
-        request_id: str | None,
-        disconnected: Awaitable[object] | None,
-        shadow: ShadowCopy | None = None,
-    ) -> Outputs:
-        route = Route(view.name, view.version, requested, view.preprocessing_key, graph)
-        return await self.engine.infer(route, rows, request_id, disconnected, shadow)
+    async def infer(self, call: Call) -> Outputs:
+        view = call.view
+        route = Route(view.name, view.version, call.requested, view.preprocessing_key, call.graph)
+        return await self.engine.infer(
+            route, call.rows, call.request_id, call.disconnected, call.shadow
+        )
 
     async def control(
         self, op: ControlOp, name: str | None = None, version: int | None = None

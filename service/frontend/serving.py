@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from service.contract.preprocessing import Invert, Prepared, Preprocessor, pixels_to_decode
-from service.contract.table import Graph, Outputs, ShadowCopy, ShadowMark, VersionView
+from service.contract.table import Call, Graph, Outputs, ShadowCopy, ShadowMark, VersionView
 from service.errors import InvalidInput, NotFound, ServiceError
 from service.frontend.error_responses import request_id_of
 from service.frontend.inputs import RawImage
@@ -189,9 +189,8 @@ class ServedVersion:
             raise
         disconnected = None if self.client_gone is None else self.client_gone()
         copy = None if shadow is None else ShadowCopy(shadow, own)
-        return await self.state.engine.infer(
-            self.view, self.requested, graph, rows, self.request_id, disconnected, copy
-        )
+        call = Call(self.view, self.requested, graph, rows, self.request_id, disconnected, copy)
+        return await self.state.engine.infer(call)
 
     async def classify(self, images: list[RawImage], invert: Invert) -> np.ndarray:
         """Logits ``[images, classes]``, in order."""

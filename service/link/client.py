@@ -7,13 +7,10 @@ Two kinds: ``service/link/remote.py``'s ``RemoteEngine`` reaches the engine proc
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable
 from typing import Any
 
-import numpy as np
-
 from service.contract.control import ControlOp
-from service.contract.table import Graph, ModelTable, Outputs, ShadowCopy, VersionView
+from service.contract.table import Call, Graph, ModelTable, Outputs, VersionView
 
 
 class EngineClient(ABC):
@@ -47,18 +44,9 @@ class EngineClient(ABC):
         decoding, so that an overloaded service refuses at once instead of decoding in vain)."""
 
     @abstractmethod
-    async def infer(
-        self,
-        view: VersionView,
-        requested: int | None,
-        graph: Graph,
-        rows: np.ndarray,
-        request_id: str | None,
-        disconnected: Awaitable[object] | None,
-        shadow: ShadowCopy | None = None,
-    ) -> Outputs:
-        """Every output, stacked over the rows in order (service/engine/core.py's ``Engine.submit``);
-        ``shadow``: the call's copy for its model's candidate, when the front end drew one."""
+    async def infer(self, call: Call) -> Outputs:
+        """Every output of ``call``'s graph, stacked over its rows in order (service/engine/core.py's
+        ``Engine.submit``)."""
 
     @abstractmethod
     async def control(

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from service.contract.control import ControlOp
-from service.contract.table import Graph, ModelTable, Outputs, ShadowCopy, VersionView
+from service.contract.table import Call, Graph, ModelTable, Outputs, VersionView
 from service.errors import InvalidInput, ServiceUnavailable
 from service.link import protocol, wire
 from service.link.arena import Arena, Region
@@ -362,17 +362,9 @@ class RemoteEngine(EngineClient):
                 )
             )
 
-    async def infer(
-        self,
-        view: VersionView,
-        requested: int | None,
-        graph: Graph,
-        rows: np.ndarray,
-        request_id: str | None,
-        disconnected: Awaitable[object] | None,
-        shadow: ShadowCopy | None = None,
-    ) -> Outputs:
-        rows = np.ascontiguousarray(rows)
+    async def infer(self, call: Call) -> Outputs:
+        view, graph, shadow = call.view, call.graph, call.shadow
+        rows = np.ascontiguousarray(call.rows)
         shape, mark = rows.shape, None if shadow is None else shadow.mark
         own = None if shadow is None else shadow.rows
         if own is not None:  # the candidate's rows travel right after the call's, in one buffer
@@ -382,13 +374,13 @@ class RemoteEngine(EngineClient):
             next(self._ids),
             view.name,
             view.version,
-            requested,
+            call.requested,
             view.preprocessing_key,
             graph,
             shape,
             rows.dtype.str,
             None if region is None else region.offset,
-            request_id,
+            call.request_id,
             tracing.carrier(),
             mark,
             None if own is None else own.shape,
@@ -397,7 +389,7 @@ class RemoteEngine(EngineClient):
         timeout = view.serving.request_timeout_s
         deadline_s = CALL_DEADLINE_S if timeout is None else timeout + DEADLINE_GRACE_S
         full_key = (view.name, view.version, graph)
-        return await self._call(message, raw, region, deadline_s, disconnected, full_key)
+        return await self._call(message, raw, region, deadline_s, call.disconnected, full_key)
 
     def record_failure(self, view: VersionView, ns: int) -> None:
         if self.connected and self._link is not None:

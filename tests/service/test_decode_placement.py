@@ -24,8 +24,8 @@ class EchoEngine:
     def admit(self, view, requested, graph, count) -> None:
         pass
 
-    async def infer(self, view, requested, graph, rows, request_id, disconnected, shadow=None):
-        return [rows]
+    async def infer(self, call):
+        return [call.rows]
 
     def record_failure(self, view, ns) -> None:
         pass

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from service.contract.table import ModelTable
+from service.contract.table import Call, ModelTable
 from service.engine.server import EngineServer
 from service.errors import InvalidInput, ServiceUnavailable
 from service.link import remote as remote_module
@@ -69,9 +69,7 @@ def test_answered_calls_are_forgotten_and_each_lone_call_goes_at_once(tmp_path, 
 
     async def scenario() -> tuple[list, int, bool]:
         server, remote = await started(CancelWatchingEngine(), tmp_path)
-        answers = [
-            await remote.infer(view(), None, "classifier", ROWS, None, None) for _ in range(6)
-        ]
+        answers = [await remote.infer(Call(view(), None, "classifier", ROWS)) for _ in range(6)]
         pending, whole = len(remote._pending), whole_again(remote.arena)
         await remote.stop()
         await server.close()
@@ -94,13 +92,13 @@ def test_a_call_the_engine_never_answers_is_given_up_at_its_deadline(tmp_path, m
         server, remote = await started(engine, tmp_path)
         try:
             async with asyncio.timeout(10):  # not for ever, should the deadline never come
-                await remote.infer(view(timeout_s=0.1), None, "classifier", ROWS, None, None)
+                await remote.infer(Call(view(timeout_s=0.1), None, "classifier", ROWS))
         except ServiceUnavailable as error:
             refused = error
         held = (len(remote._pending), whole_again(remote.arena))
         await until(lambda: engine.released == 1)  # the engine's call was cancelled
         engine.hold = False
-        again = await remote.infer(view(), None, "classifier", ROWS, None, None)
+        again = await remote.infer(Call(view(), None, "classifier", ROWS))
         await remote.stop()
         await server.close()
         return refused, held, again
@@ -170,18 +168,18 @@ def test_a_front_end_connects_again_to_a_restarted_engine(tmp_path):
         remote = RemoteEngine(addresses, "unused", 0, 1, Metrics())
         await remote.start()
         rows = np.ones((1, 1, 2, 2), np.float32)
-        seen.append(await remote.infer(view, None, "classifier", rows, None, None))
+        seen.append(await remote.infer(Call(view, None, "classifier", rows)))
         await first.close()
         # the lost link says so at once, not the heartbeat (silent for SILENT_ENGINE_S = 3 s)
         await until(lambda: not remote.connected, seconds=2)
         try:
-            await remote.infer(view, None, "classifier", rows, None, None)
+            await remote.infer(Call(view, None, "classifier", rows))
         except Exception as error:  # its kind is what is checked
             seen.append(getattr(error, "code", repr(error)))
         second = EngineServer(CancelWatchingEngine(), addresses)
         await second.bind()
         await until(lambda: remote.connected and remote.table.ready)
-        seen.append(await remote.infer(view, None, "classifier", rows * 2, None, None))
+        seen.append(await remote.infer(Call(view, None, "classifier", rows * 2)))
         await remote.stop()
         await second.close()
         return seen
@@ -219,7 +217,7 @@ def test_a_request_while_the_engine_restarts_waits_for_the_next_engine_s_table(
         second = EngineServer(CancelWatchingEngine(), addresses)
         await second.bind()
         seen["next engine: ready"] = (await asyncio.wait_for(waiting, 10)).ready
-        seen["answer"] = (await remote.infer(view(), None, "classifier", ROWS, None, None))[0]
+        seen["answer"] = (await remote.infer(Call(view(), None, "classifier", ROWS)))[0]
         began = time.monotonic()
         await remote.table_to_route_by()
         seen["running engine: waited"] = time.monotonic() - began
