@@ -172,7 +172,7 @@ class Engine:
             for request in requests:
                 request.fail(error)
             return
-        if route.graph == "classifier":
+        if route.graph == "classifier" and any(r.shadow is not None for r in requests):
             self.shadows.offer(pipeline, requests)
         pipeline.submit(route.graph, requests, alone)
 

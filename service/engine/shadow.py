@@ -391,10 +391,8 @@ class Shadows:
         model's live version and the candidate is ready; a mark that no longer fits the versions
         (the front end's table was older) is counted incompatible."""
         marked = [request for request in requests if request.shadow is not None]
-        if not marked:
-            return
         model = self.manager.models.get(pipeline.name)
-        if model is None:
+        if not marked or model is None:
             return
         plan = model.plan
         if not plan.shadowing or pipeline.version != model.live_version():
