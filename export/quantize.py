@@ -47,6 +47,7 @@ from export.checkpoint import file_sha256, load_checkpoint, resolve_checkpoint
 from export.data import Split, load_dataset, normalize, spec_from_metadata, train_validation_split
 from export.evaluate import dataset_logits, onnx_runner
 from export.repository import new_version_dir, write_version
+from service.contract.probabilities import softmax
 
 QUANTIZATIONS = ("dynamic", "static-qdq")
 CALIBRATION_IMAGES = 512
@@ -153,13 +154,8 @@ def accuracy(graph: onnx.ModelProto, images: np.ndarray, labels: np.ndarray) -> 
 def agreement(float_logits: np.ndarray, int8_logits: np.ndarray) -> dict[str, float]:
     """How the int8 graph answers against the float one on the same images: what a shadow trial
     of the int8 version would measure live (top-1 agreement; per image, the largest
-    ``|p_int8 - p_float|`` over its classes, its p99 and maximum)."""
-
-    def probabilities(logits: np.ndarray) -> np.ndarray:
-        shifted = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
-        return shifted / shifted.sum(axis=1, keepdims=True)
-
-    difference = np.abs(probabilities(int8_logits) - probabilities(float_logits)).max(axis=1)
+    ``|p_int8 - p_float|`` over its classes, its p99 and maximum: the shadow's own softmax)."""
+    difference = np.abs(softmax(int8_logits) - softmax(float_logits)).max(axis=1)
     return {
         "top1_agreement": float((int8_logits.argmax(1) == float_logits.argmax(1)).mean()),
         "probability_difference_p99": float(np.percentile(difference, 99)),

@@ -158,12 +158,7 @@ def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> I
     except Image.DecompressionBombError as error:
         raise InvalidInput(too_many, field=field, code="too_many_pixels") from error
     except Exception as error:  # Pillow raises many exception types for malformed headers
-        raise InvalidInput(
-            f"{field}: cannot decode the {image_format} image "
-            f"({pillow_problem(error, image_format)})",
-            field=field,
-            code="undecodable_image",
-        ) from error
+        raise undecodable(field, image_format, error) from error
     width, height = image.size
     if width < 1 or height < 1:
         raise InvalidInput(
@@ -184,13 +179,17 @@ def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> I
         image.load()
         ImageOps.exif_transpose(image, in_place=True)  # a copy per image otherwise
     except Exception as error:
-        raise InvalidInput(
-            f"{field}: cannot decode the {image_format} image "
-            f"({pillow_problem(error, image_format)})",
-            field=field,
-            code="undecodable_image",
-        ) from error
+        raise undecodable(field, image_format, error) from error
     return image
+
+
+def undecodable(field: str, image_format: str, error: Exception) -> InvalidInput:
+    """The 422 for an image Pillow could not open or decode, in Pillow's words (no object's repr)."""
+    return InvalidInput(
+        f"{field}: cannot decode the {image_format} image ({pillow_problem(error, image_format)})",
+        field=field,
+        code="undecodable_image",
+    )
 
 
 def _composite_on_white(rgb: np.ndarray, alpha: np.ndarray) -> np.ndarray:
