@@ -188,6 +188,8 @@ class ServedVersion:
             self.state.engine.record_failure(self.view, time.perf_counter_ns() - entered)
             raise
         disconnected = None if self.client_gone is None else self.client_gone()
+        if shadow == "own" and own is None:  # its rows could not be prepared for the candidate
+            shadow = "incompatible"
         copy = None if shadow is None else ShadowCopy(shadow, own)
         call = Call(self.view, self.requested, graph, rows, self.request_id, disconnected, copy)
         return await self.state.engine.infer(call)
@@ -205,7 +207,10 @@ class ServedVersion:
                 return rows, None
             # the same images as the candidate takes them: decoded again, as its own geometry
             # (and draft size) needs; only for the shadowed share of a candidate on other rows
-            own = prepare_batch(candidate, images, invert, budget)
+            try:
+                own = prepare_batch(candidate, images, invert, budget)
+            except ServiceError:  # the candidate cannot take them: never the caller's failure
+                return rows, None
             return rows, np.stack([item.tensor for item in own])
 
         inline = decode_inline(images)

@@ -231,6 +231,45 @@ def test_a_candidate_with_other_preprocessing_is_compared_on_its_own_rows(
     assert pair["model_ms"]["pairs"] >= 1
 
 
+def test_images_the_candidate_cannot_take_never_fail_the_live_answer(
+    repository, fashion_images, monkeypatch
+):
+    """The candidate's own rows are prepared beside the live ones: when its preprocessing refuses an
+    image the live version takes, the caller still gets the live answer, and the copy is counted
+    incompatible."""
+    from service.errors import InvalidInput
+    from service.frontend import serving
+
+    retag(
+        repository / MODEL_NAME / "2" / "model.onnx", preprocessing={"mean": [0.5], "std": [0.25]}
+    )
+    configure(repository, **{CANDIDATE_VERSION: 2, SHADOW_PERCENT: 100})
+    live = probabilities(repository / MODEL_NAME / "1" / "model.onnx", fashion_images[:6])
+    prepare = serving.prepare_batch
+
+    def candidate_refuses(preprocessor, images, invert, budget):
+        if preprocessor.metadata.preprocessing.std == [0.25]:  # the candidate (a copy of 1)
+            raise InvalidInput("images[0]: the candidate cannot take this", field="images[0]")
+        return prepare(preprocessor, images, invert, budget)
+
+    monkeypatch.setattr(serving, "prepare_batch", candidate_refuses)
+    with serve(repository) as client:
+        for image, expected in zip(fashion_images[:6], live, strict=True):
+            answer = client.post(f"/models/{MODEL_NAME}/predict", json=body(image))
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["predictions"][0]["index"] == int(expected.argmax())
+        pair = wait_until(
+            lambda: (
+                (p := (shadow(client)["pairs"] or [{}])[0]).get("outcomes", {}).get("incompatible")
+                == 6
+                and p
+            ),
+            "6 copies counted incompatible",
+        )
+        assert shadow(client)["rows"] == "own"
+    assert pair["requests_compared"] == 0
+
+
 def test_a_candidate_at_another_input_size_is_compared_on_its_own_rows(repository, fashion_images):
     """Version 2 is another ViT, 35 x 35 (a model fine-tuned at another resolution), with version
     1's labels and preprocessing: each live request's images are prepared again at its size. Its
