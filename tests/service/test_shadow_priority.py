@@ -23,8 +23,9 @@ from service.contract.model_config import (
 )
 from service.contract.table import ShadowCopy
 from service.engine.batcher import DynamicBatcher
+from service.engine.comparison import Comparison
 from service.engine.request import Request
-from service.engine.shadow import Comparison, ModelShadow, Shadows
+from service.engine.shadow import ModelShadow, Shadows
 from service.observability.metrics import Metrics
 
 
