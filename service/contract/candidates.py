@@ -9,13 +9,12 @@ in ``service/contract/model_config.py`` (:class:`~service.contract.model_config.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from service.contract.model_repository import ModelMetadata, rows_key
+from service.contract.model_repository import ModelMetadata, rows_fields, rows_key
 
 # The header a client names itself with, so that the canary answers it from one version every time.
 CLIENT_KEY_HEADER = "x-client-key"
@@ -53,18 +52,13 @@ def shadow_rows(live: ModelMetadata, candidate: ModelMetadata) -> tuple[RowsPlan
         return "none", f"the candidate has other labels ({why}); its answers cannot be compared"
     if rows_key(live) == rows_key(candidate):
         return "same", "both versions take the same rows"
-    live_rows, candidate_rows = (_flat(json.loads(rows_key(m))) for m in (live, candidate))
+    live_rows, candidate_rows = rows_fields(live), rows_fields(candidate)
     differences = [
         f"{key} {candidate_rows.get(key)} against {live_rows.get(key)}"
         for key in sorted(set(live_rows) | set(candidate_rows))
         if live_rows.get(key) != candidate_rows.get(key)
     ]
     return "own", "the candidate runs on its own rows (" + "; ".join(differences) + ")"
-
-
-def _flat(key: dict[str, Any]) -> dict[str, Any]:
-    shape = key["input"]
-    return {"input": "x".join(map(str, shape[2:])), **key["preprocessing"]}
 
 
 def in_canary(percent: float, client_key: str | None) -> bool:

@@ -223,8 +223,9 @@ class ModelMetadata(_Meta):
         return len(self.labels)
 
 
-def rows_key(metadata: ModelMetadata) -> str:
-    """What decides the rows an image becomes: two versions with the same key take the same rows.
+def rows_fields(metadata: ModelMetadata) -> dict[str, object]:
+    """What decides the rows an image becomes, field by field: the rows' C x H x W
+    (``input``), ``layout`` and ``dtype``, and every preprocessing field that changes a row.
 
     Equal in effect, not in text: the input's name and the range a client's tensor may span change
     no row, and every default is spelled out, so metadata written by another export (or before a
@@ -234,8 +235,13 @@ def rows_key(metadata: ModelMetadata) -> str:
     preprocessing = pre.model_dump(mode="json")
     if pre.resize != "fit-pad":
         del preprocessing["pad_value"]  # only fit-pad pads
-    shape = [spec.layout, spec.dtype, spec.channels, spec.height, spec.width]
-    return json.dumps({"input": shape, "preprocessing": preprocessing}, sort_keys=True)
+    shape = f"{spec.channels}x{spec.height}x{spec.width}"
+    return {"input": shape, "layout": spec.layout, "dtype": spec.dtype, **preprocessing}
+
+
+def rows_key(metadata: ModelMetadata) -> str:
+    """:func:`rows_fields` as one string: two versions with the same key take the same rows."""
+    return json.dumps(rows_fields(metadata), sort_keys=True)
 
 
 @dataclass(frozen=True)
