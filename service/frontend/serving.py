@@ -21,8 +21,17 @@ import numpy as np
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from service.contract.model_repository import ModelMetadata
 from service.contract.preprocessing import Invert, Prepared, Preprocessor, pixels_to_decode
-from service.contract.table import Call, Graph, Outputs, ShadowCopy, ShadowMark, VersionView
+from service.contract.table import (
+    Call,
+    Graph,
+    Outputs,
+    Serving,
+    ShadowCopy,
+    ShadowMark,
+    VersionView,
+)
 from service.errors import InvalidInput, NotFound, ServiceError
 from service.frontend.error_responses import request_id_of
 from service.frontend.inputs import RawImage
@@ -133,10 +142,6 @@ class ServedVersion:
         self.requested = requested
         self.request_id = request_id
         self.client_gone = client_gone
-        self.name = view.name
-        self.version = view.version
-        self.metadata = view.metadata
-        self.serving = view.serving
 
     @classmethod
     def of(
@@ -144,6 +149,23 @@ class ServedVersion:
     ) -> ServedVersion:
         """An HTTP request's, with the id the middleware gave it."""
         return cls(state, view, requested, request_id_of(request), client_gone(request))
+
+    # the version's own facts, read from its view (a canary drawn for a tensor call may be swapped)
+    @property
+    def name(self) -> str:
+        return self.view.name
+
+    @property
+    def version(self) -> int:
+        return self.view.version
+
+    @property
+    def metadata(self) -> ModelMetadata:
+        return self.view.metadata
+
+    @property
+    def serving(self) -> Serving:
+        return self.view.serving
 
     @property
     def settings(self) -> Settings:
@@ -257,16 +279,7 @@ class ServedVersion:
             and self.version == model.candidate
             and model.shadow_rows != "same"
         ):  # the canary drew a candidate that cannot take the live version's tensors
-            self._reroute(model.view())
+            self.view = model.view() or self.view
         shadow, _ = self._shadow(images=False)
         (logits,) = await self._run("classifier", lambda: (decode(), None), 1, inline, shadow)
         return logits
-
-    def _reroute(self, view: VersionView | None) -> None:
-        if view is not None:
-            self.view, self.version, self.metadata, self.serving = (
-                view,
-                view.version,
-                view.metadata,
-                view.serving,
-            )
