@@ -45,8 +45,7 @@ BUCKETS = (HTTP, BASE64, DECODE, PREPROCESS, QUEUE, MODEL, RESPONSE, LOGS, OTHER
 # (module path prefix, function name or "" for any, bucket), tried in order on each frame from the
 # innermost one out; a frame no rule names (numpy, typing, contextlib, ...) leaves it to its caller.
 RULES = (
-    ("service/contract/preprocessing.py", "decode_image", DECODE),
-    ("service/contract/preprocessing.py", "sniff_format", DECODE),
+    ("service/contract/decoding.py", "", DECODE),
     ("service/contract/preprocessing.py", "image_to_array", DECODE),
     ("service/contract/geometry.py", "shrink", DECODE),
     ("service/contract/geometry.py", "reducible", DECODE),

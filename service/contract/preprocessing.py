@@ -1,8 +1,8 @@
 """Turn any accepted image into exactly what the model was trained on.
 
-Steps, in order: identify the format from its magic bytes (PNG, JPEG, WebP, BMP, GIF only), check the
-pixel count from the header before decoding (decompression bombs), decode the first frame (a JPEG at
-the smallest DCT scale that still covers the resize), apply the EXIF orientation, reduce a large image
+Steps, in order: decode the file (``decoding.py``: its format from its magic bytes, the pixel count
+from the header before decoding, the first frame, a JPEG at the smallest DCT scale that still covers
+the resize, the EXIF orientation), reduce a large image
 to a few times its size after the resize, bring any mode (palette, alpha, 16-bit, CMYK, ...) to 0-255,
 reduce or expand to the model's channels, then the metadata's geometry (``geometry.py``):
 
@@ -17,16 +17,14 @@ Last, scale and normalise with the metadata's mean and std.
 
 from __future__ import annotations
 
-import io
-import re
-import warnings
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 
+from service.contract.decoding import decode_image
 from service.contract.geometry import (
     RESAMPLE,
     draft_side,
@@ -35,161 +33,12 @@ from service.contract.geometry import (
     resize_and_crop,
     shrink,
 )
-from service.contract.jpeg_data import truncation
 from service.contract.model_repository import ModelMetadata, Preprocessing
-from service.errors import InvalidInput, UnsupportedMediaType
+from service.errors import InvalidInput
 
 Invert = Literal["auto", "always", "never"]
 
-ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF")
-ACCEPTED_TEXT = "PNG, JPEG, WebP, BMP or GIF"
-
-# Magic bytes of the accepted formats, and of common others so that they get a 415 that names them.
-_ACCEPTED_MAGIC = (
-    (b"\x89PNG\r\n\x1a\n", "PNG"),
-    (b"\xff\xd8\xff", "JPEG"),
-    (b"GIF87a", "GIF"),
-    (b"GIF89a", "GIF"),
-    (b"BM", "BMP"),
-)
-_OTHER_MAGIC = (
-    (b"II*\x00", "TIFF"),
-    (b"MM\x00*", "TIFF"),
-    (b"%PDF", "PDF"),
-    (b"\x00\x00\x01\x00", "ICO"),
-    (b"8BPS", "PSD"),
-    (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"),
-    (b"\xff\x4f\xff\x51", "JPEG 2000"),
-    (b"qoif", "QOI"),
-    (b"\x76\x2f\x31\x01", "OpenEXR"),
-    (b"<svg", "SVG"),
-    (b"<?xml", "SVG/XML"),
-    (b"P1", "PBM"),
-    (b"P4", "PBM"),
-    (b"P2", "PGM"),
-    (b"P5", "PGM"),
-    (b"P3", "PPM"),
-    (b"P6", "PPM"),
-)
-
-# ITU-R 601-2 luma, as Pillow's convert("L") uses.
-# The pixel limit is checked on the header in decode_image (a 4xx naming the setting); Pillow's own
-# warning below its hard limit would only repeat it, once per image, and catch_warnings per image
-# costs as much as decoding a thumbnail.
-warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
-
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
-
-
-def sniff_format(data: bytes, field: str) -> str:
-    """The Pillow format name of ``data``; 415 for a known other format, 422 for unknown bytes."""
-    if not data:
-        raise InvalidInput(
-            f"{field}: the image is empty (0 bytes)", field=field, code="empty_image"
-        )
-    for magic, name in _ACCEPTED_MAGIC:
-        if data.startswith(magic):
-            return name
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "WEBP"
-    other = None
-    for magic, name in _OTHER_MAGIC:
-        if data.startswith(magic):
-            other = name
-    if other is None and data[4:8] == b"ftyp":
-        other = "HEIF/AVIF"
-    if other is not None:
-        raise UnsupportedMediaType(
-            f"{field}: {other} images are not supported; send a {ACCEPTED_TEXT} file",
-            field=field,
-            code="unsupported_image_format",
-        )
-    raise InvalidInput(
-        f"{field}: not a recognisable image (expected a {ACCEPTED_TEXT} file)",
-        field=field,
-        code="undecodable_image",
-    )
-
-
-# Files larger than this are never taken for thumbnails: pixels_to_decode does not parse them.
-PEEK_BYTES = 256 * 1024
-
-
-def pixels_to_decode(data: bytes) -> int | None:
-    """The pixels decoding ``data``'s first frame really makes, told without decoding: a PNG's or
-    BMP's header (what its decoder allocates), a GIF's canvas as Pillow sizes it from the first
-    image descriptor (the logical screen may claim 1x1 for a 4096x4095 frame). None when it
-    cannot be told cheaply: JPEG, WebP, malformed, or more than PEEK_BYTES."""
-    if data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) >= 24:
-        return int.from_bytes(data[16:20], "big") * int.from_bytes(data[20:24], "big")
-    if data[:2] == b"BM" and len(data) >= 26:
-        width = int.from_bytes(data[18:22], "little", signed=True)
-        height = int.from_bytes(data[22:26], "little", signed=True)
-        return abs(width * height)
-    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) <= PEEK_BYTES:
-        try:
-            with Image.open(io.BytesIO(data), formats=["GIF"]) as image:  # header and descriptor
-                width, height = image.size
-        except Exception:  # Pillow raises many exception types for malformed headers
-            return None
-        return width * height
-    return None
-
-
-# an object's default repr, as Pillow puts the file it was given in its messages
-_OBJECT_REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")
-
-
-def pillow_problem(error: Exception, image_format: str) -> str:
-    """What Pillow found wrong, for the client: never an object's repr (its memory address)."""
-    if isinstance(error, UnidentifiedImageError):
-        return f"not a valid {image_format} file"
-    return _OBJECT_REPR.sub("the image", str(error)) or type(error).__name__
-
-
-def decode_image(data: bytes, field: str, max_pixels: int, draft_size: int) -> Image.Image:
-    """Decode the first frame, upright, after checking the header's pixel count against the limit."""
-    image_format = sniff_format(data, field)
-    too_many = (
-        f"{field}: the image has too many pixels; the limit is max_pixels_per_image={max_pixels}"
-    )
-    try:
-        image = Image.open(io.BytesIO(data), formats=[image_format])
-    except Image.DecompressionBombError as error:
-        raise InvalidInput(too_many, field=field, code="too_many_pixels") from error
-    except Exception as error:  # Pillow raises many exception types for malformed headers
-        raise undecodable(field, image_format, error) from error
-    width, height = image.size
-    if width < 1 or height < 1:
-        raise InvalidInput(
-            f"{field}: the image is {width}x{height} pixels", field=field, code="empty_image"
-        )
-    if width * height > max_pixels:
-        raise InvalidInput(
-            f"{too_many} ({width}x{height} = {width * height} pixels)",
-            field=field,
-            code="too_many_pixels",
-        )
-    truncated = truncation(data) if image_format == "JPEG" else None
-    if truncated is not None:  # libjpeg would fill the missing blocks with grey, and say nothing
-        raise InvalidInput(f"{field}: {truncated}", field=field, code="truncated_image")
-    try:
-        if draft_size:  # JPEG only: decode at a reduced scale when it can (0: never)
-            image.draft(None, (draft_size, draft_size))
-        image.load()
-        ImageOps.exif_transpose(image, in_place=True)  # a copy per image otherwise
-    except Exception as error:
-        raise undecodable(field, image_format, error) from error
-    return image
-
-
-def undecodable(field: str, image_format: str, error: Exception) -> InvalidInput:
-    """The 422 for an image Pillow could not open or decode, in Pillow's words (no object's repr)."""
-    return InvalidInput(
-        f"{field}: cannot decode the {image_format} image ({pillow_problem(error, image_format)})",
-        field=field,
-        code="undecodable_image",
-    )
 
 
 def _composite_on_white(rgb: np.ndarray, alpha: np.ndarray) -> np.ndarray:

@@ -21,8 +21,9 @@ import numpy as np
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from service.contract.decoding import pixels_to_decode
 from service.contract.model_repository import ModelMetadata
-from service.contract.preprocessing import Invert, Prepared, Preprocessor, pixels_to_decode
+from service.contract.preprocessing import Invert, Prepared, Preprocessor
 from service.contract.table import (
     Call,
     Graph,

@@ -21,7 +21,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image, ImageFile
 
-from service.contract.preprocessing import ACCEPTED_FORMATS
+from service.contract.decoding import ACCEPTED_FORMATS
 from service.frontend.app import create_app
 from tests.support import (
     MODEL_NAME,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.contract.preprocessing import decode_image
+from service.contract.decoding import decode_image
 from service.errors import InvalidInput, ServiceError
 from tests.support import assert_error, b64, encode
 

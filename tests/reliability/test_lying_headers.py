@@ -11,7 +11,7 @@ import io
 import pytest
 from PIL import Image
 
-from service.contract.preprocessing import PEEK_BYTES, pixels_to_decode
+from service.contract.decoding import PEEK_BYTES, pixels_to_decode
 from service.frontend.inputs import RawImage
 from service.frontend.serving import INLINE_PIXELS, decode_inline
 from tests.support import encode

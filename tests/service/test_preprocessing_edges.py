@@ -13,17 +13,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from service.contract.decoding import PEEK_BYTES, decode_image, pixels_to_decode, sniff_format
 from service.contract.preprocessing import (
-    PEEK_BYTES,
     Preprocessor,
     _border_mean,
-    decode_image,
     image_to_array,
     normalise,
     pixels_to_array,
-    pixels_to_decode,
     should_invert,
-    sniff_format,
 )
 from service.errors import InvalidInput, UnsupportedMediaType
 from tests.support import encode

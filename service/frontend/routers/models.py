@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from service.contract.preprocessing import ACCEPTED_FORMATS
+from service.contract.decoding import ACCEPTED_FORMATS
 from service.contract.table import ModelTable, ModelView
 from service.frontend.routers._openapi import ERROR_RESPONSES
 from service.frontend.schemas import (
