@@ -134,9 +134,11 @@ chromium: ## Install Debian's chromium (for the demo page's browser test) when i
 	@if [ -x /usr/bin/chromium ]; then echo "Chromium: /usr/bin/chromium"; \
 	else $(call apt_install,chromium); fi
 
-hey: ## Install Debian's hey (the benchmarks' load generator, run by tests/bench/) when it is missing.
+hey: ## Install Debian's hey and wrk (the benchmarks' load generators; tests/bench/ runs hey) when missing.
 	@if command -v hey >/dev/null; then echo "hey: $$(command -v hey)"; \
 	else $(call apt_install,hey); fi
+	@if command -v wrk >/dev/null; then echo "wrk: $$(command -v wrk)"; \
+	else $(call apt_install,wrk); fi
 
 train: $(TEST_STAMP) dataset ## Train a ViT: PRESET=fashion-small RUN=runs/fashion-small.
 	$(VPY) -m export.train --preset $(PRESET) --dataset $(DATASET) --out $(RUN)

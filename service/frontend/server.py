@@ -17,6 +17,10 @@ httptools protocol (the one ``uvicorn[standard]`` runs) that adds
   more than ``max_header_count`` fields are answered 431 and the connection closed; the parser is
   never fed more header bytes than the limit, so they cannot pile up in memory.
 
+And one send per small response: uvicorn writes a response's status line and headers, then its body,
+each with a send of its own (two syscalls and, on a loopback or a LAN, two packets the client wakes
+for); the head is held until the first body bytes and goes out with them (``_OneSendResponse``).
+
 A deadline that passes is answered 408 (when no response has started) and the connection closed. The
 app, if it was reading the body, sees the client gone (``error_responses.CUT_OFF`` in the request's state
 says why).
@@ -28,7 +32,7 @@ import asyncio
 import json
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from service.frontend.error_responses import CUT_OFF
 from service.frontend.probes import Readiness, probe_answer, probe_path
@@ -55,6 +59,56 @@ def _raw(status: int, reason: str, body: bytes, retry_after: int | None = None) 
     if retry_after is not None:
         headers.append(f"retry-after: {retry_after}")
     return ("\r\n".join(headers) + "\r\n\r\n").encode() + body
+
+
+class _OneSendResponse:
+    """A response's transport as its uvicorn cycle sees it: the head (the cycle's first write once
+    its response has started) is held and sent with the first body bytes, in one write; the rest
+    passes through. The cycle's ``send`` is wrapped so that the head goes out after each body
+    message even when that message wrote nothing (a HEAD request's), and ``close`` sends it first."""
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._transport: asyncio.Transport = cycle.transport
+        self._head: bytes | None = None
+        self._holding = False
+        original = cycle.send
+
+        async def send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                self._holding = True
+            try:
+                await original(message)
+            finally:
+                if message["type"] != "http.response.start":
+                    self.flush()
+
+        cycle.send = send  # type: ignore[method-assign]  # read when the app is called, after this
+        cycle.transport = self  # type: ignore[assignment]
+
+    def write(self, data: bytes) -> None:
+        if self._holding and self._head is None:
+            self._head = data
+            return
+        if self._head is not None:
+            data, self._head, self._holding = self._head + data, None, False
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        self._holding = False
+        if self._head is not None:
+            head, self._head = self._head, None
+            self._transport.write(head)
+
+    def close(self) -> None:
+        if not self._transport.is_closing():
+            self.flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class GuardedProtocol(HttpToolsProtocol):
@@ -224,6 +278,8 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_headers = False
         super().on_headers_complete()
+        if self.cycle is not None:  # the request's cycle, made just now; its app runs later
+            _OneSendResponse(self.cycle)
         self._body_since, self._body_bytes = self.loop.time(), 0
         self._arm(self.body_timeout_s, self._body_check)
 
