@@ -21,6 +21,10 @@ And one send per small response: uvicorn writes a response's status line and hea
 each with a send of its own (two syscalls and, on a loopback or a LAN, two packets the client wakes
 for); the head is held until the first body bytes and goes out with them (``_OneSendResponse``).
 
+And a cheap client-gone signal: each request's scope carries ``CLIENT_GONE`` (an ASGI extension),
+which makes a future that completes when the connection is lost (service/frontend/serving.py's
+``client_gone``), where watching for the ASGI disconnect message costs a task per request.
+
 A deadline that passes is answered 408 (when no response has started) and the connection closed. The
 app, if it was reading the body, sees the client gone (``error_responses.CUT_OFF`` in the request's state
 says why).
@@ -38,6 +42,9 @@ from service.frontend.error_responses import CUT_OFF
 from service.frontend.probes import Readiness, probe_answer, probe_path
 from service.settings import Settings
 
+CLIENT_GONE = (
+    "vitserve.client_gone"  # the scope's extension: () -> a future, done when the client goes
+)
 _EARLY_BYTES = 64 * 1024  # what an over-cap connection may send before it is answered
 _OVER_CAP_WAIT_S = 1.0  # how long an over-cap connection may take to send its request headers
 
@@ -134,6 +141,8 @@ class GuardedProtocol(HttpToolsProtocol):
         self._in_headers = True  # the parser is inside a request's line and headers
         self._header_bytes = 0
         self._header_count = 0
+        self._lost = False
+        self._gone_watchers: set[asyncio.Future[None]] = set()
 
     # --- timers -----------------------------------------------------------------------------------
 
@@ -230,7 +239,22 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._lost = True
+        for watcher in list(self._gone_watchers):
+            if not watcher.done():
+                watcher.set_result(None)
         super().connection_lost(exc)
+
+    def client_gone(self) -> asyncio.Future[None]:
+        """A future that completes when this connection is lost (at once when it has been); its
+        taker may cancel it."""
+        watcher: asyncio.Future[None] = self.loop.create_future()
+        if self._lost:
+            watcher.set_result(None)
+        else:
+            self._gone_watchers.add(watcher)
+            watcher.add_done_callback(self._gone_watchers.discard)
+        return watcher
 
     def data_received(self, data: bytes) -> None:
         if self._over_cap:
@@ -266,6 +290,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope["extensions"] = {CLIENT_GONE: self.client_gone}
         self._in_headers, self._header_bytes, self._header_count = True, 0, 0
 
     def on_header(self, name: bytes, value: bytes) -> None:

@@ -36,6 +36,7 @@ from service.contract.table import (
 from service.errors import InvalidInput, NotFound, ServiceError
 from service.frontend.error_responses import request_id_of
 from service.frontend.inputs import RawImage
+from service.frontend.server import CLIENT_GONE
 from service.observability import tracing
 from service.settings import LimitSettings, Settings
 
@@ -102,7 +103,12 @@ ClientGone = Callable[[], Awaitable[object]]
 
 
 def client_gone(request: Request) -> ClientGone:
-    """An HTTP request's: its next ASGI message is a disconnect (the body has been read by then)."""
+    """An HTTP request's: a future from its connection when the server makes them (python -m
+    service's protocol: service/frontend/server.py), else a task that waits for its next ASGI
+    message to be a disconnect (the body has been read by then)."""
+    from_server = request.scope.get("extensions", {}).get(CLIENT_GONE)
+    if from_server is not None:
+        return from_server  # type: ignore[no-any-return]
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":

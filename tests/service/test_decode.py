@@ -126,7 +126,9 @@ def test_client_gone_returns_at_the_disconnect_message():
         {"type": "http.disconnect"},
     ]
 
-    class Stub:
+    class Stub:  # a request from a server that makes no client-gone futures (TestClient's)
+        scope: dict = {}
+
         async def receive(self) -> dict:
             return messages.pop(0)
 
