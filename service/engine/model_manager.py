@@ -221,7 +221,10 @@ class ModelManager:
                 pipeline = current
         if pipeline is not None:
             batcher = pipeline.graphs.get(graph)
-            if batcher is not None:
+            # kept only as an honest front end routes (so a hostile one cannot grow it without
+            # bound): the version's own key, and the newest version or this one asked for
+            honest = key == pipeline.view.preprocessing_key and requested in (None, version)
+            if batcher is not None and honest:
                 self.routes[route] = (pipeline, batcher)
             return pipeline, batcher
         for retired in self._retired:

@@ -202,6 +202,8 @@ def test_a_call_resolved_before_a_swap_goes_to_a_version_that_can_take_it(reposi
         assert pipeline_for(manager, MODEL_NAME, 2, None, other_key) is v2
         # kept for the next calls of these routes, until the versions change
         assert manager.routes[Route(MODEL_NAME, 1, 1, key, "classifier")] == (v1, v1.classifier)
+        # but not a route no honest front end sends (another key): a hostile one cannot grow them
+        assert Route(MODEL_NAME, 2, None, other_key, "classifier") not in manager.routes
         with held(v1):  # v1 still answering a request when the policy drops it
             set_policy(repository, "latest", (1,))
             await manager.poll_once()
