@@ -32,9 +32,8 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from bench.stats import Spread, alternated, fmt, median, ratio, spread_text, table
-from service.contract.geometry import RESAMPLE, crop_box, resized_size
 from service.contract.model_repository import ModelMetadata
-from service.contract.preprocessing import Preprocessor, normalise
+from service.contract.preprocessing import RESAMPLE, Preprocessor, crop_box, normalise, resized_size
 
 SIZE = 224
 PHOTO_SIZE = (4032, 3024)

@@ -51,7 +51,7 @@ def _echo(kind: str, address: str, ready: multiprocessing.synchronize.Event) -> 
                     link.outbox.put(message, *raw, at_once=True)
 
             server = await asyncio.get_running_loop().create_unix_server(
-                lambda: wire.Link(protocol.to_engine, echo), address
+                lambda: wire.Link(wire.to_engine, echo), address
             )
             ready.set()
             await server.serve_forever()
@@ -84,7 +84,7 @@ async def _client(kind: str, address: str, size: int) -> Callable[[], Awaitable[
                 echoed.pop().set_result(bytes(raw[0]))
 
         _, link = await loop.create_unix_connection(
-            lambda: wire.Link(protocol.to_engine, answer), address
+            lambda: wire.Link(wire.to_engine, answer), address
         )
         call = protocol.Infer(
             1, "model", 1, None, "{}", "classifier", (1, size), "|u1", None, "request-id"

@@ -1,5 +1,6 @@
-"""The images and request bodies every benchmark sends: Fashion-MNIST test images as 28x28 PNG files,
-in vitserve's /predict JSON or the Open Inference Protocol's.
+"""The images and request bodies every benchmark sends: Fashion-MNIST test images as 28x28 PNG (or
+JPEG) files, in vitserve's /predict JSON, as multipart/form-data file parts, or in the Open Inference
+Protocol's JSON.
 
 Read straight from the IDX file Debian's ``dataset-fashion-mnist`` installs (no torch needed); when it
 is missing, deterministic synthetic garments of the same size stand in (the report says which).
@@ -38,8 +39,13 @@ def load_images(count: int) -> tuple[np.ndarray, str]:
 
 
 def png_bytes(image: np.ndarray) -> bytes:
+    return image_file(image, "PNG")
+
+
+def image_file(image: np.ndarray, kind: str = "PNG") -> bytes:
+    """``image`` as a file of ``kind`` (Pillow's format name: PNG, JPEG, ...)."""
     buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format="PNG")
+    Image.fromarray(image).save(buffer, format=kind)
     return buffer.getvalue()
 
 
@@ -50,6 +56,26 @@ def b64_pngs(count: int) -> tuple[list[str], str]:
 
 def predict_body(encoded: list[str], top_k: int = 5) -> bytes:
     return json.dumps({"images": [{"b64": e} for e in encoded], "top_k": top_k}).encode()
+
+
+MULTIPART_BOUNDARY = "vitserve-bench-boundary"
+
+
+def multipart_body(
+    files: list[tuple[str, bytes]], field: str = "files", boundary: str = MULTIPART_BOUNDARY
+) -> tuple[bytes, str]:
+    """``files`` (name, bytes) as multipart/form-data parts named ``field`` (/predict's and
+    ``/models/{name}/predict``'s), and the body's Content-Type."""
+    parts = []
+    for name, data in files:
+        kind = "image/jpeg" if name.lower().endswith((".jpg", ".jpeg")) else "image/png"
+        head = (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"; '
+            f'filename="{name}"\r\nContent-Type: {kind}\r\n\r\n'
+        )
+        parts.append(head.encode() + data + b"\r\n")
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    return body, f"multipart/form-data; boundary={boundary}"
 
 
 def oip_tensor_body(tensors: np.ndarray, input_name: str, output_name: str) -> bytes:

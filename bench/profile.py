@@ -47,10 +47,9 @@ BUCKETS = (HTTP, BASE64, DECODE, PREPROCESS, QUEUE, MODEL, RESPONSE, LOGS, OTHER
 RULES = (
     ("service/contract/decoding.py", "", DECODE),
     ("service/contract/preprocessing.py", "image_to_array", DECODE),
-    ("service/contract/geometry.py", "shrink", DECODE),
-    ("service/contract/geometry.py", "reducible", DECODE),
+    ("service/contract/preprocessing.py", "shrink", DECODE),
+    ("service/contract/preprocessing.py", "reducible", DECODE),
     ("service/contract/preprocessing.py", "", PREPROCESS),
-    ("service/contract/geometry.py", "", PREPROCESS),
     ("service/", "prepare_batch", PREPROCESS),
     ("PIL/", "", DECODE),
     ("base64.py", "", BASE64),

@@ -1,5 +1,6 @@
 """A request's walk, measured: the project files whose code runs for each /predict request, per
-process. ``python -m bench.request_walk [--requests 200] [--workers 1] [--checkout PATH]``.
+process. ``python -m bench.request_walk [--requests 200] [--workers 1] [--checkout PATH]
+[--multipart jpeg|png] [--model NAME] [--max-files N]``.
 
 It starts ``python -m service`` as a user does (the checkout's shipped ``models/``, ``--workers`` front
 ends), every process of it with ``bench/request_walk_hook.py`` as its ``sitecustomize``: a profiler
@@ -8,7 +9,9 @@ thread (a call: a function entered, or a coroutine or generator resumed). After 
 it takes three windows, each process's counts read and reset by a signal at each end:
 
 - ``requests``: ``--requests`` POST /predict, one after another on one connection, each one base64
-  PNG (a 28x28 Fashion-MNIST image), each answered 200;
+  PNG (a 28x28 Fashion-MNIST image) in /predict's JSON, each answered 200; with ``--multipart jpeg``
+  (or ``png``) each is instead one JPEG (PNG) file of that image, a multipart/form-data part named
+  ``files``, to ``/models/{--model}/predict`` (the walk issue 51 counts);
 - ``idle``: as long again, no request.
 
 A function runs *per request* when the requests window called it at least half as many times as
@@ -23,7 +26,9 @@ engine), each file with its calls per request:
 - background: files whose code ran in the requests window but not per request.
 
 Then the walk: the files on the request's way, front end and engine together, each counted once.
-docs/ARCHITECTURE.md ("A request, from socket to answer") quotes it.
+docs/ARCHITECTURE.md ("A request, from socket to answer") quotes it. ``--max-files N`` makes it a
+check: the command exits 1, naming the bound, when the walk holds more than ``N`` files
+(tests/bench/test_request_walk.py runs it on a short multipart run).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from pathlib import Path
 
 from bench import request_walk_hook
 from bench.machine import descendants
-from bench.payloads import b64_pngs, predict_body
+from bench.payloads import b64_pngs, image_file, load_images, multipart_body, predict_body
 from bench.server_process import REPO, SERVICE, running, service_env
 
 PORTS = range(18190, 18200)  # the upper half of bench.lone_call's: free_port skips a port in use
@@ -53,9 +58,34 @@ BESIDE = {
     "errors": ("service/errors.py", "service/frontend/error_responses.py"),
 }
 ROLES = {"vitserve-engine": "engine", "vitserve-front": "front end"}
+MODEL = "fashion-mnist-vit"  # the shipped model /models/{name}/predict names by default
+FILE_KINDS = {"jpeg": ("JPEG", "image.jpg"), "png": ("PNG", "image.png")}  # --multipart's
 
 # one function of one process: (file relative to the checkout, qualified name, first line)
 Function = tuple[str, str, int]
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What each request of a run is: its path, body and Content-Type, and how the report says it."""
+
+    path: str
+    body: bytes
+    content_type: str
+    described: str
+
+    @classmethod
+    def json_png(cls) -> Payload:
+        body = predict_body(b64_pngs(1)[0])
+        return cls("/predict", body, "application/json", "POST /predict, one base64 PNG each")
+
+    @classmethod
+    def multipart(cls, kind: str, model: str = MODEL) -> Payload:
+        """One ``kind`` file (``FILE_KINDS``) of a Fashion-MNIST image, a part named ``files``."""
+        form, name = FILE_KINDS[kind]
+        body, content_type = multipart_body([(name, image_file(load_images(1)[0][0], form))])
+        described = f"POST /models/{model}/predict, one multipart {form} file each"
+        return cls(f"/models/{model}/predict", body, content_type, described)
 
 
 @dataclass(frozen=True)
@@ -185,18 +215,22 @@ def hooked_env(hook_dir: Path, checkout: Path, settings: Mapping[str, str]) -> d
     }
 
 
-def send(connection: http.client.HTTPConnection, body: bytes, count: int) -> None:
+def send(connection: http.client.HTTPConnection, payload: Payload, count: int) -> None:
+    headers = {"Content-Type": payload.content_type}
     for _ in range(count):
-        connection.request("POST", "/predict", body, {"Content-Type": "application/json"})
+        connection.request("POST", payload.path, payload.body, headers)
         answer = connection.getresponse()
         data = answer.read()
         if answer.status != 200:
-            raise RuntimeError(f"/predict answered {answer.status}: {data[:300]!r}")
+            raise RuntimeError(f"{payload.path} answered {answer.status}: {data[:300]!r}")
 
 
-def measure(checkout: Path, requests: int, workers: int) -> list[ProcessWalk]:
-    """Each of the service's processes' walk, front ends first."""
-    body = predict_body(b64_pngs(1)[0])
+def measure(
+    checkout: Path, requests: int, workers: int, payload: Payload | None = None
+) -> list[ProcessWalk]:
+    """Each of the service's processes' walk, front ends first; each request ``payload`` (default:
+    one base64 PNG in /predict's JSON)."""
+    payload = payload if payload is not None else Payload.json_png()
     with tempfile.TemporaryDirectory() as scratch:
         hook_dir = Path(scratch)
         shutil.copy(Path(request_walk_hook.__file__), hook_dir / "sitecustomize.py")
@@ -205,10 +239,10 @@ def measure(checkout: Path, requests: int, workers: int) -> list[ProcessWalk]:
         with running(argv, env, hook_dir / "service.log", ports=PORTS, cwd=checkout) as server:
             pids = service_pids(server.process.pid)
             connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-            send(connection, body, WARM_UP)
+            send(connection, payload, WARM_UP)
             take(hook_dir, "warm-up", pids)
             started = time.monotonic()
-            send(connection, body, requests)
+            send(connection, payload, requests)
             busy = take(hook_dir, "requests", pids)
             time.sleep(time.monotonic() - started)
             idle = take(hook_dir, "idle", pids)
@@ -225,6 +259,14 @@ def measure(checkout: Path, requests: int, workers: int) -> list[ProcessWalk]:
     return sorted(walks, key=lambda w: (role(w.process) != "front end", w.process))
 
 
+def too_long(walks: list[ProcessWalk], max_files: int | None) -> str | None:
+    """Why the walk breaks the bound ``max_files`` (None: no bound, or within it)."""
+    count = len(the_walk(walks))
+    if max_files is None or count <= max_files:
+        return None
+    return f"the walk holds {count} files, more than --max-files {max_files}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.request_walk", description=__doc__)
     parser.add_argument("--requests", type=int, default=200)
@@ -232,13 +274,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--checkout", type=Path, default=REPO, help="the vitserve tree to serve (default: this one)"
     )
+    parser.add_argument(
+        "--multipart",
+        choices=sorted(FILE_KINDS),
+        help="one file of this kind per request, multipart, to /models/{--model}/predict",
+    )
+    parser.add_argument("--model", default=MODEL, help="the model --multipart's requests name")
+    parser.add_argument(
+        "--max-files", type=int, help="exit 1 when the walk holds more files than this"
+    )
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers: at least one front end (the walk crosses the process hop)")
     checkout = args.checkout.resolve()
-    walks = measure(checkout, args.requests, args.workers)
-    print(f"{checkout}: {args.requests} POST /predict, one base64 PNG each, one at a time\n")
+    payload = Payload.multipart(args.multipart, args.model) if args.multipart else None
+    payload = payload or Payload.json_png()
+    walks = measure(checkout, args.requests, args.workers, payload)
+    print(f"{checkout}: {args.requests} {payload.described}, one at a time\n")
     print(render(walks))
+    problem = too_long(walks, args.max_files)
+    if problem is not None:
+        print(f"\n{problem}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -476,9 +476,9 @@ async def run_on(
     disconnected: object | None = None,
     alone: bool = False,
 ) -> list[np.ndarray]:
-    """:func:`submit` on one graph of a model version (``ModelPipeline.submit``)."""
+    """:func:`submit` on one graph of a model version (its batcher, as ``Engine.submit`` queues)."""
     return await awaited(
-        lambda r: pipeline.submit(graph, [r], alone),  # type: ignore[arg-type]
+        lambda r: pipeline.batcher(graph).enqueue([r], alone),  # type: ignore[arg-type]
         rows,
         request_id,
         disconnected,  # type: ignore[arg-type]

@@ -2,7 +2,7 @@
 
 Everything else follows it: the link's :class:`~service.link.protocol.Remote` message (its ``op`` is
 checked against :data:`ControlOp` as it is decoded) and the decoding of its value
-(``protocol.result_value``), the keyword arguments ``Engine.control`` is called with (:func:`arguments`,
+(``wire.result_value``), the keyword arguments ``Engine.control`` is called with (:func:`arguments`,
 both in the engine process and in a front end's own), and the unknown-operation error of the engine's
 dispatch (service/engine/core.py). A new operation is a row here, a handler there, and a method of
 ``service/link/client.py``'s ``EngineClient``.

@@ -1,22 +1,31 @@
-"""Turn any accepted image into exactly what the model was trained on.
+"""Turn any accepted image into exactly what the model was trained on, top to bottom in this file.
 
-Steps, in order: decode the file (``decoding.py``: its format from its magic bytes, the pixel count
-from the header before decoding, the first frame, a JPEG at the smallest DCT scale that still covers
-the resize, the EXIF orientation), reduce a large image
-to a few times its size after the resize, bring any mode (palette, alpha, 16-bit, CMYK, ...) to 0-255,
-reduce or expand to the model's channels, then the metadata's geometry (``geometry.py``):
+1. Decode (``decoding.py``, the file formats: its format from its magic bytes, the pixel count from
+   the header before decoding, the first frame, the EXIF orientation), a JPEG at the smallest DCT
+   scale that still covers the resize (the draft: :func:`draft_side`).
+2. Geometry: where an image of h x w pixels lands in the model's H x W, one :class:`Geometry` per
+   ``preprocessing.resize`` (:data:`GEOMETRIES`), and the Pillow steps that put it there. A large
+   image is first reduced to a few times its size after the resize (:func:`shrink`, or within
+   :func:`resize_and_crop`).
 
-- ``fit-pad``: in float32, decide the polarity, fit the image inside the model's H x W keeping its
-  aspect ratio, pad it centred;
-- ``resize-crop`` and ``resize``: in 8-bit Pillow, as the sources' own processors do (Hugging Face
-  resizes uint8 images, then rescales; timm's transforms resize Pillow images), resize with the named
-  filter, crop the centre H x W, then decide the polarity on that crop.
+   - ``fit-pad``: in float32, decide the polarity, fit the image inside the model's H x W keeping
+     its aspect ratio (rounded to the nearest pixel), pad it centred;
+   - ``resize-crop`` and ``resize``: in 8-bit Pillow, as the sources' own processors do (Hugging Face
+     resizes uint8 images, then rescales; timm's transforms resize Pillow images), resize with the
+     named filter (a shorter-side resize truncates the longer side, as Hugging Face's
+     ``get_resize_output_image_size`` and torchvision's ``Resize`` do), crop the centre H x W, then
+     decide the polarity on that crop. The rounding is the sources' own: a one-pixel shift of a
+     crop changes every input value of a photo.
+3. Colour: any mode (palette, alpha, 16-bit, CMYK, ...) to 0-255 (:func:`image_to_array`),
+   reduced or expanded to the model's channels; the polarity (:func:`should_invert`).
+4. Normalise: scale, then the metadata's mean and std (:func:`normalise`).
 
-Last, scale and normalise with the metadata's mean and std.
+:class:`Preprocessor` runs the steps for one version's metadata.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
@@ -25,20 +34,172 @@ import numpy as np
 from PIL import Image
 
 from service.contract.decoding import decode_image
-from service.contract.geometry import (
-    RESAMPLE,
-    draft_side,
-    fit_size,
-    reducible,
-    resize_and_crop,
-    shrink,
-)
 from service.contract.model_repository import ModelMetadata, Preprocessing
 from service.errors import InvalidInput
 
 Invert = Literal["auto", "always", "never"]
 
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)
+
+
+# --- the geometry: where the image lands in the model's H x W, and the JPEG draft -----------------
+
+
+RESAMPLE = {
+    "nearest": Image.Resampling.NEAREST,
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "lanczos": Image.Resampling.LANCZOS,
+    "box": Image.Resampling.BOX,
+}
+
+# How much larger than its resized size an image stays after the reduction before the exact resize.
+SHRINK_MARGIN = 4
+# A resize that would make more than this many times the crop's pixels computes only the crop
+# (Pillow resizes the source box that maps onto it, with the same filter): a 1 x 4000 strip would
+# otherwise become a 256 x 1024000 image. Below it the whole image is resized, then cropped, as the
+# sources do, pixel for pixel: the box's own arithmetic moves about one value in 10^4 by a level.
+CROP_ONLY_BEYOND = 16
+
+
+def fit_size(h: int, w: int, height: int, width: int) -> tuple[int, int]:
+    """The largest size of ``h x w``'s aspect ratio inside ``height x width``, rounded to the nearest
+    pixel, at least one pixel across."""
+    scale = min(height / h, width / w)
+    return min(height, max(1, round(h * scale))), min(width, max(1, round(w * scale)))
+
+
+def shorter_side_size(h: int, w: int, side: int) -> tuple[int, int]:
+    """The shorter side becomes ``side``, the longer ``int(side * long / short)`` (truncated)."""
+    if w <= h:
+        return int(side * h / w), side
+    return side, int(side * w / h)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One ``preprocessing.resize`` mode: the size an h x w image is resized to in the model's
+    H x W, the side a JPEG's draft must keep, and whether it crops (resized in 8-bit Pillow, then
+    the centre H x W) or pads (fitted in float32, then padded)."""
+
+    resized_size: Callable[[Preprocessing, int, int, int, int], tuple[int, int]]  # h, w, H, W
+    draft_side: Callable[[Preprocessing, int, int], int]  # H, W
+    crops: bool
+
+
+GEOMETRIES: dict[str, Geometry] = {
+    "fit-pad": Geometry(
+        lambda pre, h, w, height, width: fit_size(h, w, height, width),
+        lambda pre, height, width: max(height, width),
+        crops=False,
+    ),
+    "resize-crop": Geometry(  # ModelMetadata checks that shorter_side is set
+        lambda pre, h, w, height, width: shorter_side_size(h, w, pre.shorter_side),  # type: ignore[arg-type]
+        lambda pre, height, width: pre.shorter_side,  # type: ignore[return-value,arg-type]
+        crops=True,
+    ),
+    "resize": Geometry(
+        lambda pre, h, w, height, width: pre.resize_to or (height, width),
+        lambda pre, height, width: max(pre.resize_to or (height, width)),
+        crops=True,
+    ),
+}
+
+
+def resized_size(pre: Preprocessing, h: int, w: int, height: int, width: int) -> tuple[int, int]:
+    """The size ``h x w`` is resized to before it is padded (fit-pad) or cropped (the others)."""
+    return GEOMETRIES[pre.resize].resized_size(pre, h, w, height, width)
+
+
+def draft_side(pre: Preprocessing, height: int, width: int) -> int:
+    """The side that both of a JPEG's decoded sides must keep at least (``Image.draft``): enough for
+    the resize whatever the image's aspect ratio and EXIF orientation."""
+    return GEOMETRIES[pre.resize].draft_side(pre, height, width)
+
+
+def centre_offset(size: int, crop: int, rounding: str) -> int:
+    """Where a centre crop of ``crop`` starts in ``size``: ``floor`` puts an odd margin's extra pixel
+    after the crop, ``round`` rounds half a margin to even (Python's and torchvision's ``round``)."""
+    margin = size - crop
+    return margin // 2 if rounding == "floor" else round(margin / 2.0)
+
+
+def crop_box(
+    pre: Preprocessing, resized: tuple[int, int], height: int, width: int
+) -> tuple[int, int, int, int]:
+    """The centre ``height x width`` of a resized image as Pillow's (left, top, right, bottom)."""
+    top = centre_offset(resized[0], height, pre.crop_offset)
+    left = centre_offset(resized[1], width, pre.crop_offset)
+    return left, top, left + width, top + height
+
+
+def shrink(image: Image.Image, height: int, width: int) -> Image.Image:
+    """A large image, box-filtered in Pillow (C, 8/32-bit) to ``SHRINK_MARGIN`` times the size it
+    takes in the model's H x W, so that no full-size float copy is ever made: a 65 kB PNG of
+    4096 x 4096 RGBA pixels would otherwise cost about 0.8 GB and seconds of CPU. Modes are first
+    brought where :func:`image_to_array` brings them; the fit-pad geometry that follows is
+    unchanged."""
+    w, h = image.size
+    if min(height / h, width / w) * SHRINK_MARGIN >= 1:
+        return image
+    fit_h, fit_w = fit_size(h, w, height, width)
+    image = reducible(image)
+    size = (min(w, SHRINK_MARGIN * fit_w), min(h, SHRINK_MARGIN * fit_h))
+    return image.resize(size, Image.Resampling.BOX)
+
+
+def resize_and_crop(image: Image.Image, pre: Preprocessing, height: int, width: int) -> Image.Image:
+    """``resize-crop`` and ``resize``: the centre ``height x width`` of the image resized with the
+    named filter. A large image is first averaged over whole blocks of pixels (Pillow's
+    ``reducing_gap``: ``Image.reduce``) while each side stays at least ``SHRINK_MARGIN`` times its
+    resized length."""
+    w, h = image.size
+    resized = resized_size(pre, h, w, height, width)
+    crop = crop_box(pre, resized, height, width)
+    if resized == (h, w):
+        return image if resized == (height, width) else image.crop(crop)
+    filter_ = RESAMPLE[pre.resample]
+    gap = None if filter_ == Image.Resampling.NEAREST else SHRINK_MARGIN
+    if resized[0] * resized[1] <= CROP_ONLY_BEYOND * height * width:
+        image = image.resize((resized[1], resized[0]), filter_, reducing_gap=gap)
+        return image if resized == (height, width) else image.crop(crop)
+    x, y = w / resized[1], h / resized[0]
+    box = (crop[0] * x, crop[1] * y, crop[2] * x, crop[3] * y)
+    return image.resize((width, height), filter_, box=box, reducing_gap=gap)
+
+
+def _resize(array: np.ndarray, height: int, width: int, resample: str) -> np.ndarray:
+    if array.shape[:2] == (height, width):
+        return array
+    channels = [
+        np.asarray(
+            Image.fromarray(np.ascontiguousarray(array[..., c])).resize(
+                (width, height), RESAMPLE[resample]
+            ),
+            dtype=np.float32,
+        )
+        for c in range(array.shape[2])
+    ]
+    return np.stack(channels, axis=-1)
+
+
+# --- colour: modes to 0-255, the model's channels, the polarity -----------------------------------
+
+
+def reducible(image: Image.Image) -> Image.Image:
+    """``image`` in a mode Pillow can reduce and :func:`image_to_array` reads as it would
+    the original (palette, 1-bit and 16-bit modes converted; alpha kept)."""
+    mode = image.mode
+    if mode == "1":
+        image = image.convert("L")
+    elif mode in ("P", "PA"):
+        has_alpha = mode == "PA" or "transparency" in image.info
+        image = image.convert("RGBA" if has_alpha else "RGB")
+    elif mode.startswith("I;16"):
+        image = image.convert("I")
+    elif mode not in ("L", "LA", "La", "RGB", "RGBA", "RGBa", "I", "F"):
+        image = image.convert("RGB")
+    return image
 
 
 def _composite_on_white(rgb: np.ndarray, alpha: np.ndarray) -> np.ndarray:
@@ -160,19 +321,7 @@ def should_invert(array: np.ndarray, polarity: str, invert: Invert) -> bool:
     return border > 127.5 if polarity == "light-on-dark" else border < 127.5
 
 
-def _resize(array: np.ndarray, height: int, width: int, resample: str) -> np.ndarray:
-    if array.shape[:2] == (height, width):
-        return array
-    channels = [
-        np.asarray(
-            Image.fromarray(np.ascontiguousarray(array[..., c])).resize(
-                (width, height), RESAMPLE[resample]
-            ),
-            dtype=np.float32,
-        )
-        for c in range(array.shape[2])
-    ]
-    return np.stack(channels, axis=-1)
+# --- normalise; the steps in order: Preprocessor --------------------------------------------------
 
 
 def normalise(pixels: np.ndarray, preprocessing: Preprocessing) -> np.ndarray:
@@ -230,6 +379,7 @@ class Preprocessor:
         self.max_pixels = max_pixels
         spec = metadata.input
         self.channels, self.height, self.width = spec.channels, spec.height, spec.width
+        self.geometry = GEOMETRIES[metadata.preprocessing.resize]
         # draft: a JPEG decoded at a reduced scale that still covers the resize (jpeg_draft)
         self.draft_side = (
             draft_side(metadata.preprocessing, self.height, self.width) if draft else 0
@@ -246,7 +396,7 @@ class Preprocessor:
 
     def from_image(self, image: Image.Image, invert: Invert = "auto") -> Prepared:
         """A decoded image of any size and mode -> the model's input."""
-        if self.metadata.preprocessing.resize == "fit-pad":
+        if not self.geometry.crops:
             return self.from_array(image_to_array(shrink(image, self.height, self.width)), invert)
         image = reducible(image)
         if image.mode in ("L", "RGB") and image.mode != self._mode:
@@ -265,7 +415,7 @@ class Preprocessor:
         """float32 ``[h, w, 1 or 3]`` in 0-255 -> the model's input (rounded to 8 bits first for the
         geometries that resize in 8 bits)."""
         pre = self.metadata.preprocessing
-        if pre.resize != "fit-pad":
+        if self.geometry.crops:
             image = resize_and_crop(self._eight_bit(array), pre, *self._size)
             return self._cropped(image, invert)
         array = self._channels(array)

@@ -29,25 +29,18 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol
+
+import numpy as np
 
 from service.contract.table import Outputs
 from service.engine.batch_runs import Instances, RunBatch, Segment, require_finite
-from service.engine.request import ClientGone, Request, TimedOut
+from service.engine.request import ClientGone, Lease, Request, TimedOut
 from service.engine.statistics import ModelStatistics
-from service.errors import ClientDisconnected, ServiceError, ServiceUnavailable
+from service.errors import ClientDisconnected, InvalidInput, ServiceError, ServiceUnavailable
 from service.observability import tracing
 from service.observability.metrics import Metrics
 
 logger = logging.getLogger("vitserve")
-
-
-class Lease(Protocol):
-    """Held by each queued request until it ends (a model version waits for these to retire)."""
-
-    def hold(self, requests: int = 1) -> None: ...
-
-    def release(self) -> None: ...
 
 
 class DynamicBatcher:
@@ -67,9 +60,13 @@ class DynamicBatcher:
         statistics: ModelStatistics | None = None,
         idle_dispatch: bool = True,
         lease: Lease | None = None,
+        version: int | None = None,
+        row_shape: tuple[int, ...] | None = None,
     ) -> None:
         self.graph = graph
         self.model = model
+        self.version = version
+        self.row_shape = row_shape  # one image's float32 row, as its version takes it (None: any)
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_s
         self.idle_dispatch = idle_dispatch
@@ -172,7 +169,8 @@ class DynamicBatcher:
 
     def enqueue(self, requests: list[Request], alone: bool = False) -> None:
         """Queue ``requests`` together, each admitted on its own (one refused is answered its 503
-        at once); then start what is due. ``alone``: the caller knows no other request will join
+        at once, and one whose rows are not float32 images of ``row_shape`` its 422: one bad call
+        must not fail the batch it would join); then start what is due. ``alone``: the caller knows no other request will join
         these in this turn of the event loop, so with every instance idle their images start here
         and now, not in the batching loop's next turn; a lone image run inline is answered before
         this returns."""
@@ -185,8 +183,15 @@ class DynamicBatcher:
         timed = self.timeout_s is not None
         queue = self._queue
         queued = 0
+        shape = self.row_shape
         for request in requests:
             count = request.count
+            rows = request.rows
+            if shape is not None and not (
+                rows.dtype == np.float32 and rows.shape[1:] == shape and count  # type: ignore[union-attr]
+            ):
+                self.refuse(request, self._bad_rows(rows))  # type: ignore[arg-type]
+                continue
             try:
                 self.admit(count)
             except ServiceError as error:
@@ -215,6 +220,14 @@ class DynamicBatcher:
             if not self._dispatch_due:
                 self._dispatch_due = True
                 loop.call_soon(self._dispatch_later)
+
+    def _bad_rows(self, rows: np.ndarray) -> InvalidInput:
+        return InvalidInput(
+            f"rows of {rows.dtype} {list(rows.shape)} for {self.model!r} version "
+            f"{self.version}, which takes float32 [N, {', '.join(map(str, self.row_shape or ()))}]",
+            field="rows",
+            code="invalid_rows",
+        )
 
     def refuse(self, request: Request, error: Exception) -> None:
         """Answer a request that was never queued (refused at admission, or its rows were wrong),

@@ -13,7 +13,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 from msgspec.structs import replace
@@ -22,7 +22,9 @@ from service.contract.control import OPERATIONS
 from service.contract.model_repository import ModelLoadError
 from service.contract.table import Graph, ModelTable, Outputs, Phase, ShadowCopy
 from service.engine import promotion, reports
-from service.engine.model_manager import ModelManager
+from service.engine.batcher import DynamicBatcher
+from service.engine.model_manager import ModelManager, Route
+from service.engine.pipeline import ModelPipeline
 from service.engine.request import Request, awaited
 from service.engine.shadow import Shadows
 from service.errors import ServiceError
@@ -30,18 +32,6 @@ from service.observability.metrics import Metrics
 from service.settings import Settings
 
 logger = logging.getLogger("vitserve")
-
-
-class Route(NamedTuple):
-    """Where a front end resolved a request: model ``name``'s ``version`` (``requested``: the
-    version the client asked for, None for the newest; ``key``: the version's preprocessing key),
-    and the graph to run."""
-
-    name: str
-    version: int
-    requested: int | None
-    key: str
-    graph: Graph
 
 
 class Engine:
@@ -155,26 +145,46 @@ class Engine:
         graph: Graph,
         count: int,
     ) -> None:
-        """Raise the 503 that :meth:`call` would raise now for ``count`` images."""
-        self.manager.pipeline_for(name, version, requested, key).batcher(graph).admit(count)
+        """Raise the 503 that :meth:`submit` would answer now for ``count`` images."""
+        route = Route(name, version, requested, key, graph)
+        pipeline, batcher = self.manager.routes.get(route) or self.manager.target(route)
+        if batcher is None:
+            raise pipeline.missing(graph)
+        batcher.admit(count)
 
     def submit(self, route: Route, requests: list[Request], alone: bool = False) -> None:
         """Queue ``requests`` (each rows of one image each, preprocessed for ``route``'s version) on
         ``route``'s graph, together: the version is resolved once for all of them. Each ends through
         its reply, answered or refused. ``alone``: no other request can join these in this turn of
         the event loop, so an idle model runs them at once, and a lone image of a fast model is
-        answered before this returns (``DynamicBatcher.enqueue``)."""
+        answered before this returns (``DynamicBatcher.enqueue``, which checks their rows)."""
+        target = self.manager.routes.get(route)
+        if target is None:  # the route's first calls since its model's versions changed
+            target = self._resolve(route, requests)
+            if target is None:
+                return
+        pipeline, batcher = target
+        if route.graph == "classifier" and any(r.shadow is not None for r in requests):
+            self.shadows.offer(pipeline, requests)
+        batcher.enqueue(requests, alone)
+
+    def _resolve(
+        self, route: Route, requests: list[Request]
+    ) -> tuple[ModelPipeline, DynamicBatcher] | None:
+        """``route``'s version and batcher (``ModelManager.target``, which keeps a ready version's
+        for the next calls), or None once ``requests`` are refused: a version that cannot take them
+        (404, 503), or a graph it lacks (404, counted in its statistics)."""
         try:
-            pipeline = self.manager.pipeline_for(
-                route.name, route.version, route.requested, route.key
-            )
+            pipeline, batcher = self.manager.target(route)
         except Exception as error:
             for request in requests:
                 request.fail(error)
-            return
-        if route.graph == "classifier" and any(r.shadow is not None for r in requests):
-            self.shadows.offer(pipeline, requests)
-        pipeline.submit(route.graph, requests, alone)
+            return None
+        if batcher is None:
+            for request in requests:
+                pipeline.classifier.refuse(request, pipeline.missing(route.graph))
+            return None
+        return pipeline, batcher
 
     async def infer(
         self,

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 from service.contract.model_config import ModelConfig, ServingConfig, select_versions
 from service.contract.model_repository import (
@@ -29,7 +30,8 @@ from service.contract.model_repository import (
     model_names,
     version_numbers,
 )
-from service.contract.table import ModelTable, ModelView
+from service.contract.table import Graph, ModelTable, ModelView
+from service.engine.batcher import DynamicBatcher
 from service.engine.model_versions import (
     ManagedModel,
     Signature,
@@ -50,11 +52,30 @@ from service.settings import Settings
 logger = logging.getLogger("vitserve")
 
 
+class Route(NamedTuple):
+    """Where a front end resolved a request: model ``name``'s ``version`` (``requested``: the
+    version the client asked for, None for the newest; ``key``: the version's preprocessing key),
+    and the graph to run."""
+
+    name: str
+    version: int
+    requested: int | None
+    key: str
+    graph: Graph
+
+
+# what runs a route's calls: its version's pipeline and the graph's batcher (None: it has none)
+Target = tuple[ModelPipeline, DynamicBatcher | None]
+
+
 class ModelManager:
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
         self.models: dict[str, ManagedModel] = {}
+        # each route resolved to a ready version since the versions last changed (:meth:`target`):
+        # the engine looks its calls up here, and resolves only a route not in it
+        self.routes: dict[Route, tuple[ModelPipeline, DynamicBatcher]] = {}
         self.default_name: str | None = None
         self._seen: dict[tuple[str, int], Signature] = {}  # poll: a new version's first sighting
         self._lock = asyncio.Lock()
@@ -147,6 +168,7 @@ class ModelManager:
         pipelines = self._serving_pipelines()
         for model in self.models.values():
             model.versions.clear()
+        self._changed()
         results = await asyncio.gather(
             *(pipeline.retire(timeout_s) for pipeline in pipelines), *self._retiring
         )
@@ -180,25 +202,40 @@ class ModelManager:
         assert pipeline is not None  # a version in the table's ready set has one
         return pipeline
 
-    def pipeline_for(
-        self, name: str, version: int, requested: int | None, key: str
-    ) -> ModelPipeline:
-        """The pipeline that runs a call a front end resolved to ``version`` (``requested`` is the
-        version the client asked for, None for the newest). A version swapped out since the front end
-        resolved the call still takes it while it drains; a call for the newest version goes to the
-        version now routed to when it takes the same rows (``key``), so a swap fails no request."""
+    def target(self, route: Route) -> Target:
+        """The pipeline that runs a call a front end resolved to ``route.version`` (``requested`` is
+        the version the client asked for, None for the newest), and the graph's batcher. A version
+        swapped out since the front end resolved the call still takes it while it drains; a call for
+        the newest version goes to the version now routed to when it takes the same rows (``key``),
+        so a swap fails no request. What resolves to a ready version is kept in :attr:`routes` until
+        the versions change (:meth:`_changed`), so the calls after it are not resolved again."""
+        name, version, requested, key, graph = route
         model = self.models.get(name)
         status = model.versions.get(version) if model is not None else None
+        pipeline: ModelPipeline | None = None
         if status is not None and status.state == "READY" and status.pipeline is not None:
-            return status.pipeline
-        if requested is None and model is not None:
+            pipeline = status.pipeline
+        elif requested is None and model is not None:
             current = model.pipeline()
             if current is not None and current.view.preprocessing_key == key:
-                return current
-        for pipeline in self._retired:
-            if pipeline.name == name and pipeline.version == version and pipeline.accepting:
-                return pipeline
-        return self.resolve(name, requested)
+                pipeline = current
+        if pipeline is not None:
+            batcher = pipeline.graphs.get(graph)
+            # kept only as an honest front end routes (so a hostile one cannot grow it without
+            # bound): the version's own key, and the newest version or this one asked for
+            honest = key == pipeline.view.preprocessing_key and requested in (None, version)
+            if batcher is not None and honest:
+                self.routes[route] = (pipeline, batcher)
+            return pipeline, batcher
+        for retired in self._retired:
+            if retired.name == name and retired.version == version and retired.accepting:
+                return retired, retired.graphs.get(graph)
+        pipeline = self.resolve(name, requested)
+        return pipeline, pipeline.graphs.get(graph)
+
+    def _changed(self) -> None:
+        """A version's state, a model's config or the versions served changed: routes resolve anew."""
+        self.routes.clear()
 
     def views(self) -> dict[str, ModelView]:
         """Every model as front ends see it (service/contract/table.py)."""
@@ -276,6 +313,7 @@ class ModelManager:
         config_changed = model.config_signature != config_signature or model.config_problem != ""
         model.serving, model.config_signature = serving, config_signature
         model.config, model.config_problem = config, ""
+        self._changed()  # its plan (the live version, the candidate) may have changed
         available = version_numbers(self.repository / name)
         wanted = select_versions(serving.version_policy, available)
         scanned = {version: self._scan(name, version, initial) for version in available}
@@ -304,6 +342,7 @@ class ModelManager:
                 self._retire(model, version, "removed from the repository or the version policy")
             elif status.pipeline is None:
                 del model.versions[version]
+                self._changed()
         for key in [k for k in self._seen if k[0] == name and k[1] not in available]:
             del self._seen[key]
         if serving.version_policy[0] == "specific":
@@ -314,6 +353,7 @@ class ModelManager:
                     f"version {version} of model {name!r} not found in {name}/; "
                     f"available: {', '.join(map(str, available)) or 'none'}",
                 )
+                self._changed()
         return failures
 
     def _scan(
@@ -350,6 +390,7 @@ class ModelManager:
             version, "READY", pipeline=pipeline, signature=signature, config=model.config
         )
         model.unloaded = False
+        self._changed()
         report_loaded(self.metrics, model, version, runtime, files)
         if old is not None:
             self._release(old)
@@ -374,6 +415,7 @@ class ModelManager:
             previous.signature = signature
             return
         model.versions[version] = VersionStatus(version, "UNAVAILABLE", reason, signature=signature)
+        self._changed()
 
     def _failed(self, name: str, version: int | None, reason: str) -> None:
         self.metrics.model_load_failures.labels(name).inc()
@@ -381,6 +423,7 @@ class ModelManager:
 
     def _retire(self, model: ManagedModel, version: int, why: str) -> None:
         status = model.versions.pop(version)
+        self._changed()
         logger.info("releasing %s version %s: %s", model.name, version, why)
         if status.pipeline is not None:
             labels = (model.name, str(version), status.pipeline.runtime.provider)

@@ -1,9 +1,10 @@
 """One served model version in the engine: its runtime and its batchers.
 
-Every request that runs a model comes here as a :class:`~service.engine.request.Request` (rows already
-decoded and preprocessed by a front end, a request id, a reply) with the graph to run it on, and is
-queued on that graph's batcher, or refused on its own. A pipeline counts the requests it holds (the
-batchers' lease), so that a version being replaced is released only once they have ended.
+A pipeline is made when a version has loaded, and retired when it is replaced or unloaded: what it
+holds is the version's runtime, its batchers (one a graph, in ``graphs``), its statistics and its
+lease (the requests its batchers hold: a version being replaced is released only once they have
+ended). Requests do not pass through it: the engine resolves a route to its version's batcher once
+per change of the versions (``ModelManager.target``) and queues on the batcher (``Engine.submit``).
 """
 
 from __future__ import annotations
@@ -12,15 +13,13 @@ import asyncio
 import logging
 from typing import Any
 
-import numpy as np
-
 from service.contract.model_config import ServingConfig
 from service.contract.table import Graph, Serving, VersionView
 from service.engine.batcher import DynamicBatcher
-from service.engine.request import Request
+from service.engine.request import Lease
 from service.engine.runtime import Runtime
 from service.engine.statistics import ModelStatistics
-from service.errors import InvalidInput, NotFound, ServiceError
+from service.errors import NotFound
 from service.observability.metrics import Metrics
 from service.settings import BatchingSettings, LimitSettings
 
@@ -46,6 +45,8 @@ class ModelPipeline:
         self.serving = serving
         # Triton's statistics of this version, every graph, and its nv_inference_* metrics
         self.statistics = ModelStatistics(metrics.triton_series(name, self.version))
+        self.lease = Lease()
+        spec = self.metadata.input  # the rows its batchers take (VersionView.row_shape)
         common: dict[str, Any] = {
             "statistics": self.statistics,
             "max_queue_delay_s": serving.max_queue_delay_s,
@@ -55,7 +56,9 @@ class ModelPipeline:
             "metrics": metrics,
             "model": name,
             "idle_dispatch": batching.idle_dispatch,
-            "lease": self,
+            "lease": self.lease,
+            "version": self.version,
+            "row_shape": (spec.channels, spec.height, spec.width),
         }
         self.classifier = DynamicBatcher(
             "classifier",
@@ -82,13 +85,18 @@ class ModelPipeline:
             provider=runtime.provider,
             attention=self.attention is not None,
         )
-        self.in_flight = 0
-        self._drained = asyncio.Event()
-        self._drained.set()
+        self.graphs: dict[Graph, DynamicBatcher] = {"classifier": self.classifier}
+        if self.attention is not None:
+            self.graphs["attention"] = self.attention
 
     @property
     def batchers(self) -> list[DynamicBatcher]:
-        return [b for b in (self.classifier, self.attention) if b is not None]
+        return list(self.graphs.values())
+
+    @property
+    def in_flight(self) -> int:
+        """Requests (and shadow batches) holding this version."""
+        return self.lease.held
 
     @property
     def healthy(self) -> bool:
@@ -104,57 +112,26 @@ class ModelPipeline:
             batcher.start()
 
     def hold(self, requests: int = 1) -> None:
-        """Held by every request from its being queued to its end (the batchers' lease): a retired
-        version waits for these. Each request's hold is given back once, by :meth:`release`."""
-        self.in_flight += requests
-        self._drained.clear()
+        """Hold this version for ``requests`` (its lease): each gives it back by :meth:`release`."""
+        self.lease.hold(requests)
 
     def release(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self._drained.set()
+        self.lease.release()
 
     def batcher(self, graph: Graph) -> DynamicBatcher:
-        if graph == "classifier":
-            return self.classifier
-        if self.attention is None:
-            raise NotFound(
-                f"model {self.name!r} version {self.version} has no attention graph (attention.onnx "
-                "with the ViT metadata fields), so /attention is not available for it; use /predict",
-                field="model",
-                code="no_attention_graph",
-            )
-        return self.attention
+        """``graph``'s batcher; :meth:`missing`'s 404 for a graph this version lacks."""
+        batcher = self.graphs.get(graph)
+        if batcher is None:
+            raise self.missing(graph)
+        return batcher
 
-    def submit(self, graph: Graph, requests: list[Request], alone: bool = False) -> None:
-        """Queue ``requests`` together on ``graph``'s batcher (``alone``: see its ``enqueue``). A
-        request whose rows are not float32 images of this version's input shape never joins a batch:
-        it is answered its 422 on its own, and one for a graph this version lacks its 404."""
-        try:
-            batcher = self.batcher(graph)
-        except ServiceError as error:
-            for request in requests:
-                self.classifier.refuse(request, error)
-            return
-        admitted = []
-        for request in requests:
-            problem = self.rows_problem(request.rows)
-            if problem is None:
-                admitted.append(request)
-            else:
-                batcher.refuse(request, problem)
-        batcher.enqueue(admitted, alone)
-
-    def rows_problem(self, rows: np.ndarray) -> InvalidInput | None:
-        """One bad call must not fail the batch it would join: a 422 for rows that are not at least
-        one float32 image of this version's ``(channels, height, width)``."""
-        if rows.dtype == np.float32 and rows.shape[1:] == self.view.row_shape and len(rows):
-            return None
-        return InvalidInput(
-            f"rows of {rows.dtype} {list(rows.shape)} for {self.name!r} version "
-            f"{self.version}, which takes float32 [N, {', '.join(map(str, self.view.row_shape))}]",
-            field="rows",
-            code="invalid_rows",
+    def missing(self, graph: Graph) -> NotFound:
+        """The 404 for a graph this version lacks (only the attention graph may be missing)."""
+        return NotFound(
+            f"model {self.name!r} version {self.version} has no attention graph (attention.onnx "
+            "with the ViT metadata fields), so /attention is not available for it; use /predict",
+            field="model",
+            code="no_attention_graph",
         )
 
     def flush(self) -> None:
@@ -167,7 +144,7 @@ class ModelPipeline:
         Returns how many images had to be failed."""
         try:
             async with asyncio.timeout(timeout_s):
-                await self._drained.wait()
+                await self.lease.drained()
         except TimeoutError:
             logger.warning(
                 "%s version %s: %d requests still running after %.1f s; stopping it anyway",

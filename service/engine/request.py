@@ -10,6 +10,7 @@ and no future per request. A batch hands a request its images' rows of every out
 the batch's outputs), so a request that ran in one batch is answered with views of them.
 
 :func:`awaited` is the way to wait for a request instead (a front end's own engine, the tests).
+:class:`Lease`: what a model version's requests hold on it while they are queued or running.
 """
 
 from __future__ import annotations
@@ -138,6 +139,29 @@ class Request:
             self.owner.ended(self, outputs, error)
         else:  # never queued
             self.reply(self, outputs, error)
+
+
+class Lease:
+    """A model version's: held by each request its batchers queue, from then to its end (and by a
+    shadow batch running on it); a version being retired waits for every hold to be given back."""
+
+    def __init__(self) -> None:
+        self.held = 0
+        self._drained = asyncio.Event()
+        self._drained.set()
+
+    def hold(self, requests: int = 1) -> None:
+        """Each of ``requests`` gives its hold back once, by :meth:`release`."""
+        self.held += requests
+        self._drained.clear()
+
+    def release(self) -> None:
+        self.held -= 1
+        if self.held == 0:
+            self._drained.set()
+
+    async def drained(self) -> None:
+        await self._drained.wait()
 
 
 async def awaited(

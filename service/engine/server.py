@@ -39,7 +39,7 @@ from service.contract.table import Outputs, ShadowCopy
 from service.engine.core import Engine, Route
 from service.engine.request import Request
 from service.errors import ClientDisconnected, InferenceFailed, ServiceError
-from service.link import protocol, wire
+from service.link import wire
 from service.link.arena import ArenaReader, expected_block
 from service.link.protocol import (
     Cancel,
@@ -103,7 +103,7 @@ class EngineServer:
         with wire.socket_path(path) as address:
             self._server = await loop.create_unix_server(
                 lambda: wire.Link(
-                    protocol.to_engine,
+                    wire.to_engine,
                     self.take,
                     self._lost,
                     unsendable=_refusal_instead,
@@ -271,7 +271,7 @@ class EngineServer:
         came alone, with nothing else in progress, runs at once on an idle model."""
         arrived, self._arrived = self._arrived, []
         alone = len(arrived) == 1 and len(self._calls) == 1 and not self._running
-        routes: dict[tuple, list[Request]] = {}
+        routes: dict[Route, list[Request]] = {}
         reply = self._reply
         for link, message, raw in arrived:
             key = (link, message.call)
@@ -298,7 +298,9 @@ class EngineServer:
             request = Request(rows, reply, message.request_id, key)
             request.shadow = shadow
             self._calls[key] = request
-            route = (message.name, message.version, message.requested, message.key, message.graph)
+            route = Route(
+                message.name, message.version, message.requested, message.key, message.graph
+            )
             if message.trace is None:
                 routes.setdefault(route, []).append(request)
             else:  # queued on its own, in its caller's trace
@@ -307,9 +309,9 @@ class EngineServer:
         for route, requests in routes.items():
             self._submit(route, requests, alone)
 
-    def _submit(self, route: tuple, requests: list[Request], alone: bool) -> None:
+    def _submit(self, route: Route, requests: list[Request], alone: bool) -> None:
         try:
-            self.engine.submit(Route(*route), requests, alone)
+            self.engine.submit(route, requests, alone)
         except Exception as error:  # a fault of the engine's: these calls alone are answered
             for request in requests:
                 request.fail(error)
@@ -318,7 +320,7 @@ class EngineServer:
         """A call has ended: its answer into its front end's outbox."""
         link, call_id = request.tag
         if outputs is not None:
-            answer, frames = protocol.answer_frames(call_id, outputs)
+            answer, frames = wire.answer_frames(call_id, outputs)
             self._answer(link, answer, *frames)
         else:
             self._answer_error(link, call_id, request.request_id, error)  # type: ignore[arg-type]
@@ -327,7 +329,7 @@ class EngineServer:
     async def _control(self, link: wire.Link, message: Remote) -> None:
         try:
             value = await self.engine.control(message.op, **message.arguments())
-            answer: Any = Result(message.call, msgspec.Raw(protocol.encoder.encode(value)))
+            answer: Any = Result(message.call, msgspec.Raw(wire.encoder.encode(value)))
         except ServiceError as error:
             answer = Refusal(message.call, ErrorInfo.of(error))
         except Exception as error:

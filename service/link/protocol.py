@@ -15,7 +15,8 @@ its :class:`~service.contract.table.ModelTable`: on connecting, on change and as
 
 The table and what a call carries are the contract's (service/contract/table.py): the link carries
 them, and neither it nor the front ends import ``service/engine/``; the engine's end of the link is the
-engine's (service/engine/server.py).
+engine's (service/engine/server.py). This module holds the messages' types only: their encoding, and
+an answer's outputs to and from raw frames, are the codec's (service/link/wire.py).
 """
 
 from __future__ import annotations
@@ -23,13 +24,11 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import msgspec
-import numpy as np
-from pydantic import BaseModel
 
 from service import errors
 from service.contract import control
 from service.contract.control import ControlOp
-from service.contract.table import Graph, ModelTable, Outputs, ShadowMark
+from service.contract.table import Graph, ModelTable, ShadowMark
 from service.errors import ServiceError
 
 # bounds of what a message may hold: far above anything a front end sends, far below what would hurt
@@ -175,61 +174,3 @@ class TableUpdate(msgspec.Struct, tag="table", array_like=True, frozen=True):
 
 
 ToFrontEnd = Answer | Refusal | Result | TableUpdate
-
-
-# --- encoding ---------------------------------------------------------------------------------------
-
-
-def _encode_hook(value: Any) -> Any:
-    if isinstance(value, BaseModel):  # a version's metadata
-        return value.model_dump(mode="json")
-    raise NotImplementedError(f"{type(value).__name__} cannot travel on the link")
-
-
-def _decode_hook(kind: type, value: Any) -> Any:
-    if isinstance(kind, type) and issubclass(kind, BaseModel):
-        return kind.model_validate(value)
-    raise NotImplementedError(f"{kind} cannot travel on the link")
-
-
-encoder = msgspec.msgpack.Encoder(enc_hook=_encode_hook)
-# a message's items: each with its raw frames' lengths
-FrameLengths = list[Annotated[int, msgspec.Meta(ge=0)]]
-to_engine = msgspec.msgpack.Decoder(list[tuple[ToEngine, FrameLengths]], dec_hook=_decode_hook)
-to_front_end = msgspec.msgpack.Decoder(list[tuple[ToFrontEnd, FrameLengths]], dec_hook=_decode_hook)
-
-
-def result_value(op: str, raw: msgspec.Raw) -> Any:
-    """A control call's value, checked against its operation's type (service/contract/control.py)."""
-    return msgspec.msgpack.decode(raw, type=control.OPERATIONS[op].answers)
-
-
-# each output dtype's text, for the few dtypes models answer in (``dtype.str`` formats a new string
-# at every call, with libc's printf)
-_DTYPE_TEXT: dict[np.dtype, str] = {}
-
-
-def answer_frames(call: int, outputs: Outputs) -> tuple[Answer, list]:
-    """The answer to ``call`` and its outputs' raw bytes (a request's rows of a batch's outputs are
-    contiguous already: no copy)."""
-    shapes, frames = [], []
-    for output in outputs:
-        frame = np.ascontiguousarray(output)
-        dtype = frame.dtype
-        text = _DTYPE_TEXT.get(dtype)
-        if text is None:
-            text = _DTYPE_TEXT[dtype] = dtype.str
-        shapes.append((text, frame.shape))
-        frames.append(frame)
-    return Answer(call, shapes), frames
-
-
-def answer_outputs(answer: Answer, frames: list) -> Outputs:
-    """An answer's outputs; a frame whose length does not match its shape is a violation."""
-    try:
-        return [
-            np.frombuffer(frame, dtype=np.dtype(dtype)).reshape(shape)
-            for (dtype, shape), frame in zip(answer.outputs, frames, strict=True)
-        ]
-    except (TypeError, ValueError) as error:
-        raise LinkViolation(f"answer {answer.call}: {error}") from None

@@ -30,7 +30,7 @@ import numpy as np
 from service.contract.control import ControlOp
 from service.contract.table import Call, Graph, ModelTable, Outputs, VersionView
 from service.errors import InvalidInput, ServiceUnavailable
-from service.link import protocol, wire
+from service.link import wire
 from service.link.arena import Arena, Region
 from service.link.client import EngineClient
 from service.link.protocol import Answer, Cancel, Failed, Hello, Infer, Remote, Result, TableUpdate
@@ -154,7 +154,7 @@ class RemoteEngine(EngineClient):
                 with wire.socket_path(self.addresses.engine) as address:
                     _, link = await loop.create_unix_connection(
                         lambda: wire.Link(
-                            protocol.to_front_end, self._take, unsendable=self._unsendable
+                            wire.to_front_end, self._take, unsendable=self._unsendable
                         ),
                         address,
                     )
@@ -265,7 +265,7 @@ class RemoteEngine(EngineClient):
             if future.done():
                 continue
             if type(message) is Answer:
-                future.set_result(protocol.answer_outputs(message, raw))
+                future.set_result(wire.answer_outputs(message, raw))
             elif type(message) is Result:
                 future.set_result(message.value)
             else:
@@ -400,4 +400,4 @@ class RemoteEngine(EngineClient):
     ) -> Any:
         message = Remote(next(self._ids), op, name, version)
         value = await self._call(message, (), None, CALL_DEADLINE_S)
-        return protocol.result_value(op, value)
+        return wire.result_value(op, value)

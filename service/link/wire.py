@@ -2,7 +2,10 @@
 
 A message carries every item one side had ready in one turn of its event loop (:class:`Outbox`): a
 prefix of two lengths, the msgpack list of the items (each a typed struct of ``protocol``, with its raw
-frames' lengths), then the items' raw frames for tensors (never encoded). One message for many items
+frames' lengths), then the items' raw frames for tensors (never encoded). The codec is here: the
+structs' encoder and each side's decoder (``to_engine``, ``to_front_end``), a control call's value
+(:func:`result_value`), and an answer's outputs as raw frames (:func:`answer_frames`,
+:func:`answer_outputs`). One message for many items
 matters: under load each write and each wake-up of the other side, not the copy, is the link's cost.
 
 Whatever arrives is checked before it is used: a prefix claiming more than the link's ``max_bytes`` is
@@ -23,11 +26,15 @@ import os
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+import numpy as np
+from pydantic import BaseModel
 
-from service.link.protocol import LinkViolation, encoder
+from service.contract import control
+from service.contract.table import Outputs
+from service.link.protocol import Answer, LinkViolation, ToEngine, ToFrontEnd
 
 logger = logging.getLogger("vitserve")
 
@@ -76,6 +83,67 @@ def socket_path(path: str) -> Iterator[str]:
         yield f"/proc/self/fd/{descriptor}/{name}"
     finally:
         os.close(descriptor)
+
+
+# --- the items: msgpack (msgspec) for the structs, raw frames for an answer's outputs ----------
+
+
+def _encode_hook(value: Any) -> Any:
+    if isinstance(value, BaseModel):  # a version's metadata
+        return value.model_dump(mode="json")
+    raise NotImplementedError(f"{type(value).__name__} cannot travel on the link")
+
+
+def _decode_hook(kind: type, value: Any) -> Any:
+    if isinstance(kind, type) and issubclass(kind, BaseModel):
+        return kind.model_validate(value)
+    raise NotImplementedError(f"{kind} cannot travel on the link")
+
+
+encoder = msgspec.msgpack.Encoder(enc_hook=_encode_hook)
+# a message's items: each with its raw frames' lengths
+FrameLengths = list[Annotated[int, msgspec.Meta(ge=0)]]
+to_engine = msgspec.msgpack.Decoder(list[tuple[ToEngine, FrameLengths]], dec_hook=_decode_hook)
+to_front_end = msgspec.msgpack.Decoder(list[tuple[ToFrontEnd, FrameLengths]], dec_hook=_decode_hook)
+
+
+def result_value(op: str, raw: msgspec.Raw) -> Any:
+    """A control call's value, checked against its operation's type (service/contract/control.py)."""
+    return msgspec.msgpack.decode(raw, type=control.OPERATIONS[op].answers)
+
+
+# each output dtype's text, for the few dtypes models answer in (``dtype.str`` formats a new string
+# at every call, with libc's printf)
+_DTYPE_TEXT: dict[np.dtype, str] = {}
+
+
+def answer_frames(call: int, outputs: Outputs) -> tuple[Answer, list]:
+    """The answer to ``call`` and its outputs' raw bytes (a request's rows of a batch's outputs are
+    contiguous already: no copy)."""
+    shapes, frames = [], []
+    for output in outputs:
+        frame = np.ascontiguousarray(output)
+        dtype = frame.dtype
+        text = _DTYPE_TEXT.get(dtype)
+        if text is None:
+            text = _DTYPE_TEXT[dtype] = dtype.str
+        shapes.append((text, frame.shape))
+        frames.append(frame)
+    return Answer(call, shapes), frames
+
+
+def answer_outputs(answer: Answer, frames: list) -> Outputs:
+    """An answer's outputs; a frame whose length does not match its shape is a violation."""
+    try:
+        return [
+            np.frombuffer(frame, dtype=np.dtype(dtype)).reshape(shape)
+            for (dtype, shape), frame in zip(answer.outputs, frames, strict=True)
+        ]
+    except (TypeError, ValueError) as error:
+        raise LinkViolation(f"answer {answer.call}: {error}") from None
+
+
+# --- messages ---------------------------------------------------------------------------------------
 
 
 def pack(items: list[Item]) -> bytes:

@@ -130,3 +130,40 @@ def test_the_service_s_walk_holds_its_socket_and_its_session_in_their_processes(
     engine = [e.file for e in walks["vitserve-engine"].on_the_way]
     assert "service/frontend/server.py" in front and "service/engine/runtime.py" not in front
     assert "service/engine/runtime.py" in engine and "service/frontend/server.py" not in engine
+
+
+def test_max_files_is_a_bound_on_the_walk_not_on_each_process():
+    front = ProcessWalk("vitserve-front0", [FileCalls("service/link/wire.py", 1.0)], {}, [])
+    engine = ProcessWalk(
+        "vitserve-engine",
+        [FileCalls("service/link/wire.py", 1.0), FileCalls("service/engine/core.py", 1.0)],
+        {},
+        [],
+    )
+    assert request_walk.too_long([front, engine], None) is None
+    assert request_walk.too_long([front, engine], 2) is None  # wire.py counted once
+    assert request_walk.too_long([front, engine], 1) == (
+        "the walk holds 2 files, more than --max-files 1"
+    )
+
+
+def test_a_multipart_payload_is_one_image_file_part_to_the_model_s_route():
+    payload = request_walk.Payload.multipart("jpeg", "m")
+    assert payload.path == "/models/m/predict"
+    assert payload.content_type.startswith("multipart/form-data; boundary=")
+    assert payload.body.count(b'name="files"; filename="image.jpg"') == 1
+    assert b"\xff\xd8\xff" in payload.body  # a JPEG's start of image
+
+
+# issue 51's target is 20 (docs/ARCHITECTURE.md, "A request, from socket to answer"); the walk is
+# this long until the front end's security.py, state.py and schemas.py leave it
+WALK_BOUND = 22
+
+
+def test_the_multipart_walk_stays_within_its_bound(capsys):
+    argv = ["--multipart", "jpeg", "--requests", "20", "--max-files", str(WALK_BOUND)]
+    status = request_walk.main(argv)
+    out, err = capsys.readouterr()
+    assert status == 0, err + out
+    assert "one multipart JPEG file each" in out
+    assert "service/engine/model_manager.py" not in out.split("the walk, front end")[1]

@@ -284,7 +284,7 @@ def test_a_version_directory_beyond_64_bits_is_ignored_and_the_table_still_trave
     """A version directory named beyond 2**63 - 1 (the link's msgpack holds 64-bit integers) made
     every table update fail to encode in poll mode: the whole service answered 503. It is ignored,
     with one warning (not one per poll), and the table the engine sends still encodes."""
-    from service.link import protocol, wire
+    from service.link import wire
     from service.link.protocol import TableUpdate
 
     pixels = {"images": [{"pixels": [[0] * 28] * 28}]}
@@ -297,7 +297,7 @@ def test_a_version_directory_beyond_64_bits_is_ignored_and_the_table_still_trave
             client.portal.call(engine.manager.poll_once)
         table = engine.table()
         message = wire.pack([(TableUpdate(1, 1, table), [])])  # what the engine would send
-        (decoded,) = wire.unpack(memoryview(message), protocol.to_front_end)
+        (decoded,) = wire.unpack(memoryview(message), wire.to_front_end)
         assert decoded[0].table == table
         assert client.post(f"/models/{MODEL_NAME}/predict", json=pixels).status_code == 200
         versions = [row.get("version") for row in index(client)[MODEL_NAME]]

@@ -47,7 +47,7 @@ EXPECTED = [
 ]
 
 
-def unpacked(message: bytes, decoder=protocol.to_engine) -> list:
+def unpacked(message: bytes, decoder=wire.to_engine) -> list:
     return [(item, raw_bytes(raw)) for item, raw in wire.unpack(memoryview(message), decoder)]
 
 
@@ -76,7 +76,7 @@ def test_messages_come_out_whole_however_their_bytes_arrive(pieces):
         seen.extend((item, raw_bytes(raw)) for item, raw in items)
 
     async def scenario():
-        link = wire.Link(protocol.to_engine, take)
+        link = wire.Link(wire.to_engine, take)
         for chunk in chunks:
             link.data_received(chunk)
 
@@ -93,7 +93,7 @@ def test_a_message_its_handler_fails_on_does_not_stop_the_link(caplog):
         seen.extend(item for item, _ in items)
 
     async def scenario():
-        link = wire.Link(protocol.to_engine, take)
+        link = wire.Link(wire.to_engine, take)
         link.data_received(wire.pack([(Failed("m", 1, 1), [])]))
         link.data_received(wire.pack([(Cancel(3), [])]))
         link.data_received(wire.pack([(Failed("m", 1, 2), [])]))
@@ -150,7 +150,7 @@ READY = ModelTable(phase="ready", healthy=True, retry_after_s=1)
 def hello(server: EngineServer, sent: list | None = None) -> wire.Link:
     """A front end's link that has said hello to ``server`` without a socket: what the server
     sends it is appended to ``sent``."""
-    link = wire.Link(protocol.to_front_end, lambda *_: None)
+    link = wire.Link(wire.to_front_end, lambda *_: None)
     if sent is not None:
         link.outbox = wire.Outbox(sent.append)
     server.take(link, [(Hello(None), [])])
@@ -238,7 +238,7 @@ def test_a_call_cancelled_in_the_same_message_never_runs(tmp_path, cancelled, in
         if cancelled:
             items.append((Cancel(5), []))
         # one message's items, handed over as the server's links hand them
-        server.take(link, wire.unpack(memoryview(wire.pack(items)), protocol.to_engine))
+        server.take(link, wire.unpack(memoryview(wire.pack(items)), wire.to_engine))
         await until(lambda: not server._calls)  # started in the next turn, answered after
         await asyncio.sleep(0)  # the answer's flush
         await server.close()
@@ -247,7 +247,7 @@ def test_a_call_cancelled_in_the_same_message_never_runs(tmp_path, cancelled, in
     answers = [
         item
         for message in sent
-        for item, _ in wire.unpack(memoryview(message), protocol.to_front_end)
+        for item, _ in wire.unpack(memoryview(message), wire.to_front_end)
         if not isinstance(item, TableUpdate)
     ]
     if cancelled:
@@ -294,7 +294,7 @@ def test_only_a_call_with_no_other_in_progress_is_run_alone(tmp_path):
         link = hello(server)
         for call_ids in ((1,), (2, 3), (4,)):
             items = [(infer(i, rows), [rows.tobytes()]) for i in call_ids]
-            server.take(link, wire.unpack(memoryview(wire.pack(items)), protocol.to_engine))
+            server.take(link, wire.unpack(memoryview(wire.pack(items)), wire.to_engine))
             await until(lambda: not server._calls)  # started and answered
         await server.close()
 
@@ -333,7 +333,7 @@ def test_calls_from_two_front_ends_in_one_turn_are_not_alone_and_a_lone_one_is_a
         [
             (type(item).__name__, item.call)
             for message in messages
-            for item, _ in wire.unpack(memoryview(message), protocol.to_front_end)
+            for item, _ in wire.unpack(memoryview(message), wire.to_front_end)
             if not isinstance(item, TableUpdate)
         ]
         for messages in sent
@@ -349,9 +349,7 @@ async def connect(path: str, received: list, arena: str | None = None) -> wire.L
     def take(_: wire.Link, items: list) -> None:
         received.extend((item, raw_bytes(raw)) for item, raw in items)
 
-    _, link = await loop.create_unix_connection(
-        lambda: wire.Link(protocol.to_front_end, take), path
-    )
+    _, link = await loop.create_unix_connection(lambda: wire.Link(wire.to_front_end, take), path)
     link.outbox.put(Hello(arena))
     return link
 
@@ -489,7 +487,7 @@ def test_the_calls_of_one_turn_are_handed_to_the_engine_once_per_route(tmp_path)
         ]
         rows = [ROWS, ROWS * 2, ROWS, ROWS * 3, ROWS]
         items = [(call, [r.tobytes()]) for call, r in zip(calls, rows, strict=True)]
-        server.take(link, wire.unpack(memoryview(wire.pack(items)), protocol.to_engine))
+        server.take(link, wire.unpack(memoryview(wire.pack(items)), wire.to_engine))
         await until(lambda: not server._calls)
         await asyncio.sleep(0)  # the answers' flush
         await server.close()
@@ -503,7 +501,7 @@ def test_the_calls_of_one_turn_are_handed_to_the_engine_once_per_route(tmp_path)
     answers = {
         item.call: np.frombuffer(raw[0], np.float32)[0]
         for message in sent
-        for item, raw in wire.unpack(memoryview(message), protocol.to_front_end)
+        for item, raw in wire.unpack(memoryview(message), wire.to_front_end)
         if isinstance(item, Answer)
     }
     assert answers == {1: 6.0, 2: 12.0, 3: 6.0, 4: 18.0, 5: 6.0}  # each its own rows' sum
@@ -526,7 +524,7 @@ def test_an_engine_fault_on_one_route_fails_only_its_calls(tmp_path):
         link = hello(server, sent)
         attention = Infer(2, "m", 1, None, "k", "attention", ROWS.shape, "<f4", None)
         items = [(infer(1, ROWS), [ROWS.tobytes()]), (attention, [ROWS.tobytes()])]
-        server.take(link, wire.unpack(memoryview(wire.pack(items)), protocol.to_engine))
+        server.take(link, wire.unpack(memoryview(wire.pack(items)), wire.to_engine))
         async with asyncio.timeout(5):
             while server._calls:
                 await asyncio.sleep(0.005)
@@ -537,7 +535,7 @@ def test_an_engine_fault_on_one_route_fails_only_its_calls(tmp_path):
     answered = {
         item.call: item
         for message in sent
-        for item, _ in wire.unpack(memoryview(message), protocol.to_front_end)
+        for item, _ in wire.unpack(memoryview(message), wire.to_front_end)
         if not isinstance(item, TableUpdate)
     }
     assert isinstance(answered[1], Answer)
@@ -586,8 +584,6 @@ def test_each_control_operation_is_called_with_the_arguments_its_row_names():
     assert get_args(ControlOp) == tuple(OPERATIONS) and set(OPERATIONS) == set(expected)
     for op, arguments in expected.items():
         assert protocol.Remote(1, op, "m", 3).arguments() == arguments, op
-    unknown = protocol.encoder.encode([(protocol.Remote(1, "index"), [])]).replace(
-        b"index", b"erase"
-    )
+    unknown = wire.encoder.encode([(protocol.Remote(1, "index"), [])]).replace(b"index", b"erase")
     with pytest.raises(protocol.msgspec.ValidationError, match="Invalid enum value 'erase'"):
-        protocol.to_engine.decode(unknown)
+        wire.to_engine.decode(unknown)

@@ -17,7 +17,7 @@ import pytest
 
 from service.engine.server import EngineServer
 from service.errors import NotFound
-from service.link import protocol, wire
+from service.link import wire
 from service.link.arena import PAGE, SHM, Arena, block_name
 from service.link.protocol import Answer, Cancel, Hello, Infer, Refusal, TableUpdate
 from tests.service.test_link import CancelWatchingEngine, calls_answered, connect, infer, until
@@ -70,16 +70,16 @@ def hostile_messages(witness: Path) -> dict[str, bytes]:
     return {
         "pickle": framed(evil),
         "2^40 bytes": framed(b"", claimed=2**40),
-        "wrong arity": framed(protocol.encoder.encode([(["infer", 1, "m"], [])])),
-        "unknown kind": framed(protocol.encoder.encode([(["shell", "id"], [])])),
+        "wrong arity": framed(wire.encoder.encode([(["infer", 1, "m"], [])])),
+        "unknown kind": framed(wire.encoder.encode([(["shell", "id"], [])])),
         "frames that do not add up": framed(
-            protocol.encoder.encode([(infer(1, ROWS), [16])]), b"\0" * 8
+            wire.encoder.encode([(infer(1, ROWS), [16])]), b"\0" * 8
         ),
         # a raw section longer than its frames: bytes no item claims (a '>' for the '!=' missed it)
         "a raw section longer than its frames": framed(
-            protocol.encoder.encode([(infer(1, ROWS), [16])]), b"\0" * 24
+            wire.encoder.encode([(infer(1, ROWS), [16])]), b"\0" * 24
         ),
-        "call before hello": framed(protocol.encoder.encode([(infer(1, ROWS), [16])]), b"\0" * 16),
+        "call before hello": framed(wire.encoder.encode([(infer(1, ROWS), [16])]), b"\0" * 16),
     }
 
 
@@ -288,7 +288,7 @@ def test_a_front_end_that_never_reads_is_not_sent_more_than_the_bound(tmp_path, 
         )
         held, started = link.transport.get_write_buffer_size(), engine.started
         answered: list = []
-        client = wire.Link(protocol.to_front_end, lambda _, items: answered.extend(items))
+        client = wire.Link(wire.to_front_end, lambda _, items: answered.extend(items))
         while len([a for a, _ in answered if isinstance(a, Answer)]) < CALLS:
             client.data_received(await reader.read(1 << 20))
         writer.close()

@@ -17,7 +17,7 @@ import pytest
 
 from service.contract.model_config import read_model_config, write_model_config
 from service.contract.model_repository import ModelLoadError
-from service.engine.model_manager import ModelManager
+from service.engine.model_manager import ModelManager, Route
 from service.errors import NotFound, ServiceUnavailable
 from service.observability.metrics import Metrics
 from tests.service.test_model_versions import set_policy
@@ -185,6 +185,11 @@ def test_a_scan_reloads_each_changed_version_once_it_has_settled(repository):
     asyncio.run(scenario())
 
 
+def pipeline_for(manager: ModelManager, name: str, version: int, requested, key) -> object:
+    """The pipeline ``ModelManager.target`` runs a classifier call of this route on."""
+    return manager.target(Route(name, version, requested, key, "classifier"))[0]
+
+
 def test_a_call_resolved_before_a_swap_goes_to_a_version_that_can_take_it(repository, records):
     async def scenario() -> None:
         set_policy(repository, "all")
@@ -193,8 +198,12 @@ def test_a_call_resolved_before_a_swap_goes_to_a_version_that_can_take_it(reposi
         v1, v2 = manager.resolve(MODEL_NAME, 1), manager.resolve(MODEL_NAME, 2)
         key = v2.view.preprocessing_key
         other_key = ("another", "preprocessing")
-        assert manager.pipeline_for(MODEL_NAME, 1, 1, key) is v1
-        assert manager.pipeline_for(MODEL_NAME, 2, None, other_key) is v2
+        assert pipeline_for(manager, MODEL_NAME, 1, 1, key) is v1
+        assert pipeline_for(manager, MODEL_NAME, 2, None, other_key) is v2
+        # kept for the next calls of these routes, until the versions change
+        assert manager.routes[Route(MODEL_NAME, 1, 1, key, "classifier")] == (v1, v1.classifier)
+        # but not a route no honest front end sends (another key): a hostile one cannot grow them
+        assert Route(MODEL_NAME, 2, None, other_key, "classifier") not in manager.routes
         with held(v1):  # v1 still answering a request when the policy drops it
             set_policy(repository, "latest", (1,))
             await manager.poll_once()
@@ -205,17 +214,19 @@ def test_a_call_resolved_before_a_swap_goes_to_a_version_that_can_take_it(reposi
             assert info(manager, MODEL_NAME, "1") is None and info(manager, MODEL_NAME, "2") == 1
             v2 = manager.resolve(MODEL_NAME)  # reloaded: its config changed
             assert v2.version == 2
+            assert manager.routes == {}  # resolved anew after the swap
             # the newest version asked for: the version now routed to, when it takes the same rows
-            assert manager.pipeline_for(MODEL_NAME, 1, None, key) is v2
+            assert pipeline_for(manager, MODEL_NAME, 1, None, key) is v2
             # otherwise the retired version, still draining, takes what was resolved to it
-            assert manager.pipeline_for(MODEL_NAME, 1, None, other_key) is v1
-            assert manager.pipeline_for(MODEL_NAME, 1, 1, key) is v1
-            assert manager.pipeline_for(MODEL_NAME, 2, 2, other_key) is v2
+            assert pipeline_for(manager, MODEL_NAME, 1, None, other_key) is v1
+            assert pipeline_for(manager, MODEL_NAME, 1, 1, key) is v1
+            assert set(manager.routes) == {Route(MODEL_NAME, 1, None, key, "classifier")}
+            assert pipeline_for(manager, MODEL_NAME, 2, 2, other_key) is v2
             with pytest.raises(NotFound):
-                manager.pipeline_for(MODEL_NAME, 7, 7, key)
+                pipeline_for(manager, MODEL_NAME, 7, 7, key)
             with pytest.raises(NotFound):
-                manager.pipeline_for("unknown-vit", 1, None, key)
-            assert manager.pipeline_for(OTHER, 1, None, key).name == OTHER
+                pipeline_for(manager, "unknown-vit", 1, None, key)
+            assert pipeline_for(manager, OTHER, 1, None, key).name == OTHER
         await manager.stop(5)
         assert not v1.accepting
 

@@ -243,8 +243,8 @@ def test_the_classifier_dispatches_at_a_preferred_batch_size_without_waiting(loa
 def test_a_lone_call_on_an_idle_fast_model_is_answered_before_it_is_waited_for(
     loaded, model_repository
 ):
-    """``submit(alone=True)`` runs a lone image inline once the model has shown it is fast: the
-    request's reply has the model's answer before ``submit`` returns, with the version's lease given
+    """``enqueue(alone=True)`` runs a lone image inline once the model has shown it is fast: the
+    request's reply has the model's answer before ``enqueue`` returns, with the version's lease given
     back first, and the statistics count it; an image the model fails on is answered at once too, as
     its error."""
     runtime, settings, serving = loaded
@@ -264,13 +264,13 @@ def test_a_lone_call_on_an_idle_fast_model_is_answered_before_it_is_waited_for(
             handed.append((outputs, error))
 
         call = Request(rows, reply, "req-2")
-        pipeline.submit("classifier", [call], alone=True)
-        answered, held = call.done, held_at_reply[:1] == [0]  # ended before submit returned
+        pipeline.classifier.enqueue([call], alone=True)
+        answered, held = call.done, held_at_reply[:1] == [0]  # ended before enqueue returned
         (outputs, _), released = handed[0], pipeline.in_flight
         for instance in pipeline.classifier._instances:
             instance.run = failing
         broken = Request(rows, reply, "req-3")
-        pipeline.submit("classifier", [broken], alone=True)
+        pipeline.classifier.enqueue([broken], alone=True)
         failure = handed[1][1]
         stats = pipeline.statistics.as_dict(MODEL_NAME, "1")["inference_stats"]
         await pipeline.retire(5)
@@ -315,8 +315,8 @@ def test_rows_that_are_not_the_version_s_input_never_join_a_batch(loaded, bad):
 
         requests = [Request(rows, reply, tag=i) for i, rows in enumerate([*honest[:2], bad])]
         requests.append(Request(honest[2], reply, tag=3))
-        pipeline.submit("classifier", requests)  # one turn's calls, queued together
-        refused = outcomes.get(2, (None, None))[1]  # answered before submit returned
+        pipeline.classifier.enqueue(requests)  # one turn's calls, queued together
+        refused = outcomes.get(2, (None, None))[1]  # answered before enqueue returned
         while len(outcomes) < 4:
             await asyncio.sleep(0.01)
         await pipeline.retire(5)
@@ -347,7 +347,7 @@ def test_a_call_cancelled_before_its_batch_runs_ends_as_a_499_and_never_runs(loa
         call = Request(
             rows, lambda request, outputs, error: handed.append((outputs, error)), "gone"
         )
-        pipeline.submit("classifier", [call])
+        pipeline.classifier.enqueue([call])
         call.cancel()
         await asyncio.sleep(0.05)
         await run_on(pipeline, "classifier", rows, "stays")

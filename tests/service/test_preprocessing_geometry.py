@@ -1,6 +1,7 @@
 """resize-crop and resize: the served tensor against references built here from Pillow's own resize
 of the 8-bit image (what Hugging Face's and timm's processors call), with the resized sizes and crop
-offsets worked out by hand in each test, never through ``service.contract.geometry``."""
+offsets worked out by hand in each test, never through the geometry in
+``service.contract.preprocessing``."""
 
 from __future__ import annotations
 
