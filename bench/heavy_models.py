@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from export.config import ViTConfig
+from export.config import ViTConfig, get_preset
 from export.data import get_dataset_spec
 from export.model import VisionTransformer
 from export.onnx_graphs import build_graphs, graph_document, with_metadata
@@ -33,24 +33,16 @@ SIZES = {
 }
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-CLASSES = 1000
 GEOMETRIES = ("fit-pad", "resize-crop")
 SHORTER_SIDE = 256  # DeiT's: 224 / crop_pct 0.875
 
 
 def config_for(size: str, image: int = 224) -> ViTConfig:
+    """ViT-B/16's layout (``vit-b16``: patch 16, RGB, 1000 classes, token pooling) at ``size``'s
+    widths and ``image`` pixels a side."""
     dim, depth, heads, mlp = SIZES[size]
-    return ViTConfig(
-        image_height=image,
-        image_width=image,
-        in_channels=3,
-        patch_size=16,
-        num_classes=CLASSES,
-        dim=dim,
-        depth=depth,
-        heads=heads,
-        mlp_dim=mlp,
-        pooling="token",
+    return get_preset("vit-b16").replace(
+        image_height=image, image_width=image, dim=dim, depth=depth, heads=heads, mlp_dim=mlp
     )
 
 
@@ -84,7 +76,7 @@ def write_heavy_model(
     spec = dataclasses.replace(
         get_dataset_spec("cifar10"),
         name="imagenet-like",
-        labels=tuple(f"class-{i}" for i in range(CLASSES)),
+        labels=tuple(f"class-{i}" for i in range(config.num_classes)),
         height=config.image_height,
         width=config.image_width,
         mean=IMAGENET_MEAN,
@@ -100,8 +92,7 @@ def write_heavy_model(
         )
         with_metadata(proto, document)
     files = {"model.onnx": graphs.classifier, "attention.onnx": graphs.attention}
-    dims = (config.in_channels, config.image_height, config.image_width)
-    return write_version(repo, name, 1, files, labels, dims, overwrite=True)
+    return write_version(repo, name, 1, files, labels, config.image_shape, overwrite=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -11,6 +12,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
 from export.config import ViTConfig
+from export.data import spec_from_metadata
+from export.dataset_spec import DatasetSpec
 from export.model import VisionTransformer
 
 
@@ -81,6 +84,26 @@ def load_checkpoint(path: str | Path) -> tuple[VisionTransformer, dict[str, str]
     except RuntimeError as error:
         raise CheckpointError(f"{path}: weights do not fit the config ({error})") from error
     return model.eval(), metadata
+
+
+@dataclass(frozen=True)
+class TrainedCheckpoint:
+    """A vitserve run's checkpoint as an export reads it: the file, the model, and the dataset and
+    labels its metadata names."""
+
+    path: Path
+    model: VisionTransformer
+    spec: DatasetSpec
+    labels: list[str]
+
+
+def load_trained(checkpoint: str | Path) -> TrainedCheckpoint:
+    """``checkpoint`` (a file, or a run directory: ``resolve_checkpoint``) with its metadata read."""
+    path = resolve_checkpoint(checkpoint)
+    model, metadata = load_checkpoint(path)
+    return TrainedCheckpoint(
+        path, model, spec_from_metadata(metadata), json.loads(metadata["labels"])
+    )
 
 
 def file_sha256(path: Path) -> str:

@@ -114,6 +114,11 @@ class ViTConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
     @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """One input image's (C, H, W)."""
+        return self.in_channels, self.image_height, self.image_width
+
+    @property
     def grid(self) -> tuple[int, int]:
         return self.image_height // self.patch_size, self.image_width // self.patch_size
 

@@ -27,10 +27,12 @@ import json
 import sys
 from pathlib import Path
 
+import onnx
+
 from export import quantize
-from export.checkpoint import CheckpointError, file_sha256, load_checkpoint, resolve_checkpoint
+from export.checkpoint import CheckpointError, TrainedCheckpoint, file_sha256, load_trained
 from export.cli import version_number
-from export.data import DatasetError, load_test_split, normalize, spec_from_metadata
+from export.data import DatasetError, load_test_split, normalize
 from export.importers import card as import_card
 from export.importers import is_imported, load_imported, probe_images
 from export.onnx_graphs import (
@@ -58,17 +60,43 @@ def export_model(
     overwrite: bool = False,
     measure: bool = True,
     candidate: bool = False,
+    quantization: quantize.Quantization | None = None,
 ) -> dict:
-    """Export, verify and write a checkpoint; returns the metadata document and the figures.
-    ``candidate``: the new version starts as the served version's candidate (``write_version``)."""
+    """Export, verify and write a checkpoint; returns the version's path and the figures.
+    ``candidate``: the new version starts as the served version's candidate (``write_version``).
+    ``quantization``: an int8 classifier instead of the float graphs (export/quantize.py), always
+    measured."""
     checked_version(version)  # before anything is read or built
     if is_imported(checkpoint):
+        if quantization is not None:
+            raise CheckpointError(
+                f"{checkpoint}: --quantize calibrates on a vitserve run's training images; "
+                "an imported checkpoint exports in float32"
+            )
         return export_imported(checkpoint, name, version, repo, overwrite, candidate)
-    path = resolve_checkpoint(checkpoint)
-    model, metadata = load_checkpoint(path)
-    spec = spec_from_metadata(metadata)
-    labels = json.loads(metadata["labels"])
+    trained = load_trained(checkpoint)
     new_version_dir(repo, name, version, overwrite)
+    if quantization is None:
+        files, figures = float_graphs(trained, name, version, data_dir, measure)
+    else:
+        files, figures = quantize.int8_classifier(trained, name, version, data_dir, quantization)
+    shape = trained.model.config.image_shape
+    written = write_version(
+        Path(repo), name, version, files, trained.labels, shape, overwrite, candidate
+    )
+    return {"path": str(written), **figures}
+
+
+def float_graphs(
+    trained: TrainedCheckpoint,
+    name: str,
+    version: int,
+    data_dir: str | Path | None,
+    measure: bool,
+) -> tuple[dict[str, onnx.ModelProto], dict]:
+    """The classifier and attention graphs by file name, verified and described, and the figures
+    (test accuracy unless not ``measure``, and the verification against PyTorch)."""
+    model, spec = trained.model, trained.spec
     count = max(verify_batch_sizes(model.config))
     test = load_test_split(spec, data_dir)
     images = normalize(test.images, spec)
@@ -77,12 +105,12 @@ def export_model(
     repeats = -(-count // max(1, len(images)))
     figures = verify(model, graphs, images[:count].repeat(repeats, 1, 1, 1)[:count])
     accuracy = measure_accuracy(graphs.classifier, images, test.labels) if measure else None
-    sha = file_sha256(path)
+    sha = file_sha256(trained.path)
     for graph_name, proto in (("classifier", graphs.classifier), ("attention", graphs.attention)):
         document = describe(
             model,
             spec,
-            labels,
+            trained.labels,
             name,
             version,
             graph_name,
@@ -91,11 +119,8 @@ def export_model(
             sha,
         )
         with_metadata(proto, document)
-    c = model.config
     files = {"model.onnx": graphs.classifier, "attention.onnx": graphs.attention}
-    dims = (c.in_channels, c.image_height, c.image_width)
-    written = write_version(Path(repo), name, version, files, labels, dims, overwrite, candidate)
-    return {"path": str(written), "test_accuracy": accuracy, "verification": figures}
+    return files, {"test_accuracy": accuracy, "verification": figures}
 
 
 def export_imported(
@@ -122,11 +147,10 @@ def export_imported(
             source=imported.source,
         )
         with_metadata(proto, document)
-    c = model.config
     files = {"model.onnx": graphs.classifier, "attention.onnx": graphs.attention}
-    dims = (c.in_channels, c.image_height, c.image_width)
+    shape = model.config.image_shape
     written = write_version(
-        Path(repo), name, version, files, imported.labels, dims, overwrite, candidate
+        Path(repo), name, version, files, imported.labels, shape, overwrite, candidate
     )
     card = Path(repo) / name / "MODEL_CARD.md"
     card.write_text(import_card.render(imported, Path(source), name, version, figures))
@@ -168,28 +192,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         parser.error(f"--name may hold letters, digits, '-', '_' and '.', got {args.name!r}")
     try:
-        if args.quantize and is_imported(args.checkpoint):
-            raise CheckpointError(
-                f"{args.checkpoint}: --quantize calibrates on a vitserve run's training images; "
-                "an imported checkpoint exports in float32"
-            )
-        if args.quantize:
-            result = quantize.export_quantized(
-                *(args.checkpoint, args.name, args.version, args.repo, args.data_dir),
-                *(args.overwrite, args.quantization, args.calibration_images),
-                candidate=args.candidate,
-            )
-        else:
-            result = export_model(
-                args.checkpoint,
-                args.name,
-                args.version,
-                args.repo,
-                args.data_dir,
-                args.overwrite,
-                measure=not args.skip_accuracy,
-                candidate=args.candidate,
-            )
+        result = export_model(
+            args.checkpoint,
+            args.name,
+            args.version,
+            args.repo,
+            args.data_dir,
+            args.overwrite,
+            measure=not args.skip_accuracy,
+            candidate=args.candidate,
+            quantization=quantize.from_arguments(args),
+        )
     except (
         VerificationError,
         CheckpointError,

@@ -28,6 +28,7 @@ import json
 import logging
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,10 +44,9 @@ from onnxruntime.quantization import (
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
 from export import onnx_graphs as export_onnx
-from export.checkpoint import file_sha256, load_checkpoint, resolve_checkpoint
-from export.data import Split, load_dataset, normalize, spec_from_metadata, train_validation_split
+from export.checkpoint import TrainedCheckpoint, file_sha256
+from export.data import Split, load_dataset, normalize, train_validation_split
 from export.evaluate import dataset_logits, onnx_runner
-from export.repository import new_version_dir, write_version
 from service.contract.probabilities import softmax
 
 QUANTIZATIONS = ("dynamic", "static-qdq")
@@ -163,33 +163,36 @@ def agreement(float_logits: np.ndarray, int8_logits: np.ndarray) -> dict[str, fl
     }
 
 
-def export_quantized(
-    checkpoint: str | Path,
+@dataclass(frozen=True)
+class Quantization:
+    """How ``--quantize int8`` quantizes: ``method``, one of ``QUANTIZATIONS``, and how many
+    training images calibrate static-qdq."""
+
+    method: str = "static-qdq"
+    calibration_count: int = CALIBRATION_IMAGES
+
+
+def int8_classifier(
+    trained: TrainedCheckpoint,
     name: str,
     version: int,
-    repo: str | Path,
-    data_dir: str | Path | None = None,
-    overwrite: bool = False,
-    method: str = "static-qdq",
-    calibration_count: int = CALIBRATION_IMAGES,
-    candidate: bool = False,
-) -> dict:
-    """Export, verify, quantize, measure and write an int8 classifier; returns the figures.
-    ``candidate``: it starts as the served version's candidate (``write_version``)."""
-    path = resolve_checkpoint(checkpoint)
-    model, metadata = load_checkpoint(path)
-    spec = spec_from_metadata(metadata)
-    labels = json.loads(metadata["labels"])
-    new_version_dir(repo, name, version, overwrite)
+    data_dir: str | Path | None,
+    quantization: Quantization,
+) -> tuple[dict[str, onnx.ModelProto], dict]:
+    """The int8 classifier by file name, described, and the figures: the float classifier is
+    verified against PyTorch and quantized, and both are measured on the test split; refused
+    (QuantizationError) when int8 loses more than ``MAX_ACCURACY_DROP``."""
+    model, spec, method = trained.model, trained.spec, quantization.method
     train, test = load_dataset(spec, data_dir)
-    train = run_training_images(path, train)
+    train = run_training_images(trained.path, train)
     images = normalize(test.images, spec)
     graphs = export_onnx.build_graphs(model)
     count = max(export_onnx.verify_batch_sizes(model.config))
     figures = export_onnx.verify(model, graphs, images[:count])
     calibration = None
     if method == "static-qdq":
-        calibration = normalize(calibration_images(train.images, calibration_count), spec).numpy()
+        chosen = calibration_images(train.images, quantization.calibration_count)
+        calibration = normalize(chosen, spec).numpy()
     quantized = quantize_graph(graphs.classifier, method, calibration)
     test_images, test_labels = images.numpy(), test.labels.numpy()
     float_logits = logits_of(graphs.classifier, test_images)
@@ -198,7 +201,7 @@ def export_quantized(
     int8_accuracy = float((int8_logits.argmax(1) == test_labels).mean())
     result = {
         "quantization": method,
-        "calibration_images": calibration_count if calibration is not None else None,
+        "calibration_images": quantization.calibration_count if calibration is not None else None,
         "float_test_accuracy": float_accuracy,
         "float_agreement": agreement(float_logits, int8_logits),
         "test_accuracy": int8_accuracy,
@@ -214,13 +217,13 @@ def export_quantized(
     document = export_onnx.describe(
         model,
         spec,
-        labels,
+        trained.labels,
         name,
         version,
         "classifier",
         int8_accuracy,
         len(test),
-        file_sha256(path),
+        file_sha256(trained.path),
     )
     document.update(
         precision="int8",
@@ -231,12 +234,7 @@ def export_quantized(
         attention_graph=None,
     )
     export_onnx.with_metadata(quantized, document)
-    c = model.config
-    dims = (c.in_channels, c.image_height, c.image_width)
-    written = write_version(
-        Path(repo), name, version, {"model.onnx": quantized}, labels, dims, overwrite, candidate
-    )
-    return {"path": str(written), **result}
+    return {"model.onnx": quantized}, result
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -259,3 +257,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=CALIBRATION_IMAGES,
         help=f"training images that calibrate static-qdq (default {CALIBRATION_IMAGES})",
     )
+
+
+def from_arguments(args: argparse.Namespace) -> Quantization | None:
+    """``add_arguments``' options as a ``Quantization``; None without ``--quantize``."""
+    if not args.quantize:
+        return None
+    return Quantization(args.quantization, args.calibration_images)

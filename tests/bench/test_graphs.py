@@ -7,8 +7,8 @@ import torch
 
 from bench import graphs
 from bench.graphs import GRAPHS, INT8, LEGACY, VITSERVE, Measured, Sample
-from export.config import ViTConfig
 from export.model import VisionTransformer
+from tests.support import TINY
 
 
 def test_graphs_alternate_call_by_call_and_reverse_every_other_round():
@@ -52,17 +52,9 @@ def test_the_table_gives_each_graph_against_the_legacy_export_of_its_size():
 
 
 def test_a_tiny_model_is_measured_end_to_end():
-    config = ViTConfig(
-        image_height=32,
-        image_width=32,
-        in_channels=3,
-        patch_size=8,
-        num_classes=10,
-        dim=32,
-        depth=2,
-        heads=2,
-        mlp_dim=64,
-        pooling="token",
+    # The suite's tiny model, shaped like the models the bench measures: RGB, token pooling.
+    config = TINY.replace(
+        image_height=32, image_width=32, in_channels=3, patch_size=8, pooling="token"
     )
     torch.manual_seed(0)
     model = VisionTransformer(config).eval()

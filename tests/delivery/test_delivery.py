@@ -9,6 +9,7 @@ Kubernetes manifests in test_kubernetes.py, the read-only root run in test_read_
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -626,12 +627,8 @@ def test_make_export_env_installs_the_export_requirements_without_the_linters():
 def test_the_export_stage_without_torch_says_which_command_installs_it():
     """Right after `make serve` (no torch in .venv): one line naming `make export-env`, no
     traceback."""
-    done = subprocess.run(
-        [sys.executable, "-c", "import sys; sys.modules['torch'] = None; import export.onnx"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    from tests.support import run_python
+
+    done = run_python("import sys; sys.modules['torch'] = None; import export.onnx", os.environ)
     assert done.returncode == 1
     assert "make export-env" in done.stderr and "Traceback" not in done.stderr

@@ -18,6 +18,7 @@ from export import quantize
 from export.data import FASHION_MNIST_LABELS
 from export.evaluate import evaluate_onnx
 from export.folder_defaults import TEACHER_BELOW
+from export.onnx import export_model
 from export.sample_folders import write_fashion_mnist
 from tests.export.conftest import FASHION_DIR
 from tests.support import Suite, running_server
@@ -140,9 +141,8 @@ def test_int8_export_of_a_folder_run_is_calibrated_on_its_own_training_images(
     monkeypatch.setattr(quantize, "calibration_images", spy)
     # A 150-step model on 100 test images: one image is a point, more than the drop allowed.
     monkeypatch.setattr(quantize, "MAX_ACCURACY_DROP", 1.0)
-    result = quantize.export_quantized(
-        out, "photos-int8", 1, tmp_path, method="static-qdq", calibration_count=64
-    )
+    int8 = quantize.Quantization("static-qdq", calibration_count=64)
+    result = export_model(out, "photos-int8", 1, tmp_path, quantization=int8)
     assert result["quantization"] == "static-qdq" and result["calibration_images"] == 64
     # The run's training split: its 400 images less the validation tenth.
     (images,) = seen

@@ -476,7 +476,8 @@ def test_static_qdq_is_calibrated_on_training_images(tiny_run, tmp_path, monkeyp
     float graph's 69.12% on one), so that gate has its own test (below) with a model that fails it
     on any CPU."""
     monkeypatch.setattr(quantize, "MAX_ACCURACY_DROP", 1.0)
-    quantize.export_quantized(tiny_run, "q", 1, tmp_path, method="static-qdq", calibration_count=64)
+    int8 = quantize.Quantization("static-qdq", calibration_count=64)
+    onnx_export.export_model(tiny_run, "q", 1, tmp_path, quantization=int8)
     graph = tmp_path / "q" / "1" / "model.onnx"
     document = metadata_of(graph)
     assert document["quantization"] == "static-qdq" and document["calibration_images"] == 64

@@ -1,5 +1,5 @@
 """Fixtures for the interoperability tests, over tests/conftest.py's shared ones: a real server on
-this area's ports."""
+this area's ports, and a module's own server with gRPC on (``served``) with clients of its gRPC port."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import tritonclient.grpc
 from tritonclient.grpc import service_pb2_grpc
 
+from tests.interop.eco_support import eco_server
 from tests.support import INTEROP, Server, running_server
 
 
@@ -31,6 +32,23 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     with running_server(
         model_repository, log, suite=INTEROP, max_queue_delay_ms=50, max_batch_size=8
     ) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def eco_settings() -> dict[str, object]:
+    """The settings of the module's ``served`` beyond the suite's; a module overrides this fixture
+    to serve with others."""
+    return {"max_queue_delay_ms": 5}
+
+
+@pytest.fixture(scope="module")
+def served(
+    model_repository: Path, tmp_path_factory: pytest.TempPathFactory, eco_settings: dict
+) -> Iterator[tuple[Server, int]]:
+    """A real ``python -m service`` with gRPC on, for the module: (the server, its gRPC port)."""
+    log = tmp_path_factory.mktemp("served") / "service.log"
+    with eco_server(model_repository, log, **eco_settings) as running:
         yield running
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -74,6 +75,20 @@ def page(browser, server):
     context.close()
     assert not script_errors, script_errors
     assert not foreign, f"the page fetched from elsewhere: {foreign}"
+
+
+@contextmanager
+def opened_page(browser, url: str) -> Iterator[object]:
+    """A page of its own browser context at ``url``, for a test that runs its own server; the
+    context is closed when the test leaves it, failed or not."""
+    context = browser.new_context()
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    try:
+        page.goto(url)
+        yield page
+    finally:
+        context.close()
 
 
 def predict_upload(http: httpx.Client, files: list[bytes]) -> list[dict]:
@@ -183,43 +198,39 @@ def test_an_api_error_is_shown_in_words(page, server, tmp_path):
 
 def test_the_page_asks_for_the_api_key(browser, model_repository, tmp_path, correct_image):
     image, label = correct_image
-    with running_server(
-        model_repository, tmp_path / "service.log", suite=INTEROP, api_key="demo-key"
-    ) as keyed:
-        context = browser.new_context()
-        page = context.new_page()
-        page.set_default_timeout(TIMEOUT_MS)
-        try:
-            page.goto(f"{keyed.url}/")
-            page.wait_for_function(
-                "() => document.getElementById('model-info').textContent.includes('API key')"
-            )
-            page.set_input_files("#file-input", str(image))
-            error = page.locator("#error")
-            error.wait_for(state="visible")
-            assert "Enter the service's API key" in error.inner_text()
+    with (
+        running_server(
+            model_repository, tmp_path / "service.log", suite=INTEROP, api_key="demo-key"
+        ) as keyed,
+        opened_page(browser, f"{keyed.url}/") as page,
+    ):
+        page.wait_for_function(
+            "() => document.getElementById('model-info').textContent.includes('API key')"
+        )
+        page.set_input_files("#file-input", str(image))
+        error = page.locator("#error")
+        error.wait_for(state="visible")
+        assert "Enter the service's API key" in error.inner_text()
 
-            page.fill("#api-key", "wrong")
-            page.dispatch_event("#api-key", "change")
-            page.set_input_files("#file-input", str(image))
-            page.wait_for_function(
-                "() => document.getElementById('error').textContent.includes('not valid')"
-            )
+        page.fill("#api-key", "wrong")
+        page.dispatch_event("#api-key", "change")
+        page.set_input_files("#file-input", str(image))
+        page.wait_for_function(
+            "() => document.getElementById('error').textContent.includes('not valid')"
+        )
 
-            page.fill("#api-key", "demo-key")
-            page.dispatch_event("#api-key", "change")
-            page.wait_for_function(
-                f"() => document.getElementById('model-info').textContent.includes('{MODEL_NAME}')"
-            )
-            page.set_input_files("#file-input", str(image))
-            page.wait_for_function(
-                "(label) => document.getElementById('prediction-label').textContent === label",
-                arg=label,
-            )
-            overlay_loaded(page)
-            assert page.locator("#error").is_hidden()
-        finally:
-            context.close()
+        page.fill("#api-key", "demo-key")
+        page.dispatch_event("#api-key", "change")
+        page.wait_for_function(
+            f"() => document.getElementById('model-info').textContent.includes('{MODEL_NAME}')"
+        )
+        page.set_input_files("#file-input", str(image))
+        page.wait_for_function(
+            "(label) => document.getElementById('prediction-label').textContent === label",
+            arg=label,
+        )
+        overlay_loaded(page)
+        assert page.locator("#error").is_hidden()
 
 
 def test_page_and_assets_are_served_from_the_package(http):
@@ -251,26 +262,22 @@ def test_the_person_picks_the_model(browser, model_repository, tmp_path, correct
     image, label = correct_image
     log = tmp_path / "service.log"
     with running_server(repository, log, suite=INTEROP) as two_models:
-        context = browser.new_context()
-        page = context.new_page()
-        page.set_default_timeout(TIMEOUT_MS)
-        page.goto(f"{two_models.url}/")
-        page.wait_for_function("() => document.getElementById('model').options.length === 2")
-        options = page.eval_on_selector_all("#model option", "all => all.map(o => o.value)")
-        assert options == ["plain", MODEL_NAME] or options == [MODEL_NAME, "plain"]
-        assert page.eval_on_selector("#model", "s => s.value") == MODEL_NAME  # the default
-        page.select_option("#model", "plain")
-        page.wait_for_function(
-            "() => document.getElementById('model-info').textContent.includes('No attention graph')"
-        )
-        page.set_input_files("#file-input", str(image))
-        page.wait_for_function(
-            "() => document.getElementById('status').textContent.includes('plain version 1')"
-        )
-        assert page.locator("#prediction-label").inner_text() == label
-        assert "no attention graph" in page.locator("#error").inner_text()
-        assert page.locator("#overlay").is_hidden()
-        context.close()
+        with opened_page(browser, f"{two_models.url}/") as page:
+            page.wait_for_function("() => document.getElementById('model').options.length === 2")
+            options = page.eval_on_selector_all("#model option", "all => all.map(o => o.value)")
+            assert options == ["plain", MODEL_NAME] or options == [MODEL_NAME, "plain"]
+            assert page.eval_on_selector("#model", "s => s.value") == MODEL_NAME  # the default
+            page.select_option("#model", "plain")
+            page.wait_for_function(
+                "() => document.getElementById('model-info').textContent.includes('No attention graph')"
+            )
+            page.set_input_files("#file-input", str(image))
+            page.wait_for_function(
+                "() => document.getElementById('status').textContent.includes('plain version 1')"
+            )
+            assert page.locator("#prediction-label").inner_text() == label
+            assert "no attention graph" in page.locator("#error").inner_text()
+            assert page.locator("#overlay").is_hidden()
         metrics = httpx.get(f"{two_models.url}/metrics").text
     assert 'vitserve_batch_size_count{graph="classifier",model="plain"} 1.0' in metrics
     # every batcher's series exist from the start, at 0: the model not picked ran no batch
@@ -300,11 +307,10 @@ def test_the_page_shows_a_candidates_comparison(browser, model_repository, tmp_p
     answer: agreement 100%) in the shadow of every request: after one upload the page says so."""
     repository = trying_repository(model_repository, tmp_path, shadow_percent="100")
     image, label = correct_image
-    with running_server(repository, tmp_path / "service.log", suite=INTEROP) as trying:
-        context = browser.new_context()
-        page = context.new_page()
-        page.set_default_timeout(TIMEOUT_MS)
-        page.goto(f"{trying.url}/")
+    with (
+        running_server(repository, tmp_path / "service.log", suite=INTEROP) as trying,
+        opened_page(browser, f"{trying.url}/") as page,
+    ):
         page.wait_for_function(
             "() => document.getElementById('shadow').textContent.includes('no request compared')"
         )
@@ -315,7 +321,6 @@ def test_the_page_shows_a_candidates_comparison(browser, model_repository, tmp_p
         shown = page.locator("#shadow").inner_text()
         assert page.locator("#prediction-label").inner_text() == label
         assert "version 1 says" in page.locator("#status").inner_text()  # live answered
-        context.close()
     assert shown.startswith("Candidate version 2 against live version 1 (shadow 100%, canary 0%)")
     assert "top-1 agreement 100.0%" in shown and "0 shed" in shown
 
@@ -337,11 +342,10 @@ def test_the_page_names_the_canarys_answer_and_follows_the_models_polarity(
     for graph in ("model.onnx", "attention.onnx"):
         retag(repository / "photos" / "1" / graph, preprocessing={"polarity": "natural"})
     image, _ = correct_image
-    with running_server(repository, tmp_path / "service.log", suite=INTEROP) as trying:
-        context = browser.new_context()
-        page = context.new_page()
-        page.set_default_timeout(TIMEOUT_MS)
-        page.goto(f"{trying.url}/")
+    with (
+        running_server(repository, tmp_path / "service.log", suite=INTEROP) as trying,
+        opened_page(browser, f"{trying.url}/") as page,
+    ):
         page.wait_for_function("() => document.getElementById('shadow').textContent !== ''")
         assert f"{MODEL_NAME} version 1" in page.locator("#model-info").inner_text()
         assert "White strokes on black" in page.locator("#drawing-hint").inner_text()
@@ -356,7 +360,6 @@ def test_the_page_names_the_canarys_answer_and_follows_the_models_polarity(
             "() => document.getElementById('drawing-hint').textContent.includes('photos')"
         )
         polarity_hidden = page.locator("#polarity-row").is_hidden()
-        context.close()
     assert status == (
         f"{MODEL_NAME} version 2 (the candidate, answering its canary share of requests) says:"
     )

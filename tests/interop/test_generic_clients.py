@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,15 +22,7 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from tritonclient.utils import triton_to_np_dtype
 
-from tests.interop.eco_support import eco_server
-from tests.support import MODEL_NAME, Server
-
-
-@pytest.fixture(scope="module")
-def served(model_repository: Path, tmp_path_factory) -> Iterator[tuple[Server, int]]:
-    log = tmp_path_factory.mktemp("generic-clients") / "service.log"
-    with eco_server(model_repository, log, max_queue_delay_ms=5) as running:
-        yield running
+from tests.support import MODEL_NAME
 
 
 def generated_inputs(module, metadata: dict, config: dict, batch: int) -> list:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -27,7 +25,6 @@ from tritonclient.utils import InferenceServerException
 from service.observability.logs import ContextFilter
 from tests.interop.eco_support import (
     eco_app,
-    eco_server,
     predict_probabilities,
     reference_logits,
     softmax,
@@ -38,10 +35,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def served(model_repository: Path, tmp_path_factory) -> Iterator[tuple[Server, int]]:
-    log = tmp_path_factory.mktemp("grpc-server") / "service.log"
-    with eco_server(model_repository, log, max_queue_delay_ms=50) as running:
-        yield running
+def eco_settings() -> dict[str, object]:
+    """``served`` batches over 50 ms, as the suite's own ``server`` does."""
+    return {"max_queue_delay_ms": 50}
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import numpy as np
 import pytest
 
 from tests.interop.eco_support import eco_server, reference_logits, softmax
-from tests.support import MODEL_NAME, REPO, Reference, Server
+from tests.support import MODEL_NAME, Reference, Server, run_python
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -97,13 +96,7 @@ def answers(server, fashion_images, tmp_path_factory) -> tuple[dict, np.ndarray,
     fp32, pixels = Reference.normalise(fashion_images[:5]), fashion_images[5:8]
     tensors = tmp_path_factory.mktemp("kserve-client") / "tensors.npz"
     np.savez(tensors, fp32=fp32, pixels=pixels)
-    result = subprocess.run(
-        [sys.executable, "-c", CLIENT, server.url, MODEL_NAME, str(tensors)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_python(CLIENT, os.environ, server.url, MODEL_NAME, str(tensors))
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.splitlines()[-1]), fp32, pixels
 

@@ -12,7 +12,6 @@ import base64
 import io
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import httpx
@@ -24,7 +23,7 @@ from PIL import Image, ImageDraw
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from tests.interop.eco_support import eco_app, eco_server
+from tests.interop.eco_support import eco_app
 from tests.support import MODEL_NAME, Server
 
 pytestmark = pytest.mark.timeout(300)
@@ -50,13 +49,6 @@ def encoded(image: Image.Image, image_format: str) -> bytes:
 PNG = encoded(drawn_image((60, 44)), "PNG")
 JPEG = encoded(drawn_image((40, 64)).rotate(20), "JPEG")
 FILES = [PNG, JPEG]
-
-
-@pytest.fixture(scope="module")
-def served(model_repository: Path, tmp_path_factory) -> Iterator[tuple[Server, int]]:
-    log = tmp_path_factory.mktemp("encoded-images") / "service.log"
-    with eco_server(model_repository, log, max_queue_delay_ms=5) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")

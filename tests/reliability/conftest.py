@@ -13,13 +13,19 @@ from fastapi.testclient import TestClient
 
 from service.frontend.app import create_app
 from service.settings import Settings
-from tests.support import RELIABILITY, make_settings
+from tests.support import RELIABILITY, encode, make_settings
 
 
 @pytest.fixture(scope="session")
 def fashion_images(fashion_images: np.ndarray) -> np.ndarray:
     """The first 16 of the shared Fashion-MNIST test images."""
     return fashion_images[:16].copy()
+
+
+@pytest.fixture
+def fashion_png(fashion_images: np.ndarray) -> bytes:
+    """The first of them as a PNG file."""
+    return encode(fashion_images[0])
 
 
 @pytest.fixture(scope="session")

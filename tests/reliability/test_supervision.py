@@ -28,24 +28,14 @@ from bench.reliability.supervision import (
     wait_for,
 )
 from tests.proc import assert_forked_holding_their_own_listener
+from tests.reliability.supervised import start
 from tests.support import (
     RELIABILITY,
-    encode,
     free_port,
-    running_server,
     server_env,
 )
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture
-def fashion_png(fashion_images) -> bytes:
-    return encode(fashion_images[0])
-
-
-def start(model_repository: Path, tmp_path: Path):
-    return running_server(model_repository, tmp_path / "server.log", suite=RELIABILITY, workers=2)
 
 
 def test_a_killed_front_end_is_restarted_and_only_its_requests_are_lost(

@@ -25,18 +25,10 @@ from bench.reliability.supervision import (
 )
 from service.link.arena import PREFIX, SHM
 from tests.reliability.full_disk import full_tmpfs
-from tests.support import RELIABILITY, encode, metric, running_server
+from tests.reliability.supervised import start
+from tests.support import metric
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture
-def fashion_png(fashion_images) -> bytes:
-    return encode(fashion_images[0])
-
-
-def start(model_repository: Path, tmp_path: Path, log: str = "server.log"):
-    return running_server(model_repository, tmp_path / log, suite=RELIABILITY, workers=2)
 
 
 def test_an_engine_killed_while_it_reloads_is_restarted_again(

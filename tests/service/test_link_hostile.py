@@ -252,16 +252,26 @@ class Answers(StrictEngine):
 CALLS = 4 * 2000  # the report: 4 x 2,000 calls whose answers were never read
 
 
-async def unread_calls(server: EngineServer, path: str) -> tuple:
-    """A same-user client that says hello and sends ``CALLS`` calls without reading a byte of what
-    comes back; returns its reader and the engine's end of its link."""
-    reader, writer = await asyncio.open_unix_connection(path)
+def bound_unread_answers(monkeypatch, max_bytes: int) -> None:
+    """The engine stops reading a link's calls past 64 KiB of answers unsent, and closes the link
+    past ``max_bytes``."""
+    monkeypatch.setattr(wire, "UNREAD_PAUSE_BYTES", 64 * 1024, raising=False)
+    monkeypatch.setattr(wire, "UNREAD_MAX_BYTES", max_bytes, raising=False)
+
+
+async def unread_calls(engine: Answers, addresses: wire.Addresses) -> tuple:
+    """``engine``'s server, bound, and a same-user client that says hello and sends ``CALLS``
+    calls without reading a byte of what comes back; returns the server, the client's reader and
+    writer, and the engine's end of its link."""
+    server = EngineServer(engine, addresses)
+    await server.bind()
+    reader, writer = await asyncio.open_unix_connection(addresses.engine)
     writer.write(wire.pack([(Hello(None), [])]))
     await until(lambda: len(server._links) == 1)
     (link,) = server._links
     for first in range(1, CALLS + 1, 100):  # asyncio keeps what the socket does not take
         writer.write(wire.pack([(infer(i, ROWS), [ROWS.data]) for i in range(first, first + 100)]))
-    return reader, writer, link
+    return server, reader, writer, link
 
 
 def test_a_front_end_that_never_reads_is_not_sent_more_than_the_bound(tmp_path, monkeypatch):
@@ -269,15 +279,12 @@ def test_a_front_end_that_never_reads_is_not_sent_more_than_the_bound(tmp_path, 
     calls) until it disconnected. Past UNREAD_PAUSE_BYTES unsent, the engine stops reading its
     calls: it holds what one read brought at most, and every call is answered once the client
     reads."""
-    monkeypatch.setattr(wire, "UNREAD_PAUSE_BYTES", 64 * 1024, raising=False)
-    monkeypatch.setattr(wire, "UNREAD_MAX_BYTES", 64 * 2**20, raising=False)  # not reached
+    bound_unread_answers(monkeypatch, max_bytes=64 * 2**20)  # not reached
     engine = Answers(width=512)  # 2 KiB an answer: 16 MiB for every call
     addresses = wire.Addresses.in_directory(str(tmp_path))
 
     async def scenario():
-        server = EngineServer(engine, addresses)
-        await server.bind()
-        reader, writer, link = await unread_calls(server, addresses.engine)
+        server, reader, writer, link = await unread_calls(engine, addresses)
         # settled: it stopped reading (or, unbounded, read every call), and answered what it read
         await until(
             lambda: (
@@ -305,15 +312,12 @@ def test_a_front_end_that_never_reads_is_not_sent_more_than_the_bound(tmp_path, 
 def test_a_front_end_whose_unread_answers_pass_the_limit_is_closed(tmp_path, monkeypatch):
     """Answers so large that one read of calls passes UNREAD_MAX_BYTES: the link is closed and its
     calls let go, rather than held for a client that does not read."""
-    monkeypatch.setattr(wire, "UNREAD_PAUSE_BYTES", 64 * 1024, raising=False)
-    monkeypatch.setattr(wire, "UNREAD_MAX_BYTES", 2**20, raising=False)
+    bound_unread_answers(monkeypatch, max_bytes=2**20)
     engine = Answers(width=4096)  # 16 KiB an answer: 128 MiB for every call
     addresses = wire.Addresses.in_directory(str(tmp_path))
 
     async def scenario():
-        server = EngineServer(engine, addresses)
-        await server.bind()
-        _, writer, link = await unread_calls(server, addresses.engine)
+        server, _, writer, link = await unread_calls(engine, addresses)
         await until(lambda: link.closed.done() or engine.started == CALLS, 30)
         await until(lambda: link.closed.done() or not server._calls, 30)
         closed = link.closed.done()

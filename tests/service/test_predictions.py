@@ -39,31 +39,20 @@ def test_softmax_is_stable_for_large_logits_and_computed_in_double_precision():
     assert close[0, 1] - close[0, 0] == pytest.approx(5e-7, rel=1e-3)
 
 
+def scored(label: str, index: int, score: float) -> dict:
+    """One class of a prediction as the JSON carries it."""
+    return {"label": label, "index": index, "score": pytest.approx(score)}
+
+
 def test_predictions_list_the_top_k_in_order_with_labels_indices_and_scores():
     logits = np.log(np.array([[1.0, 4.0, 2.0, 3.0], [3.0, 1.0, 4.0, 2.0]]))
     answers = predictions(logits, LABELS, 3)
-    assert answers == [
-        {
-            "label": "b",
-            "index": 1,
-            "score": pytest.approx(0.4),
-            "top_k": [
-                {"label": "b", "index": 1, "score": pytest.approx(0.4)},
-                {"label": "d", "index": 3, "score": pytest.approx(0.3)},
-                {"label": "c", "index": 2, "score": pytest.approx(0.2)},
-            ],
-        },
-        {
-            "label": "c",
-            "index": 2,
-            "score": pytest.approx(0.4),
-            "top_k": [
-                {"label": "c", "index": 2, "score": pytest.approx(0.4)},
-                {"label": "a", "index": 0, "score": pytest.approx(0.3)},
-                {"label": "d", "index": 3, "score": pytest.approx(0.2)},
-            ],
-        },
+    top_ks = [
+        [scored("b", 1, 0.4), scored("d", 3, 0.3), scored("c", 2, 0.2)],
+        [scored("c", 2, 0.4), scored("a", 0, 0.3), scored("d", 3, 0.2)],
     ]
+    # each answer is its best class, with the top k beside it
+    assert answers == [{**top_k[0], "top_k": top_k} for top_k in top_ks]
     assert all(type(entry["score"]) is float for answer in answers for entry in answer["top_k"])
 
 

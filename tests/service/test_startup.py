@@ -7,8 +7,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import onnx
@@ -22,9 +20,9 @@ from service.launcher.http_server import _Server
 from service.settings import Settings, setting_fields
 from tests.support import (
     MODEL_NAME,
-    REPO,
     assert_error,
     make_settings,
+    run_in_repo,
     run_python,
     server_env,
     start_process,
@@ -300,14 +298,7 @@ SECRET = "hunter2-secret"
 def test_invalid_settings_exit_2_with_one_line_and_never_the_secret(
     model_repository, settings, line
 ):
-    result = subprocess.run(
-        [sys.executable, "-m", "service"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=server_env(model_repository, 18097, **settings),
-    )
+    result = run_in_repo(["-m", "service"], server_env(model_repository, 18097, **settings))
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert output.strip().splitlines() == [output.strip()], output  # one line
