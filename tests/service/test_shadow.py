@@ -33,7 +33,7 @@ from service.contract.model_config import (
     read_model_config,
     write_model_config,
 )
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from service.promote import EXIT_PROMOTED, EXIT_ROLLED_BACK, EXIT_WAIT, Thresholds, decide
 from tests.support import (
     MODEL_NAME,
@@ -83,7 +83,7 @@ def repository(model_repository: Path, tmp_path: Path) -> Path:
 
 
 def serve(repository: Path, **settings: object) -> TestClient:
-    return TestClient(create_app(make_settings(repository, **settings)))
+    return TestClient(local_app(make_settings(repository, **settings)))
 
 
 def body(image: np.ndarray) -> dict:
