@@ -35,13 +35,8 @@ from bench import hey
 from bench.payloads import b64_pngs, predict_body
 from bench.server_process import REPO, RunningServer, running_service
 from bench.stats import Spread, fmt, median, ratio, spread_text, table
-from service.contract.model_config import (
-    CANDIDATE_VERSION,
-    LIVE_VERSION,
-    SHADOW_PERCENT,
-    read_model_config,
-    write_model_config,
-)
+from service.contract.candidate_plan import CANDIDATE_VERSION, LIVE_VERSION, SHADOW_PERCENT
+from service.contract.model_config import read_model_config, write_model_config
 
 PORTS = range(18170, 18180)  # the upper half of bench.ab's: free_port skips a port in use
 MODEL = "fashion-mnist-vit"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import onnx
 
+from service.contract.candidate_plan import with_trial
 from service.contract.model_config import (
     CONFIG_FILE,
     DataType,
@@ -24,7 +25,6 @@ from service.contract.model_config import (
     ModelConfigError,
     default_model_config,
     read_model_config,
-    with_trial,
     write_model_config,
 )
 from service.contract.model_repository import (

@@ -20,7 +20,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from service.settings import Settings
 from tests.support import MODEL_NAME, TINY, Reference, Server, make_settings
 
@@ -206,7 +206,7 @@ def settings(model_repository: Path) -> Settings:
 
 @pytest.fixture(scope="session")
 def client(settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as test_client:
+    with TestClient(local_app(settings)) as test_client:
         yield test_client
 
 

@@ -3,7 +3,7 @@
 Shared by the engine (the live version its shadow compares against) and the front ends (the canary's
 choice), which import nothing heavy: no protobuf, no onnxruntime; and the verdict on a candidate's
 evidence (``judge``), the same for the engine's poll-mode promotion and ``python -m service.promote``. The parameters that set it are read
-in ``service/contract/model_config.py`` (:class:`~service.contract.model_config.CandidatePlan`).
+in ``service/contract/candidate_plan.py`` (:class:`~service.contract.candidate_plan.CandidatePlan`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 the same interface as the engine process's link (``service/link/client.py``'s ``EngineClient``).
 
 The engine's, not the link's: it imports the engine (and so onnxruntime), which a front end of
-``python -m service`` never loads; ``create_app`` imports it only when it is given no engine.
+``python -m service`` never loads; ``service/launcher/local_app.py`` builds it.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from service.contract.candidate_plan import CandidatePlan, candidate_plan
 from service.contract.candidates import RowsPlan, live_version, shadow_rows
 from service.contract.model_config import (
     DEFAULT_INSTANCE_COUNT,
@@ -15,11 +16,9 @@ from service.contract.model_config import (
     DEFAULT_MAX_QUEUE_SIZE,
     DEFAULT_QUEUE_DELAY_US,
     DEFAULT_REQUEST_TIMEOUT_US,
-    CandidatePlan,
     ModelConfig,
     ModelConfigError,
     ServingConfig,
-    candidate_plan,
     read_model_config,
     serving_config,
 )

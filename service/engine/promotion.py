@@ -17,8 +17,9 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+from service.contract.candidate_plan import CandidatePlan, with_candidate_plan
 from service.contract.candidates import Thresholds, judge
-from service.contract.model_config import CandidatePlan, with_candidate_plan, write_model_config
+from service.contract.model_config import write_model_config
 from service.contract.model_repository import CONFIG_FILE, ModelLoadError
 from service.engine.model_manager import ModelManager
 from service.engine.model_versions import model_config

@@ -1,7 +1,7 @@
 """Shadow evaluation: a candidate version runs copies of the live version's requests, never answering them.
 
 A model's ``config.pbtxt`` names the candidate and the share of live requests it shadows
-(:class:`~service.contract.model_config.CandidatePlan`). The front end draws the share per classifier
+(:class:`~service.contract.candidate_plan.CandidatePlan`). The front end draws the share per classifier
 call (``ModelView.shadow``) and marks the call: when both versions take the same rows the candidate
 runs a copy of the call's rows; when the candidate takes other rows (another input size, crop, mean
 and std, channels: ``service/contract/candidates.py``'s ``shadow_rows``) the front end prepares the
@@ -43,7 +43,7 @@ from service.observability.logs import Throttle
 from service.observability.shadow_metrics import ShadowSeries
 
 if TYPE_CHECKING:
-    from service.contract.model_config import CandidatePlan
+    from service.contract.candidate_plan import CandidatePlan
     from service.engine.model_manager import ModelManager
     from service.engine.pipeline import ModelPipeline
     from service.engine.request import Request

@@ -1,4 +1,7 @@
-"""The FastAPI app: ``uvicorn service.frontend.app:app``. Creating the app loads nothing; the lifespan does."""
+"""The FastAPI app of a front end, given the engine it calls (``service/link/client.py``'s
+``EngineClient``): the engine process's link, or the engine in this process, which
+``service/launcher/local_app.py`` builds (this package never imports ``service/engine/``). Creating
+the app loads nothing; the lifespan does."""
 
 from __future__ import annotations
 
@@ -111,29 +114,20 @@ def _openapi(app: FastAPI, routers: list[APIRouter]) -> dict[str, Any]:
 
 
 def create_app(
-    settings: Settings | None = None,
+    settings: Settings,
+    engine: EngineClient,
     tracer_provider: TracerProvider | None = None,
-    engine: EngineClient | None = None,
     worker: int | None = None,
     process_metrics: Metrics | None = None,
 ) -> FastAPI:
-    """The app. It runs the engine in its own process and event loop unless ``engine`` is given (a
-    front end of ``python -m service`` gets its link to the engine process). Tracing follows the
-    OTEL_* environment variables (service/observability/tracing.py), unless a ``tracer_provider`` is
-    given (tests give one with an in-memory exporter)."""
-    settings = settings or Settings()
+    """The app, calling ``engine``: a front end of ``python -m service`` gets its link to the engine
+    process, a single process the engine in it (``service/launcher/local_app.py``, built with the
+    same ``process_metrics``). Tracing follows the OTEL_* environment variables
+    (service/observability/tracing.py), unless a ``tracer_provider`` is given (tests give one with an
+    in-memory exporter)."""
     logs.configure(settings.server.log_level, settings.server.log_format)
     app_metrics = process_metrics or Metrics()
-    local = None
-    if engine is None:
-        # imported only here: a front end given the engine process's link never loads the engine
-        # (nor onnxruntime); tests/service/test_remote_engine.py checks
-        from service.engine.local import LocalEngine
-
-        local = LocalEngine.create(settings, app_metrics)
-    client = local if local is not None else engine
-    assert client is not None
-    state = FrontendState(settings, app_metrics, client, worker)
+    state = FrontendState(settings, app_metrics, engine, worker)
     provider = tracer_provider or tracing.provider_from_environment(os.environ)
 
     @asynccontextmanager
@@ -174,7 +168,6 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = app_metrics
     app.state.frontend = state
-    app.state.engine = local.engine if local else None  # the engine in this process (tests read it)
     install_error_handlers(app)
     routers = [
         oip_extensions.router,  # before oip.router: /v2/models/stats is not model "stats"
@@ -217,12 +210,3 @@ def create_app(
         tracing.instrument(app, provider)
     app.openapi = lambda: _openapi(app, routers)  # type: ignore[method-assign]
     return app
-
-
-def __getattr__(name: str) -> Any:
-    """``uvicorn service.frontend.app:app``: the app is made on first use, not at import (a front-end
-    process imports this module and makes its own app, with its link to the engine)."""
-    if name == "app":
-        globals()["app"] = create_app()
-        return globals()["app"]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -347,8 +347,8 @@ def _join(group: list[BaseProcess], timeout_s: float) -> None:
 def serve(settings: Settings) -> int:
     """Run the service as ``settings.link.workers`` asks; the exit code."""
     if settings.link.front_end_count == 0:
-        from service.frontend.app import create_app
         from service.launcher.http_server import serve_http
+        from service.launcher.local_app import local_app
 
-        return serve_http(create_app(settings), settings)
+        return serve_http(local_app(settings), settings)
     return Supervisor(settings).run()

@@ -71,6 +71,7 @@ _QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 
 _BATCH_BUCKETS = tuple(float(2**i) for i in range(11))  # 1 to 1024, the largest max_batch_size
 _GRAPH = ["model", "graph"]
+_GRPC_CALL = ["grpc_type", "grpc_service", "grpc_method"]
 # Triton's nv_inference_* metrics (its docs/user_guide/metrics.md), by the key statistics.py feeds.
 TRITON_METRICS = {
     "request_success": "Number of successful inference requests, all batch sizes",
@@ -101,6 +102,22 @@ class Metrics:
             "vitserve_http_request_duration_seconds",
             "Time from request start to the end of the response, by route template and method.",
             ["route", "method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        # gRPC calls, beside the HTTP requests above, under the names and labels of the gRPC
+        # ecosystem's Prometheus interceptors (go-grpc-prometheus, py-grpc-prometheus), which
+        # dashboards and alerts written for gRPC servers query (docs/ecosystem.md)
+        self.grpc_handled = Counter(
+            "grpc_server_handled",
+            "gRPC calls answered, by service, method, type and status code (as go-grpc-prometheus).",
+            [*_GRPC_CALL, "grpc_code"],
+            registry=r,
+        )
+        self.grpc_handling = Histogram(
+            "grpc_server_handling_seconds",
+            "Time from a gRPC call's start to its answer, by service, method and type.",
+            _GRPC_CALL,
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.shadow import MODEL, ShadowBench, Window, repository
-from service.contract.model_config import candidate_plan, read_model_config
+from service.contract.candidate_plan import candidate_plan
+from service.contract.model_config import read_model_config
 
 
 def window(arm: str, concurrency: int, images_s: float, p99: float, **outcomes: int) -> Window:

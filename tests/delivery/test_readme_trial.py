@@ -28,7 +28,8 @@ import pytest
 from PIL import Image
 
 from bench.server_process import running_service
-from service.contract.model_config import candidate_plan, read_model_config
+from service.contract.candidate_plan import candidate_plan
+from service.contract.model_config import read_model_config
 from tests.support import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,14 +17,8 @@ import pytest
 
 from export import repository
 from export.repository import RepositoryError
-from service.contract.model_config import (
-    CandidatePlan,
-    ModelConfigError,
-    candidate_plan,
-    read_model_config,
-    select_versions,
-    with_trial,
-)
+from service.contract.candidate_plan import CandidatePlan, candidate_plan, with_trial
+from service.contract.model_config import ModelConfigError, read_model_config, select_versions
 from tests.export.test_onnx_export import write
 
 

@@ -237,7 +237,7 @@ def test_the_export_has_one_logits_output_the_mean_of_both_heads(distilled):
 def test_the_service_predicts_and_draws_the_attention_of_a_distilled_model(distilled):
     from fastapi.testclient import TestClient
 
-    from service.frontend.app import create_app
+    from service.launcher.local_app import local_app
     from tests.support import b64, encode, make_settings
 
     model, _, repository = distilled
@@ -245,7 +245,7 @@ def test_the_service_predicts_and_draws_the_attention_of_a_distilled_model(disti
     with torch.inference_mode():
         expected = F.softmax(model(fashion(2)), dim=1).numpy()
     settings = make_settings(repository, model_name="distilled")
-    with TestClient(create_app(settings)) as client:
+    with TestClient(local_app(settings)) as client:
         for image, probabilities in zip(images, expected, strict=True):
             body = {"images": [{"b64": b64(encode(image))}]}
             response = client.post("/predict", json=body)

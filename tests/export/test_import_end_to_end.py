@@ -25,7 +25,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from export import onnx as onnx_export
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from tests.export.import_support import randomise
 from tests.support import b64, encode, make_settings
 
@@ -97,7 +97,7 @@ def served(request, tmp_path_factory) -> Iterator[tuple[TestClient, torch.nn.Mod
         max_pixels_per_image=4_000_000,
         max_body_bytes=16 * 1024 * 1024,
     )
-    with TestClient(create_app(settings)) as client:
+    with TestClient(local_app(settings)) as client:
         yield client, source, processor
 
 

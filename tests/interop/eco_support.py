@@ -16,7 +16,7 @@ import numpy as np
 from fastapi.testclient import TestClient
 
 from bench import server_process
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from tests.support import (
     INTEROP,
     Reference,
@@ -62,7 +62,7 @@ def eco_app(repository: Path, grpc: bool = True, **settings: object) -> Iterator
     """An in-process app (its lifespan run), with a gRPC listener on a port of ours when ``grpc``;
     the port is ``client.app.state.settings.server.grpc_port``."""
     values = {"grpc_port": grpc_port() if grpc else 0, **settings}
-    with TestClient(create_app(make_settings(repository, ECO, **values))) as client:
+    with TestClient(local_app(make_settings(repository, ECO, **values))) as client:
         yield client
 
 

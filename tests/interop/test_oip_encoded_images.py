@@ -20,11 +20,13 @@ import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from PIL import Image, ImageDraw
-from tritonclient.grpc import service_pb2
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from service.frontend import serving
+from service.frontend.oip.grpc_service import code_name
 from tests.interop.eco_support import eco_app
-from tests.support import MODEL_NAME, Server
+from tests.support import MODEL_NAME, Server, metric
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -286,3 +288,77 @@ def test_a_bytes_request_of_exactly_max_body_bytes_is_served_and_one_byte_more_i
     outputs = {output["name"]: output for output in response.json()["outputs"]}
     probabilities = np.array(outputs["probabilities"]["data"], np.float32).reshape(2, -1)
     assert_equal_to_predict(probabilities, predicted)
+
+
+def noise_png(side: int) -> bytes:
+    """An RGB PNG of noise: it does not compress, so a gRPC call that carries it is larger than
+    INLINE_TENSOR_BYTES, and its pixels more than INLINE_PIXELS (both decoded in a thread)."""
+    pixels = np.random.default_rng(7).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    return encoded(Image.fromarray(pixels), "PNG")
+
+
+def test_a_grpc_call_of_image_files_is_admitted_and_decoded_once_and_counted(
+    model_repository, monkeypatch
+):
+    """The gRPC codec hands the files over as a value: the call is admitted once, for its images,
+    and decoded in one thread hop (it was admitted as a tensor call, sent to a thread that found the
+    files and raised them, then admitted and decoded again). Every gRPC call is counted in
+    /metrics under the gRPC ecosystem's names, by method and status code."""
+    large = noise_png(200)
+    request = service_pb2.ModelInferRequest(model_name=MODEL_NAME)
+    request.inputs.add(name="image", datatype="BYTES", shape=[2])
+    request.inputs[0].contents.bytes_contents.extend([large, PNG])
+    assert request.ByteSize() > serving.INLINE_TENSOR_BYTES
+    bad = service_pb2.ModelInferRequest(model_name=MODEL_NAME)
+    bad.inputs.add(name="image", datatype="BYTES", shape=[1])
+    bad.inputs[0].contents.bytes_contents.append(NOT_AN_IMAGE)
+    hops, admitted = [], []
+    run_in_threadpool = serving.run_in_threadpool
+
+    async def counted(function, *args):
+        hops.append(function)
+        return await run_in_threadpool(function, *args)
+
+    monkeypatch.setattr(serving, "run_in_threadpool", counted)
+    with eco_app(model_repository) as client:
+        engine = client.app.state.frontend.engine
+        admit = engine.admit
+
+        def counted_admit(view, requested, graph, count):
+            admitted.append(count)
+            admit(view, requested, graph, count)
+
+        monkeypatch.setattr(engine, "admit", counted_admit)
+        port = client.app.state.settings.server.grpc_port
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            response = stub.ModelInfer(request)
+            assert admitted == [2] and len(hops) == 1  # once, for its two images; one hop
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ModelInfer(bad)
+            assert stub.ServerLive(service_pb2.ServerLiveRequest()).live
+        metrics = client.get("/metrics").text
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [list(output.shape) for output in response.outputs] == [[2, 10], [2, 10]]
+    call = {"grpc_service": "inference.GRPCInferenceService", "grpc_type": "unary"}
+    handled = "grpc_server_handled_total"
+    assert metric(metrics, handled, grpc_method="ModelInfer", grpc_code="OK", **call) == 1
+    assert metric(metrics, handled, grpc_method="ModelInfer", grpc_code="InvalidArgument") == 1
+    assert metric(metrics, handled, grpc_method="ServerLive", grpc_code="OK", **call) == 1
+    count = "grpc_server_handling_seconds_count"
+    assert metric(metrics, count, grpc_method="ModelInfer", **call) == 2
+    # beside HTTP's series, never in them
+    assert metric(metrics, "vitserve_http_requests_total", route="ModelInfer") == 0
+
+
+def test_grpc_codes_are_spelled_as_go_grpc_prometheus_spells_them():
+    assert [
+        code_name(code)
+        for code in (
+            grpc.StatusCode.OK,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.CANCELLED,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.UNAUTHENTICATED,
+        )
+    ] == ["OK", "InvalidArgument", "Canceled", "DeadlineExceeded", "Unauthenticated"]

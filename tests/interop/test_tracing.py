@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from service.observability import tracing
 from tests.interop.eco_support import ECO, eco_server, grpc_port
 from tests.support import MODEL_NAME, free_port, make_settings, run_python, server_env
@@ -77,9 +77,9 @@ def test_off_imports_neither_the_sdk_nor_the_instrumentation(model_repository):
 import sys
 from fastapi.testclient import TestClient
 from service.observability import tracing
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from service.settings import Settings
-app = create_app(Settings())
+app = local_app(Settings())
 with TestClient(app) as client:
     assert client.post("/predict", json={"images": [{"pixels": [[0] * 28] * 28}]}).status_code == 200
     assert tracing.enter_queue(1) is None  # no tracer left behind
@@ -121,7 +121,7 @@ def traced(
         max_batch_size=8,
         idle_dispatch=False,  # the two requests share one batch
     )
-    with TestClient(create_app(settings, tracer_provider=provider)) as client:
+    with TestClient(local_app(settings, tracer_provider=provider)) as client:
         yield client, exporter, provider
     assert tracing.enter_queue(1) is None  # the app's tracer goes with the app
 

@@ -19,7 +19,7 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from tests.interop.eco_support import ECO, eco_server
 from tests.support import MODEL_NAME, b64, encode, make_settings
 
@@ -126,7 +126,7 @@ def test_health_bodies_for_kserve_and_status_codes_for_triton(client, http, mode
     assert (ready.status_code, ready.json()) == (200, {"ready": True})
     assert client.is_server_live() and client.is_server_ready()
     # An app whose lifespan has not run is not ready: 400, {"ready": false}.
-    unstarted = TestClient(create_app(make_settings(model_repository, ECO)))
+    unstarted = TestClient(local_app(make_settings(model_repository, ECO)))
     not_ready = unstarted.get("/v2/health/ready")
     assert (not_ready.status_code, not_ready.json()) == (400, {"ready": False})
     assert unstarted.get("/v2/health/live").json() == {"live": True}

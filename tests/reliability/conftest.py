@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from service.settings import Settings
 from tests.support import RELIABILITY, encode, make_settings
 
@@ -35,5 +35,5 @@ def settings(model_repository: Path) -> Settings:
 
 @pytest.fixture(scope="session")
 def client(settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings), raise_server_exceptions=False) as test_client:
+    with TestClient(local_app(settings), raise_server_exceptions=False) as test_client:
         yield test_client

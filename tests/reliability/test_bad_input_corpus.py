@@ -19,7 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from tests.support import (
     MAX_BODY_BYTES,
     MAX_IMAGES,
@@ -760,7 +760,7 @@ def _form_request(fields: int) -> tuple[bytes, dict[str, str]]:
 @pytest.fixture(scope="module")
 def strict_client(model_repository) -> Iterator[TestClient]:
     settings = make_settings(model_repository, RELIABILITY, max_pixels_per_image=STRICT_PIXELS)
-    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+    with TestClient(local_app(settings), raise_server_exceptions=False) as client:
         yield client
 
 

@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.contract.preprocessing import normalise
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from tests.support import RELIABILITY, REPO, make_settings, submit
 
 INT8 = "fashion-mnist-vit-int8"
@@ -33,7 +33,7 @@ def client() -> Iterator[TestClient]:
         max_queue_delay_ms=200.0,
         max_queue_size=256,
     )
-    with TestClient(create_app(settings)) as test_client:
+    with TestClient(local_app(settings)) as test_client:
         yield test_client
 
 

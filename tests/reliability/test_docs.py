@@ -8,8 +8,8 @@ from html.parser import HTMLParser
 import pytest
 from fastapi.testclient import TestClient
 
-from service.frontend.app import create_app
 from service.frontend.docs import CONTENT_SECURITY_POLICY
+from service.launcher.local_app import local_app
 from tests.support import RELIABILITY, make_settings
 
 EXPECTED_TYPES = {".js": "text/javascript", ".css": "text/css", ".png": "image/png"}
@@ -57,7 +57,7 @@ def test_swagger_ui_does_not_call_the_public_validator(client):
 
 
 def test_the_docs_can_be_turned_off(model_repository):
-    app = create_app(make_settings(model_repository, RELIABILITY, docs=False))
+    app = local_app(make_settings(model_repository, RELIABILITY, docs=False))
     with TestClient(app, raise_server_exceptions=False) as client:
         for path in ("/docs", "/redoc", "/docs/assets/swagger-ui-bundle.js"):
             assert client.get(path).status_code == 404, path

@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from PIL import Image, ImageFile
 
 from service.contract.decoding import ACCEPTED_FORMATS
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from tests.support import (
     MODEL_NAME,
     NUM_CLASSES,
@@ -72,7 +72,7 @@ def faulty_client(
     model_repository: Path, monkeypatch: pytest.MonkeyPatch, **settings: object
 ) -> Iterator[TestClient]:
     """A started app whose two onnxruntime sessions fail on poisoned batches."""
-    app = create_app(make_settings(model_repository, RELIABILITY, **settings))
+    app = local_app(make_settings(model_repository, RELIABILITY, **settings))
     with TestClient(app, raise_server_exceptions=False) as client:
         runtime = client.app.state.engine.manager.resolve().runtime
         monkeypatch.setattr(
@@ -262,7 +262,7 @@ OPEN = {"/health/live", "/health/ready", "/metrics", "/v2/health/live", "/v2/hea
 @pytest.fixture(scope="module")
 def keyed(model_repository) -> Iterator[TestClient]:
     settings = make_settings(model_repository, RELIABILITY, api_key=API_KEY)
-    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+    with TestClient(local_app(settings), raise_server_exceptions=False) as client:
         yield client
 
 

@@ -11,8 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from service.frontend.app import create_app
 from service.frontend.oip.grpc_limits import MAX_CONCURRENT_STREAMS, grpc_server_options
+from service.launcher.local_app import local_app
 from tests.support import RELIABILITY, free_port, make_settings
 
 
@@ -20,7 +20,7 @@ from tests.support import RELIABILITY, free_port, make_settings
 def stub(model_repository) -> Iterator[service_pb2_grpc.GRPCInferenceServiceStub]:
     port = free_port(RELIABILITY.ports)
     settings = make_settings(model_repository, RELIABILITY, grpc_port=port, max_header_bytes=2048)
-    with TestClient(create_app(settings)), grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    with TestClient(local_app(settings)), grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
 

@@ -27,7 +27,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from bench import server_process
 from bench.reliability.supervision import engine_and_front_ends, wait_for
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from tests.proc import listening_ports
 from tests.support import RELIABILITY, free_port, make_settings, server_env
 
@@ -128,7 +128,7 @@ def test_a_front_end_that_cannot_bind_grpc_serves_http_and_binds_once_it_can(mod
     blocker.bind(("127.0.0.1", grpc_port))
     blocker.listen()
     settings = make_settings(model_repository, RELIABILITY, grpc_port=grpc_port)
-    app = create_app(settings, worker=0)
+    app = local_app(settings, worker=0)
     records = Records()
     logging.getLogger("vitserve").addHandler(records)
     try:
@@ -155,6 +155,6 @@ def test_a_single_process_that_cannot_bind_grpc_does_not_start(model_repository)
         settings = make_settings(model_repository, RELIABILITY, grpc_port=grpc_port)
         with (
             pytest.raises(OSError, match="cannot listen for gRPC"),
-            TestClient(create_app(settings)),
+            TestClient(local_app(settings)),
         ):
             pass

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from service.contract.model_repository import ModelLoadError
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from tests.support import MODEL_NAME, RELIABILITY, free_port, make_settings
 
 
@@ -31,7 +31,7 @@ def polled(repository: Path) -> TestClient:
     settings = make_settings(
         repository, RELIABILITY, model_control="poll", repository_poll_s=3600.0
     )
-    return TestClient(create_app(settings), raise_server_exceptions=False)
+    return TestClient(local_app(settings), raise_server_exceptions=False)
 
 
 def index(client: TestClient) -> dict[str, list[dict]]:
@@ -59,7 +59,7 @@ def explicit(repository: Path) -> TestClient:
         ("max_batch_size", "max_queue_delay_ms", "max_queue_size", "request_timeout_s")
     )
     settings = make_settings(repository, RELIABILITY, model_control="explicit", **unset)
-    return TestClient(create_app(settings), raise_server_exceptions=False)
+    return TestClient(local_app(settings), raise_server_exceptions=False)
 
 
 def set_config(repository: Path, text: str) -> None:
@@ -243,7 +243,7 @@ def test_a_refused_config_with_no_version_served_is_not_answered_as_served(repos
     settings = make_settings(
         repository, RELIABILITY, model_control="explicit", models="second", grpc_port=port
     )
-    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+    with TestClient(local_app(settings), raise_server_exceptions=False) as client:
         assert client.get("/v2/models/second/config").status_code == 200
         assert client.post("/v2/repository/models/second/unload").status_code == 200
         set_config(repository, "max_batch_size: [oops\n")

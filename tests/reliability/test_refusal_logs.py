@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.errors import ServiceUnavailable
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from service.observability import refusals
 from tests.support import MODEL_NAME, RELIABILITY, make_settings
 
@@ -22,7 +22,7 @@ BODY = {"images": [{"pixels": [[0] * 28] * 28}]}
 
 @pytest.fixture
 def client(model_repository) -> Iterator[TestClient]:
-    with TestClient(create_app(make_settings(model_repository, RELIABILITY))) as test_client:
+    with TestClient(local_app(make_settings(model_repository, RELIABILITY))) as test_client:
         yield test_client
 
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.python import asgi
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from tests.support import RELIABILITY, make_settings
 
 API_KEY = "fuzz-key"
@@ -33,7 +33,7 @@ EXAMPLES = int(os.environ.get("RELIABILITY_FUZZ_EXAMPLES", "25"))
 # the schema is loaded at import time, from the app itself, and bound to it. Creating the app loads
 # nothing: only its model repository is unknown until the session fixture has exported the tiny model,
 # and the fixture below fills it in before the first request starts the app's lifespan.
-APP = create_app(
+APP = local_app(
     make_settings(
         Path("set-by-the-app-fixture"), RELIABILITY, api_key=API_KEY, max_body_bytes=256 * 1024
     )

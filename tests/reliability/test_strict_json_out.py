@@ -18,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from tests.support import MODEL_NAME, RELIABILITY, free_port, make_settings, metric
 
 
@@ -35,7 +35,7 @@ def app_and_grpc(model_repository) -> Iterator[tuple[TestClient, int]]:
     settings = make_settings(
         model_repository, RELIABILITY, grpc_port=port, max_queue_delay_ms=300.0
     )
-    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+    with TestClient(local_app(settings), raise_server_exceptions=False) as client:
         yield client, port
 
 

@@ -174,7 +174,7 @@ def cpu_ticks(pid: int) -> int:
 # start-up once made it do (a full collection calls weakref callbacks).
 SIGTERM_IN_A_WEAKREF_CALLBACK = """
 import signal, sys, weakref
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from service.launcher import http_server
 from service.settings import Settings
 
@@ -191,7 +191,7 @@ def freeze_heap():
 
 http_server.freeze_heap = freeze_heap
 settings = Settings()
-sys.exit(http_server.serve_http(create_app(settings), settings))
+sys.exit(http_server.serve_http(local_app(settings), settings))
 """
 
 

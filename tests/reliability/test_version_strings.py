@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from tests.support import MODEL_NAME, RELIABILITY, assert_error, free_port, make_settings
 
 LONG = "9" * 5000
@@ -23,7 +23,7 @@ VERSIONS = [LONG, "1" + "0" * 4400, "0" * 5000 + "1", "99999999999999999999"]
 def served(model_repository) -> Iterator[tuple[TestClient, int]]:
     port = free_port(RELIABILITY.ports)
     settings = make_settings(model_repository, RELIABILITY, grpc_port=port)
-    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+    with TestClient(local_app(settings), raise_server_exceptions=False) as client:
         yield client, port
 
 

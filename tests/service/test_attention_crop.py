@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from service.contract.attention_maps import overlay_png
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from tests.service.test_startup import rewrite_metadata
 from tests.support import MODEL_NAME, Reference, assert_matches, b64, encode, make_settings
 
@@ -33,7 +33,7 @@ def crop_client(model_repository, tmp_path_factory) -> Iterator[TestClient]:
     shutil.copytree(model_repository, repository)
     for graph in ("model.onnx", "attention.onnx"):
         rewrite_metadata(repository / MODEL_NAME / "1" / graph, cropping)
-    with TestClient(create_app(make_settings(repository))) as client:
+    with TestClient(local_app(make_settings(repository))) as client:
         yield client
 
 

@@ -200,7 +200,7 @@ def test_grpc_raw_output_contents_are_little_endian_and_length_prefixed(meta):
     assert label.endswith(b":0:T-shirt/top")  # index 0 wins the tie with 4 and 5: the lower index
 
 
-# --- image files: BYTES elements in, raised to the route as EncodedImages -----------------------
+# --- image files: BYTES elements in, raised to the HTTP route as EncodedImages ------------------
 
 # Two elements written out by hand: lengths 3 and 0, each a 4-byte little-endian prefix.
 SERIALIZED = b"\x03\x00\x00\x00abc" + b"\x00\x00\x00\x00"
@@ -227,12 +227,12 @@ def test_serialized_bytes_elements_are_split_at_their_length_prefixes(meta, shap
     body, length = encoded_request(shape, SERIALIZED)
     with pytest.raises(EncodedImages) as raised:
         codec.decode_request(body, length, meta, max_images=8)
-    images = raised.value.images
+    images = raised.value.files.images
     assert [(image.field, image.data) for image in images] == [
         ("input 'image'[0]", b"abc"),
         ("input 'image'[1]", b""),
     ]
-    assert [output.name for output in raised.value.outputs] == ["logits", "probabilities"]
+    assert [output.name for output in raised.value.files.outputs] == ["logits", "probabilities"]
 
 
 @pytest.mark.parametrize(
@@ -275,4 +275,6 @@ def test_a_bytes_input_of_exactly_the_image_limit_is_taken_and_one_more_is_refus
         return
     with pytest.raises(EncodedImages) as raised:
         codec.decode_request(body, length, meta, max_images=8)
-    assert [image.data for image in raised.value.images] == [f"file{i}".encode() for i in range(8)]
+    assert [image.data for image in raised.value.files.images] == [
+        f"file{i}".encode() for i in range(8)
+    ]

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.frontend.app import create_app
 from service.frontend.schemas import first_non_number
+from service.launcher.local_app import local_app
 from tests.support import assert_error, b64, encode, make_settings
 
 
@@ -232,7 +232,7 @@ def test_service_keeps_serving_after_bad_input(client, fashion_images):
 
 
 def test_api_key(model_repository, fashion_images):
-    app = create_app(make_settings(model_repository, api_key="s3cret-key"))
+    app = local_app(make_settings(model_repository, api_key="s3cret-key"))
     body = {"images": [{"pixels": fashion_images[0].tolist()}]}
     with TestClient(app) as client:
         error = assert_error(client.post("/predict", json=body), 401, "Authorization: Bearer")

@@ -17,9 +17,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.testclient import TestClient
 from starlette.responses import Response
 
-from service.frontend.app import create_app
 from service.frontend.hot_routes import HotRoutes, check_hot_routes, hot
 from service.frontend.serving import ServedVersion
+from service.launcher.local_app import local_app
 from tests.support import MAX_IMAGES, MODEL_NAME, b64, encode, make_settings, metric
 
 KEY = "hot-key"
@@ -121,8 +121,8 @@ def apps(model_repository) -> Iterator[tuple[TestClient, TestClient]]:
     """(hot, reference): the same settings, the reference's lane never learning a path."""
     settings = make_settings(model_repository, api_key=KEY)
     with (
-        TestClient(create_app(settings), raise_server_exceptions=False) as hot_client,
-        TestClient(create_app(settings), raise_server_exceptions=False) as reference,
+        TestClient(local_app(settings), raise_server_exceptions=False) as hot_client,
+        TestClient(local_app(settings), raise_server_exceptions=False) as reference,
     ):
         reference.get("/v2/health/live")
         lane(reference).max_paths = 0

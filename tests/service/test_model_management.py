@@ -18,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.contract.model_repository import ModelLoadError
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from tests.support import MODEL_NAME, assert_error, make_settings, wait_until
 
 POLL_S = 0.1
@@ -99,7 +99,7 @@ def polling(repository: Path) -> Iterator[TestClient]:
     settings = make_settings(
         repository, model_control="poll", repository_poll_s=POLL_S, max_queue_delay_ms=5.0
     )
-    with TestClient(create_app(settings)) as client:
+    with TestClient(local_app(settings)) as client:
         yield client
 
 
@@ -180,7 +180,7 @@ def test_rolling_back_by_removing_the_new_version(polling, repository, fashion_i
 
 def test_explicit_load_and_unload(repository, fashion_images):
     settings = make_settings(repository, model_control="explicit", models=MODEL_NAME)
-    with TestClient(create_app(settings)) as client:
+    with TestClient(local_app(settings)) as client:
         name = MODEL_NAME
         assert client.post(f"/v2/repository/models/{name}/unload").status_code == 200
         assert index(client)[(name, "")] == {
@@ -208,7 +208,7 @@ def test_explicit_mode_loads_only_the_models_named_at_start_up(repository, fashi
     """Triton's --model-control-mode=explicit: no --load-model loads nothing; '*' loads all."""
     shutil.copytree(repository / MODEL_NAME, repository / "second")
     nothing = make_settings(repository, model_control="explicit", models=None, model_name=None)
-    with TestClient(create_app(nothing)) as client:
+    with TestClient(local_app(nothing)) as client:
         rows = index(client)
         assert {key: row["reason"] for key, row in rows.items()} == {
             (MODEL_NAME, ""): "unloaded",
@@ -224,13 +224,13 @@ def test_explicit_mode_loads_only_the_models_named_at_start_up(repository, fashi
         assert client.post("/models/second/predict", json=body(fashion_images)).status_code == 200
         assert index(client)[(MODEL_NAME, "")]["reason"] == "unloaded"
     one = make_settings(repository, model_control="explicit", models="second", model_name=None)
-    with TestClient(create_app(one)) as client:
+    with TestClient(local_app(one)) as client:
         assert {row["state"] for row in index(client).values()} == {"READY", "UNAVAILABLE"}
         assert (
             client.post("/predict", json=body(fashion_images)).json()["model"]["name"] == "second"
         )
     every = make_settings(repository, model_control="explicit", models="*", model_name=None)
-    with TestClient(create_app(every)) as client:
+    with TestClient(local_app(every)) as client:
         assert {row["state"] for row in index(client).values()} == {"READY"}
 
 
@@ -245,7 +245,7 @@ def test_two_models_each_with_its_own_batcher(repository, fashion_images):
     text = re.sub(r"max_batch_size: \d+", "max_batch_size: 3", config.read_text())
     config.write_text(text.replace(f'name: "{MODEL_NAME}"', 'name: "second"'))
     settings = make_settings(repository, max_batch_size=None)
-    with TestClient(create_app(settings)) as client:
+    with TestClient(local_app(settings)) as client:
         models = {m["name"]: m for m in client.get("/models").json()["models"]}
         assert set(models) == {MODEL_NAME, "second"}
         assert models[MODEL_NAME]["default"] and not models["second"]["default"]
@@ -273,13 +273,13 @@ def test_two_models_each_with_its_own_batcher(repository, fashion_images):
 def test_models_named_in_the_setting_are_the_only_ones_served(repository):
     shutil.copytree(repository / MODEL_NAME, repository / "second")
     only_second = make_settings(repository, models="second", model_name=None)
-    with TestClient(create_app(only_second)) as client:
+    with TestClient(local_app(only_second)) as client:
         models = client.get("/models").json()["models"]
         assert [(m["name"], m["default"]) for m in models] == [("second", True)]
-    absent = create_app(make_settings(repository, models="absent", model_name=None))
+    absent = local_app(make_settings(repository, models="absent", model_name=None))
     with pytest.raises(ModelLoadError, match="VITSERVE_MODELS names 'absent'"), TestClient(absent):
         pass
-    named_elsewhere = create_app(make_settings(repository, models="second"))
+    named_elsewhere = local_app(make_settings(repository, models="second"))
     with (
         pytest.raises(ModelLoadError, match=f"model '{MODEL_NAME}' not found"),
         TestClient(named_elsewhere),

@@ -20,7 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.contract.model_config import read_model_config, write_model_config
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from tests.support import MODEL_NAME, assert_error, make_settings, wait_until
 
 
@@ -72,7 +72,7 @@ def test_the_version_policy_decides_which_versions_answer(
     repository, kind, versions, served, default
 ):
     set_policy(repository, kind, versions)
-    with TestClient(create_app(make_settings(repository))) as client:
+    with TestClient(local_app(make_settings(repository))) as client:
         assert answering_version(client) == default  # the highest version served
         for version in (1, 2, 3):
             path = f"/models/{MODEL_NAME}/versions/{version}/predict"
@@ -90,7 +90,7 @@ def test_the_version_policy_decides_which_versions_answer(
 
 def test_a_pinned_version_overrides_the_policy(repository):
     set_policy(repository, "all")
-    with TestClient(create_app(make_settings(repository, model_version=1))) as client:
+    with TestClient(local_app(make_settings(repository, model_version=1))) as client:
         assert answering_version(client) == 1
         assert_error(
             client.post(f"/models/{MODEL_NAME}/versions/3/predict", json=image()), 404, "'3'"
@@ -106,7 +106,7 @@ def hand_polled(model_repository: Path, tmp_path: Path) -> Iterator[TestClient]:
     copy = tmp_path / "models"
     shutil.copytree(model_repository, copy)
     settings = make_settings(copy, model_control="poll", repository_poll_s=3600.0)
-    with TestClient(create_app(settings)) as client:
+    with TestClient(local_app(settings)) as client:
         yield client
 
 
@@ -175,7 +175,7 @@ def test_a_version_the_policy_left_goes_when_another_wanted_one_is_ready(
     shutil.copytree(repository / MODEL_NAME / "1", repository / MODEL_NAME / "2")
     set_policy(repository, "latest", (2,))
     settings = make_settings(repository, model_control="poll", repository_poll_s=3600.0)
-    with TestClient(create_app(settings)) as client:
+    with TestClient(local_app(settings)) as client:
         assert (state_of(client, 1), state_of(client, 2)) == ("READY", "READY")
         broken = repository / MODEL_NAME / "3"
         broken.mkdir()
@@ -204,7 +204,7 @@ def test_a_reloaded_version_releases_the_old_one_threads_and_sessions(repository
     freed."""
     settings = make_settings(repository, model_control="explicit", models=MODEL_NAME)
     others = batcher_threads()  # other apps' of this test session
-    with TestClient(create_app(settings)) as client:
+    with TestClient(local_app(settings)) as client:
         manager = client.app.state.engine.manager
 
         def exercise() -> None:  # a batcher's thread starts with its first batch
@@ -239,7 +239,7 @@ def test_a_replaced_version_waits_for_its_last_leased_request(repository):
     """Two requests hold the old version; the first one ending does not release it, the second
     one does."""
     settings = make_settings(repository, model_control="explicit", models=MODEL_NAME)
-    with TestClient(create_app(settings)) as client:
+    with TestClient(local_app(settings)) as client:
         pipeline = client.app.state.engine.manager.resolve()
 
         async def scenario() -> tuple[bool, bool]:

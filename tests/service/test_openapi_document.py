@@ -8,14 +8,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from service.settings import Settings
 
 
 @pytest.fixture(scope="module")
 def document() -> dict[str, Any]:
     # creating the app loads nothing; /openapi.json needs no model
-    return TestClient(create_app(Settings(grpc_port=0))).get("/openapi.json").json()
+    return TestClient(local_app(Settings(grpc_port=0))).get("/openapi.json").json()
 
 
 def operations(document: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:

@@ -6,11 +6,13 @@ end runs imports the engine, a front end connects again to a restarted engine, a
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -148,6 +150,35 @@ print(sorted(m for m in sys.modules if m.startswith("service.engine") or m == "o
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def engine_imports(path: Path) -> list[str]:
+    """Every import of ``service.engine`` (or a module of it) in ``path``, at any depth: an import
+    inside a function loads the engine as surely as one at the top, only later."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        found += [f"{path.relative_to(REPO)}:{node.lineno} {name}" for name in names
+                  if name == "service.engine" or name.startswith("service.engine.")]  # fmt: skip
+    return found
+
+
+def test_no_front_end_module_imports_the_engine_even_in_a_function():
+    """The front end is given its engine (service/launcher/local_app.py builds the in-process one):
+    no module of the front end, the link or the contract names ``service/engine/`` in an import,
+    even one inside a function that the test above never calls."""
+    files = [
+        path
+        for package in ("frontend", "link", "contract")
+        for path in sorted((REPO / "service" / package).rglob("*.py"))
+    ]
+    assert any(path.name == "app.py" for path in files)  # the files are read, not none
+    assert [found for path in files for found in engine_imports(path)] == []
 
 
 def test_a_front_end_connects_again_to_a_restarted_engine(tmp_path):

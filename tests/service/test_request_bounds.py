@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from tests.support import MAX_IMAGES, assert_error, b64, encode, make_settings
 
 BUDGET = 1000  # pixels per request
@@ -27,7 +27,7 @@ PER_IMAGE = 100  # pixels per image, for the /attention body bound
 
 def app_with(model_repository: Path, **limits: int) -> Iterator[TestClient]:
     """An in-process app with the tests' settings and ``limits`` over them, for a fixture."""
-    with TestClient(create_app(make_settings(model_repository, **limits))) as client:
+    with TestClient(local_app(make_settings(model_repository, **limits))) as client:
         yield client
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from tests.support import assert_error, make_settings
 
 KEY = "k3y-with-no-space"
@@ -16,7 +16,7 @@ KEY = "k3y-with-no-space"
 
 @pytest.fixture(scope="module")
 def keyed(model_repository) -> Iterator[TestClient]:
-    with TestClient(create_app(make_settings(model_repository, api_key=KEY))) as client:
+    with TestClient(local_app(make_settings(model_repository, api_key=KEY))) as client:
         yield client
 
 

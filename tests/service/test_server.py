@@ -125,7 +125,7 @@ def test_full_queue_and_timeout_over_http(model_repository, tmp_path, fashion_im
     command = [
         "-m",
         "uvicorn",
-        "service.frontend.app:app",
+        "service.launcher.local_app:app",
         "--host",
         "127.0.0.1",
         "--port",

@@ -23,17 +23,16 @@ import pytest
 from fastapi.testclient import TestClient
 from onnx import numpy_helper
 
-from service.contract.candidates import CLIENT_KEY_HEADER, judge
-from service.contract.model_config import (
+from service.contract.candidate_plan import (
     CANARY_PERCENT,
     CANDIDATE_VERSION,
     LIVE_VERSION,
     SHADOW_PERCENT,
     SHADOW_TIMEOUT_MS,
-    read_model_config,
-    write_model_config,
 )
-from service.frontend.app import create_app
+from service.contract.candidates import CLIENT_KEY_HEADER, judge
+from service.contract.model_config import read_model_config, write_model_config
+from service.launcher.local_app import local_app
 from service.promote import EXIT_PROMOTED, EXIT_ROLLED_BACK, EXIT_WAIT, Thresholds, decide
 from tests.support import (
     MODEL_NAME,
@@ -83,7 +82,7 @@ def repository(model_repository: Path, tmp_path: Path) -> Path:
 
 
 def serve(repository: Path, **settings: object) -> TestClient:
-    return TestClient(create_app(make_settings(repository, **settings)))
+    return TestClient(local_app(make_settings(repository, **settings)))
 
 
 def body(image: np.ndarray) -> dict:

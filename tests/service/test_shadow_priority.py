@@ -14,13 +14,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from service.contract.candidate_plan import CandidatePlan, candidate_plan
 from service.contract.candidates import in_canary
-from service.contract.model_config import (
-    CandidatePlan,
-    ModelConfig,
-    ModelConfigError,
-    candidate_plan,
-)
+from service.contract.model_config import ModelConfig, ModelConfigError
 from service.contract.table import ShadowCopy
 from service.engine.batcher import DynamicBatcher
 from service.engine.comparison import Comparison

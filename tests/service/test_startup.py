@@ -15,8 +15,8 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from service.contract.model_repository import ModelLoadError
-from service.frontend.app import create_app
 from service.launcher.http_server import _Server
+from service.launcher.local_app import local_app
 from service.settings import Settings, setting_fields
 from tests.support import (
     MODEL_NAME,
@@ -36,7 +36,7 @@ def copy_entry(repository: Path, tmp_path: Path) -> Path:
 
 
 def start(settings: Settings) -> None:
-    with TestClient(create_app(settings)):
+    with TestClient(local_app(settings)):
         pass
 
 
@@ -127,7 +127,7 @@ def test_missing_model_exits_the_process_with_the_message(model_repository, tmp_
 
 
 def test_readiness_follows_the_lifecycle(model_repository, fashion_images):
-    app = create_app(make_settings(model_repository))
+    app = local_app(make_settings(model_repository))
     unstarted = TestClient(app)  # no lifespan: nothing loaded
     assert unstarted.get("/health/ready").status_code == 503
     assert unstarted.get("/health/ready").json() == {"status": "starting", "ready": False}
@@ -190,7 +190,7 @@ def test_a_model_still_loading_at_start_up_is_503_not_unknown(model_repository, 
 
 
 def test_sigterm_turns_readiness_off_before_the_drain(model_repository):
-    app = create_app(make_settings(model_repository))
+    app = local_app(make_settings(model_repository))
     server = _Server(uvicorn.Config(app), app)
     app.state.frontend.phase = "ready"
     server.handle_exit(signal.SIGTERM, None)
@@ -228,9 +228,9 @@ def test_the_service_never_imports_torch(model_repository):
 import sys
 from fastapi.testclient import TestClient
 import service.__main__
-from service.frontend.app import create_app
+from service.launcher.local_app import local_app
 from service.settings import Settings
-app = create_app(Settings(model_repository={str(model_repository)!r}, model_name={MODEL_NAME!r},
+app = local_app(Settings(model_repository={str(model_repository)!r}, model_name={MODEL_NAME!r},
                           max_batch_size=2, attention_max_batch_size=1))
 with TestClient(app) as client:
     assert client.post("/predict", json={{"images": [{{"pixels": [[0] * 28] * 28}}]}}).status_code == 200

@@ -1,8 +1,9 @@
 """Tensors in and out of the Open Inference Protocol: request decoding and response encoding.
 
 A request gives one input: image files as the BYTES input ``image`` (collected by
-service/frontend/oip/encoded.py and raised out of the decoding as ``EncodedImages``, for the route to
-decode as /predict does), or the model's tensor (``images``), in one of two datatypes:
+service/frontend/oip/encoded.py and raised out of HTTP's decoding as ``EncodedImages``, for the route
+to decode as /predict does; gRPC's codec returns them as a value before the call is admitted), or the
+model's tensor (``images``), in one of two datatypes:
 
 - ``FP32`` ``[N, C, H, W]``: exactly what the ONNX graph takes, already normalised as the metadata says
   (what Triton would be sent for the same ``models/`` directory); it reaches the model untouched.

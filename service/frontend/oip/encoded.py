@@ -33,15 +33,25 @@ BASE64 = "base64"
 _LENGTH_BYTES = 4
 
 
-class EncodedImages(Exception):
-    """Raised by the tensor decoding when the request carries encoded images instead, with what was
-    parsed, so that the route hands them to the image path."""
+@dataclass(frozen=True)
+class ImageFiles:
+    """A request's image files, checked as far as the protocol goes, with the request and the outputs
+    it asks for: the route hands ``images`` to ``ServedVersion.classify``, admitted and decoded once.
+    gRPC's codec returns it (the message is parsed before the route runs:
+    service/frontend/oip/grpc_codec.py's ``image_files``)."""
 
-    def __init__(self, request: Any, images: list[RawImage], outputs: list[Any]) -> None:
+    request: Any
+    images: list[RawImage]
+    outputs: list[Any]
+
+
+class EncodedImages(Exception):
+    """Raised by HTTP's tensor decoding when the request carries image files instead: its JSON is
+    parsed there (in a decode thread when large), so the files are known only then."""
+
+    def __init__(self, files: ImageFiles) -> None:
         super().__init__("the request carries encoded images")
-        self.request = request
-        self.images = images
-        self.outputs = outputs
+        self.files = files
 
 
 @dataclass(frozen=True)
@@ -120,7 +130,7 @@ def encoded_images(
                 f"holds {len(binary)} bytes of binary tensor data after the JSON header"
             )
         images = images_from_serialized(binary, encoded, "the binary tensor data")
-    return EncodedImages(infer, images, outputs)
+    return EncodedImages(ImageFiles(infer, images, outputs))
 
 
 def images_from_json(

@@ -33,7 +33,7 @@ from service.frontend.oip.codec import (
     values_from_bytes,
 )
 from service.frontend.oip.encoded import (
-    EncodedImages,
+    ImageFiles,
     check_encoded_input,
     images_from_list,
     images_from_serialized,
@@ -50,17 +50,28 @@ def parameter(value: service_pb2.InferParameter) -> Any:
     return None if which is None else getattr(value, which)
 
 
+def image_files(
+    request: service_pb2.ModelInferRequest, meta: ModelMetadata, max_images: int
+) -> ImageFiles | None:
+    """The image files of a request whose input is the encoded-image one, checked as far as the
+    protocol goes (decoding them is ``ServedVersion.classify``'s); None for a tensor request. Cheap
+    (the message is parsed already, the files only sliced): the route calls it on the event loop,
+    before the request is admitted, so that image files are admitted and decoded once."""
+    if not any(is_encoded(t.name, t.datatype) for t in request.inputs):
+        return None
+    return ImageFiles(request, _images(request, meta, max_images), _outputs(request, meta))
+
+
 def decode_infer_request(
     request: service_pb2.ModelInferRequest, meta: ModelMetadata, max_images: int
 ) -> Decoded:
-    """Validate a ModelInferRequest against the model's metadata (blocking: a thread)."""
+    """Validate a tensor ModelInferRequest (one :func:`image_files` found none in) against the
+    model's metadata (blocking: a thread when large)."""
     if not request.inputs:
         raise OipError(f"the request has no inputs; model '{meta.name}' takes '{meta.input.name}'")
     tensor = request.inputs[0]
     shape = list(tensor.shape)
     names = [t.name for t in request.inputs]
-    if any(is_encoded(t.name, t.datatype) for t in request.inputs):
-        raise EncodedImages(request, _images(request, meta, max_images), _outputs(request, meta))
     where, elements = check_input(names, tensor.datatype, shape, meta, max_images)
     raw = request.raw_input_contents
     if raw:

@@ -14,7 +14,10 @@ The API key, when the service has one, is the ``authorization: Bearer <key>`` me
 everything but live, ready and server metadata. Errors are gRPC statuses with the HTTP route's message:
 400 -> INVALID_ARGUMENT, 401 -> UNAUTHENTICATED, 404 -> NOT_FOUND, 503 -> UNAVAILABLE (with a
 ``retry-after`` trailer), 500 -> INTERNAL; a message over ``max_body_bytes`` is RESOURCE_EXHAUSTED. Every
-answer carries the ``x-request-id`` trailer (the client's, when it sends a valid one).
+answer carries the ``x-request-id`` trailer (the client's, when it sends a valid one), and is counted
+in ``grpc_server_handled_total`` and ``grpc_server_handling_seconds`` (the gRPC ecosystem's names,
+beside HTTP's ``vitserve_http_*``: docs/ecosystem.md). Image files are taken from the message as a
+value before the call is admitted (``grpc_codec.image_files``): admitted once, decoded in one hop.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -32,8 +36,12 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from service.errors import NotFound, ServiceError
 from service.frontend.oip import repository
 from service.frontend.oip.codec import Decoded, OipError
-from service.frontend.oip.encoded import EncodedImages
-from service.frontend.oip.grpc_codec import decode_infer_request, encode_infer_response, parameter
+from service.frontend.oip.grpc_codec import (
+    decode_infer_request,
+    encode_infer_response,
+    image_files,
+    parameter,
+)
 from service.frontend.oip.grpc_limits import grpc_server_options
 from service.frontend.oip.routes import (
     metadata_of,
@@ -71,41 +79,66 @@ def status_code(error: ServiceError) -> grpc.StatusCode:
     return _STATUS.get(error.status_code, default)
 
 
+def code_name(code: grpc.StatusCode) -> str:
+    """A status code as the ``grpc_code`` label spells it (Go's names, as go-grpc-prometheus writes
+    them: ``OK``, ``InvalidArgument``, ``Canceled``)."""
+    if code is grpc.StatusCode.CANCELLED:
+        return "Canceled"
+    return "OK" if code is grpc.StatusCode.OK else code.name.title().replace("_", "")
+
+
+def _count(state: FrontendState, method: str, code: grpc.StatusCode, started: float) -> None:
+    """A call answered: its ``grpc_server_*`` series (service/observability/metrics.py), as the
+    middleware counts an HTTP request (service/frontend/middleware.py)."""
+    metrics = state.metrics
+    metrics.grpc_handled.labels("unary", SERVICE, method, code_name(code)).inc()
+    elapsed = time.perf_counter() - started
+    metrics.grpc_handling.labels("unary", SERVICE, method).observe(elapsed)
+
+
 def _rpc(protected: bool) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Any]]:
-    """A call: its request id, its span, the API key when ``protected``, errors as statuses."""
+    """A call: its request id, its span, the API key when ``protected``, errors as statuses, and its
+    metrics."""
 
     def wrap(method: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
         @functools.wraps(method)
         async def handler(self: InferenceServicer, request: Any, context: Context) -> Any:
+            started = time.perf_counter()
             metadata = tuple(context.invocation_metadata() or ())
             headers = {key.lower(): value for key, value in metadata if isinstance(value, str)}
             request_id = logs.request_id(headers.get("x-request-id"))
             token = logs.REQUEST_ID.set(request_id)
             trailers = [("x-request-id", request_id)]
             context.set_trailing_metadata(trailers)
+            code = grpc.StatusCode.CANCELLED  # unless it ends otherwise: the client went away
             try:
                 with tracing.server_span(SERVICE, method.__name__, metadata):
                     if protected:
                         check_api_key(
                             headers.get("authorization"), self.state.settings.server.api_key
                         )
-                    return await method(self, request, context, request_id)
+                    answer = await method(self, request, context, request_id)
+                code = grpc.StatusCode.OK
+                return answer
             except ServiceError as error:
                 log_error_answer(error.status_code, error.code, request_id, error.message)
                 if "Retry-After" in error.headers:
                     trailers.append(("retry-after", error.headers["Retry-After"]))
                     context.set_trailing_metadata(trailers)
-                await context.abort(status_code(error), error.message)
+                code = status_code(error)
+                await context.abort(code, error.message)
             except Exception as error:
                 if isinstance(error, grpc.aio.AbortError):
+                    code = grpc.StatusCode.UNKNOWN
                     raise
                 logger.exception("unhandled error [request %s]", request_id, exc_info=error)
+                code = grpc.StatusCode.INTERNAL
                 await context.abort(
-                    grpc.StatusCode.INTERNAL,
-                    f"internal error; quote request id {request_id} when reporting it",
+                    code, f"internal error; quote request id {request_id} when reporting it"
                 )
             finally:
                 logs.REQUEST_ID.reset(token)
+                _count(self.state, method.__name__, code, started)
 
         return handler
 
@@ -195,18 +228,19 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.state, name, request.model_version or None, request_id, lambda: over
         )
         limit = served.settings.limits.max_images_per_request
-        decoded: list[Decoded] = []
+        files = image_files(request, served.metadata, limit)
+        if files is not None:  # image files: admitted once, decoded as /predict decodes them
+            logits = await served.classify(files.images, "auto")
+            outputs = files.outputs
+        else:
+            decoded: list[Decoded] = []
 
-        def decode() -> Any:
-            decoded.append(decode_infer_request(request, served.metadata, limit))
-            return decoded[0].batch
+            def decode() -> Any:
+                decoded.append(decode_infer_request(request, served.metadata, limit))
+                return decoded[0].batch
 
-        try:
             logits = await served.infer(decode, request.ByteSize())
             outputs = decoded[0].outputs
-        except EncodedImages as encoded:  # image files: decoded as /predict decodes them
-            logits = await served.classify(encoded.images, "auto")
-            outputs = encoded.outputs
         return encode_infer_response(
             request, outputs, logits, served.metadata, name, str(served.version)
         )
@@ -234,6 +268,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
 def _unimplemented(name: str) -> Callable[..., Any]:
     async def handler(self: InferenceServicer, request: Any, context: Context) -> None:
+        _count(self.state, name, grpc.StatusCode.UNIMPLEMENTED, time.perf_counter())
         await context.abort(
             grpc.StatusCode.UNIMPLEMENTED,
             f"{name} is not implemented by vitserve; it serves unary ModelInfer and the health, "

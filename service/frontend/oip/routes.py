@@ -207,9 +207,10 @@ async def _infer(request: Request, name: str, version: str | None) -> Response:
     try:
         logits = await served.infer(decode, len(body))
     except EncodedImages as encoded:  # image files: decoded as /predict decodes them
-        logits = await served.classify(encoded.images, "auto")
+        files = encoded.files
+        logits = await served.classify(files.images, "auto")
         meta, version_text = served.metadata, str(served.version)
-        return encode_response(encoded.request, encoded.outputs, logits, meta, name, version_text)
+        return encode_response(files.request, files.outputs, logits, meta, name, version_text)
     infer_request, tensors = decoded
     answer = (infer_request, tensors.outputs, logits, served.metadata, name, str(served.version))
     if len(body) <= INLINE_TENSOR_BYTES:  # an answer as small as its request: no thread hop
