@@ -13,9 +13,10 @@ to the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 import numpy as np
 from starlette.concurrency import run_in_threadpool
@@ -33,15 +34,23 @@ from service.contract.table import (
     ShadowMark,
     VersionView,
 )
-from service.errors import InvalidInput, NotFound, ServiceError
+from service.errors import InvalidInput, NotFound, ServiceError, ServiceUnavailable
 from service.frontend.error_responses import request_id_of
 from service.frontend.inputs import RawImage
 from service.frontend.server import CLIENT_GONE
+from service.link.client import EngineClient
 from service.observability import tracing
+from service.observability.metrics import Metrics
 from service.settings import LimitSettings, Settings
 
-if TYPE_CHECKING:
-    from service.frontend.state import FrontendState
+
+class FrontEnd(Protocol):
+    """What a served request uses of its front end (service/frontend/state.py's ``FrontendState``,
+    which holds this module's ``DecodeGate``: named here by its parts, not imported back)."""
+
+    settings: Settings
+    engine: EngineClient
+    gate: DecodeGate
 
 
 # Requests whose images have at most this many pixels in all are decoded on the event loop: a thread
@@ -117,6 +126,49 @@ def client_gone(request: Request) -> ClientGone:
     return lambda: asyncio.ensure_future(disconnected())
 
 
+class DecodeGate:
+    """At most ``slots`` requests decode at once; at most ``max_waiters`` wait for a slot, each for at
+    most ``timeout_s``; beyond either, 503 with Retry-After at once."""
+
+    def __init__(self, limits: LimitSettings, metrics: Metrics) -> None:
+        self._slots = asyncio.Semaphore(limits.max_concurrent_decodes)
+        self._max_waiters = limits.max_decode_waiters
+        self._timeout_s = limits.decode_wait_timeout_s
+        self._retry_after_s = limits.retry_after_s
+        self._metrics = metrics
+        self.waiting = 0
+
+    def _refuse(self, reason: str, message: str) -> ServiceUnavailable:
+        self._metrics.decode_rejections.labels(reason).inc()
+        return ServiceUnavailable(message, code="decode_busy", retry_after_s=self._retry_after_s)
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        if self._slots.locked() and self.waiting >= self._max_waiters:
+            raise self._refuse(
+                "waiters_full",
+                f"every decode slot is busy and {self.waiting} requests are waiting for one (the "
+                f"limit is max_decode_waiters={self._max_waiters}); retry after "
+                f"{self._retry_after_s} s",
+            )
+        self.waiting += 1
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise self._refuse(
+                "timeout",
+                f"no decode slot came free within decode_wait_timeout_s={self._timeout_s} s; retry "
+                f"after {self._retry_after_s} s",
+            ) from None
+        finally:
+            self.waiting -= 1
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+
 _PREPROCESSORS: dict[tuple[str, int, bool], Preprocessor] = {}
 
 
@@ -138,7 +190,7 @@ class ServedVersion:
 
     def __init__(
         self,
-        state: FrontendState,
+        state: FrontEnd,
         view: VersionView,
         requested: int | None,
         request_id: str | None = None,
@@ -152,7 +204,7 @@ class ServedVersion:
 
     @classmethod
     def of(
-        cls, request: Request, state: FrontendState, view: VersionView, requested: int | None
+        cls, request: Request, state: FrontEnd, view: VersionView, requested: int | None
     ) -> ServedVersion:
         """An HTTP request's, with the id the middleware gave it."""
         return cls(state, view, requested, request_id_of(request), client_gone(request))

@@ -155,9 +155,8 @@ def test_a_multipart_payload_is_one_image_file_part_to_the_model_s_route():
     assert b"\xff\xd8\xff" in payload.body  # a JPEG's start of image
 
 
-# issue 51's target is 20 (docs/ARCHITECTURE.md, "A request, from socket to answer"); the walk is
-# this long until the front end's security.py, state.py and schemas.py leave it
-WALK_BOUND = 22
+# issue 51's target (docs/ARCHITECTURE.md, "A request, from socket to answer")
+WALK_BOUND = 20
 
 
 def test_the_multipart_walk_stays_within_its_bound(capsys):

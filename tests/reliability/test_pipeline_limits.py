@@ -14,7 +14,7 @@ import pytest
 
 from service.engine.batcher import DynamicBatcher
 from service.errors import ServiceUnavailable
-from service.frontend.state import DecodeGate
+from service.frontend.serving import DecodeGate
 from service.observability.metrics import Metrics
 from service.settings import Settings
 from tests.support import RELIABILITY, metric, running_server, submit, wait_until

@@ -9,6 +9,7 @@ inline bound one pixel either side.
 from __future__ import annotations
 
 import asyncio
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -18,12 +19,12 @@ from service.errors import InvalidInput, ServiceUnavailable
 from service.frontend.inputs import RawImage
 from service.frontend.serving import (
     INLINE_PIXELS,
+    DecodeGate,
     client_gone,
     declared_pixels,
     decode_inline,
     prepare_batch,
 )
-from service.frontend.state import DecodeGate
 from service.observability.metrics import Metrics
 from service.settings import Settings
 from tests.service.test_preprocessing import MEAN, STD, metadata
@@ -127,7 +128,7 @@ def test_client_gone_returns_at_the_disconnect_message():
     ]
 
     class Stub:  # a request from a server that makes no client-gone futures (TestClient's)
-        scope: dict = {}
+        scope: ClassVar[dict] = {}
 
         async def receive(self) -> dict:
             return messages.pop(0)

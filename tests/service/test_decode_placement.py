@@ -10,8 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from service.frontend.serving import INLINE_TENSOR_BYTES, ServedVersion
-from service.frontend.state import DecodeGate
+from service.frontend.serving import INLINE_TENSOR_BYTES, DecodeGate, ServedVersion
 from service.observability.metrics import Metrics
 from service.settings import Settings
 
