@@ -308,9 +308,9 @@ class Trial:
             f"distinct 640 x 480 JPEG each: {pair.get('requests_compared', 0)} compared, top-1 "
             f"agreement {fmt(pair.get('top1_agreement'), 4)}, |p_live - p_candidate| mean "
             f"{fmt(difference.get('mean'), 4)} p99 {fmt(difference.get('p99'), 4)}, model time "
-            f"ratio {fmt(times.get('ratio_p50'), 3)} over {times.get('pairs', 0)} timed pairs "
-            f"(live p50 {fmt(times.get('live_p50'), 1)} ms, candidate "
-            f"{fmt(times.get('candidate_p50'), 1)} ms); copies: {pair.get('outcomes', {})}.",
+            f"ratio {fmt(times.get('ratio_p50'), 3)} over {times.get('pairs', 0)} timed pairs of "
+            f"shadow batches (a batch's p50: live {fmt(times.get('live_p50'))} ms, candidate "
+            f"{fmt(times.get('candidate_p50'))} ms); copies: {pair.get('outcomes', {})}.",
             "",
             "Promotion:",
             "",

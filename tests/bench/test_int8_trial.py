@@ -117,7 +117,8 @@ def test_the_section_gives_the_shadows_numbers_the_promotion_and_int8_over_float
     text = trial.markdown()
     assert "## An int8 ViT-S/16 promoted through the shadow" in text
     assert "200 compared, top-1 agreement 0.6000" in text
-    assert "model time ratio 0.600 over 120 timed pairs" in text
+    assert "model time ratio 0.600 over 120 timed pairs of shadow batches" in text
+    assert "(a batch's p50: live 100 ms, candidate 60 ms)" in text
     assert "- `python -m service.promote --url URL`: exit 4: a b" in text
     assert "answered by version 2 after it" in text
     assert (
