@@ -3,11 +3,14 @@
 - vitserve: ``python -m service`` with ``VITSERVE_WORKERS`` = the cores (``vitserve``) and 1 (``w1``),
   and each ``--variant`` (one setting changed);
 - plain: bench/baselines/plain_onnx_server.py, FastAPI + onnxruntime, batch 1, one intra-op thread;
+  ``plain-legacy``, where a legacy model directory is given: the same server on
+  ``torch.onnx.export(dynamo=False)``'s graph of the same checkpoint (what a user exports by hand);
 - torch: bench/baselines/torch_eager_server.py, the same server with PyTorch eager;
 - nomodel: bench/baselines/no_model_server.py, the plain server with no model run at all (what
   everything but the model costs a FastAPI server here: the bound the in-process ceiling meets);
 - mosec and triton, the anchors (docs/decisions.md#performance-targets; bench/baselines/mosec_server.py, triton_server.py), each in its
-  own venv (bench/baselines/venvs.py).
+  own venv (bench/baselines/venvs.py), with ``model_workers`` model processes (mosec) or model
+  instances (Triton): one unless asked, as the issue-23 comparison measured them.
 
 Single PNGs go to every server, 32 PNGs per request to vitserve (the plain server's images/s for the
 same images is its single-image rate), and the FP32 tensor to every server that serves /v2. Two kinds
@@ -74,14 +77,23 @@ def cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def _shown(model_dir: Path) -> Path:
+    return model_dir.relative_to(REPO) if model_dir.is_relative_to(REPO) else model_dir
+
+
 def servers(
-    model_dir: Path, variants: dict[str, dict[str, str]], workers: int | None = None
+    model_dir: Path,
+    variants: dict[str, dict[str, str]],
+    workers: int | None = None,
+    model_workers: int = 1,
+    legacy_dir: Path | None = None,
 ) -> list[Server]:
     """Every server of the module's docstring; ``workers`` (the cores when not given) is vitserve's
-    ``VITSERVE_WORKERS``, and ``w1`` runs one worker beside it (left out on a 1-core machine)."""
+    ``VITSERVE_WORKERS``, and ``w1`` runs one worker beside it (left out on a 1-core machine);
+    ``model_workers`` the anchors' model processes or instances; ``legacy_dir`` the model directory
+    of the legacy export that ``plain-legacy`` serves (no ``plain-legacy`` without it)."""
     workers = workers or cores()
-    shown = model_dir.relative_to(REPO) if model_dir.is_relative_to(REPO) else model_dir
-    baseline = ("--port", "{port}", "--model-dir", str(shown))
+    baseline = ("--port", "{port}", "--model-dir", str(_shown(model_dir)))
     name = model_dir.parent.name
     infer = Route(f"/v2/models/{name}/infer", OIP_TENSOR)
     ours = {PNG: Route("/predict", PREDICT), TENSOR: infer}
@@ -97,23 +109,37 @@ def servers(
             batch_histogram="vitserve_batch_size",
         )
 
-    def plain(key: str, label: str, module: str) -> Server:
-        return Server(key, label, (sys.executable, "-m", f"bench.baselines.{module}", *baseline))
+    def plain(key: str, label: str, module: str, argv: tuple[str, ...] = baseline) -> Server:
+        return Server(key, label, (sys.executable, "-m", f"bench.baselines.{module}", *argv))
+
+    legacy = []
+    if legacy_dir is not None:
+        label = (
+            "the plain server on torch.onnx.export(dynamo=False), opset 17, of the same checkpoint"
+        )
+        argv = ("--port", "{port}", "--model-dir", str(_shown(legacy_dir)))
+        legacy.append(plain("plain-legacy", label, "plain_onnx_server", argv))
+    stages, instances = "one batched onnxruntime stage", "a Python callable"
+    if model_workers != 1:
+        stages = f"{model_workers} batched onnxruntime processes"
+        instances = f"{model_workers} instances of a Python callable"
 
     return [
         vitserve("vitserve", {"workers": str(workers)}, ours),
         *([vitserve("w1", {"workers": "1"}, ours)] if workers > 1 else []),
         *(vitserve(k, v) for k, v in variants.items()),
         plain("plain", "plain FastAPI + onnxruntime, batch 1, 1 thread", "plain_onnx_server"),
+        *legacy,
         plain("torch", "plain FastAPI + PyTorch eager, batch 1", "torch_eager_server"),
         plain("nomodel", "the plain server with no model (every logit 0)", "no_model_server"),
         Server(
             "mosec",
-            f"mosec {MOSEC.pin('mosec')}: Rust HTTP, {workers} decode processes, one batched "
-            f"onnxruntime stage ({batching})",
+            f"mosec {MOSEC.pin('mosec')}: Rust HTTP, {workers} decode processes, {stages} "
+            f"({batching})",
             (
                 *(str(MOSEC.python), "-m", "bench.baselines.mosec_server", *baseline),
                 *("--address", "127.0.0.1", "--decoders", str(workers)),
+                *(("--infer-workers", str(model_workers)) if model_workers != 1 else ()),
             ),
             venv=MOSEC,
             ready_path="/",
@@ -122,8 +148,11 @@ def servers(
         Server(
             "triton",
             f"Triton (nvidia-pytriton {TRITON.pin('nvidia-pytriton')}'s tritonserver): C++ HTTP "
-            f"and dynamic batcher ({batching}), a Python callable that decodes and runs onnxruntime",
-            (str(TRITON.python), "-m", "bench.baselines.triton_server", *baseline),
+            f"and dynamic batcher ({batching}), {instances} that decodes and runs onnxruntime",
+            (
+                *(str(TRITON.python), "-m", "bench.baselines.triton_server", *baseline),
+                *(("--instances", str(model_workers)) if model_workers != 1 else ()),
+            ),
             routes={PNG: Route(f"/v2/models/{name}{PNG_SUFFIX}/infer", OIP_PNG), TENSOR: infer},
             venv=TRITON,
             ready_path=f"/v2/models/{name}{PNG_SUFFIX}/ready",

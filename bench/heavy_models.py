@@ -66,13 +66,22 @@ def preprocessing_for(geometry: str, spec) -> dict:
 
 
 def write_heavy_model(
-    size: str, repo: Path, name: str | None = None, seed: int = 0, geometry: str = "fit-pad"
+    size: str,
+    repo: Path,
+    name: str | None = None,
+    seed: int = 0,
+    geometry: str = "fit-pad",
+    model: VisionTransformer | None = None,
 ) -> Path:
     """``<repo>/<name>/1/`` for a ViT of ``size`` with seeded random weights, preprocessed with
-    ``geometry`` (one of :data:`GEOMETRIES`); returns its directory."""
+    ``geometry`` (one of :data:`GEOMETRIES`); returns its directory. ``model``: these weights
+    instead (a model of ``size``'s config)."""
     config = config_for(size)
-    torch.manual_seed(seed)
-    model = VisionTransformer(config).eval()
+    if model is None:
+        torch.manual_seed(seed)
+        model = VisionTransformer(config).eval()
+    elif model.config != config:
+        raise ValueError(f"the model given is not a ViT of size {size!r}")
     spec = dataclasses.replace(
         get_dataset_spec("cifar10"),
         name="imagenet-like",

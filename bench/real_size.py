@@ -2,12 +2,18 @@
 ViT-S/16 at 224 x 224 on real JPEG photos.
 
     python -m bench.real_size [--sizes tiny,small] [--seconds 12] [--repeats 3]
+        [--servers vitserve,plain,plain-legacy,mosec,triton] [--anchor-workers 2]
 
 The models are DeiT-tiny and DeiT-small as an imported Hugging Face DeiT checkpoint is served: the
-same graphs with seeded random weights (bench/heavy_models.py, nothing downloaded) and a DeiT's
-preprocessing, resize-crop (shorter side 256, bicubic, centre 224 x 224, ImageNet mean and std),
-which every server takes from the model's metadata through service/contract's Preprocessor. Each
-server runs the same ONNX file (bench/contenders.py says how each is started).
+same graphs with seeded random weights (bench/graphs.py's ``random_weight_model``, written by
+bench/heavy_models.py; nothing downloaded) and a DeiT's preprocessing, resize-crop (shorter side 256,
+bicubic, centre 224 x 224, ImageNet mean and std), which every server takes from the model's metadata
+through service/contract's Preprocessor. Each server runs the same ONNX file, vitserve's export
+(bench/contenders.py says how each is started), except ``plain-legacy``: the plain server on
+``torch.onnx.export(dynamo=False)``'s graph of the same checkpoint at opset 17 (bench/graphs.py's
+``legacy_graph``, with the same metadata), what a user who exports by hand serves. mosec and Triton
+run ``--anchor-workers`` model processes or instances (the cores by default, as a user configures
+them on this machine).
 
 Requests carry one JPEG each: the photos scikit-learn and scikit-image ship, centre-cropped to 4:3
 and resized to 640 x 480 (quality 90; repeat r sends photo r, every server the same), at c=1, 16
@@ -30,18 +36,21 @@ import base64
 import contextlib
 import dataclasses
 import json
+import shlex
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from bench import hey
 from bench.baselines.venvs import VenvError, ensure
 from bench.compare import start_server
-from bench.contenders import OIP_PNG, PNG, PREDICT, servers
+from bench.contenders import OIP_PNG, PNG, PREDICT, cores, servers
 from bench.decode import centre_jpeg, phone_jpeg, sample_photos
+from bench.graphs import legacy_graph, random_weight_model
 from bench.heavy_models import write_heavy_model
 from bench.inprocess import Ceiling
 from bench.machine import CLOCK_TICKS, busy_check, descendants, parse_pid_stat, tree_memory_kib
@@ -49,8 +58,12 @@ from bench.payloads import oip_png_body, predict_body
 from bench.real_size_report import PHONE, PHOTO, PHOTO_SIZE, SIZES, Point, RealSize
 from bench.server_process import http_get
 from bench.stats import alternated, fmt
+from export.onnx_graphs import with_metadata
+from export.repository import write_version
+from service.contract.model_repository import CLASSIFIER_FILE, METADATA_KEY
 
-SERVERS = ("vitserve", "plain", "mosec", "triton")  # bench/contenders.py's keys
+LEGACY = "plain-legacy"
+SERVERS = ("vitserve", "plain", LEGACY, "mosec", "triton")  # bench/contenders.py's keys
 LEVELS = (1, 16, 64)
 CEILING_BATCHES = (1, 16)
 TIMEOUT_S = 120  # hey's per request: a heavy model's c=64 queue takes longer than its default 30 s
@@ -109,6 +122,36 @@ def model_run_s(statistics: str | None) -> float | None:
     return sum(int(b["compute_infer"]["ns"]) for b in batches) / 1e9
 
 
+def metadata_document(version_dir: Path) -> dict:
+    """The ``vitserve`` metadata document of ``version_dir``'s model.onnx."""
+    proto = onnx.load(version_dir / CLASSIFIER_FILE, load_external_data=False)
+    return json.loads({p.key: p.value for p in proto.metadata_props}[METADATA_KEY])
+
+
+def write_variant(
+    graph: onnx.ModelProto,
+    of: Path,
+    repo: Path,
+    version: int = 1,
+    candidate: bool = False,
+    **changes: object,
+) -> Path:
+    """``graph``, another graph of the model of version directory ``of`` (another exporter, or
+    quantized), as ``version`` of the same model name in ``repo``, with ``of``'s metadata (name,
+    labels, input, preprocessing: what every server reads) less its attention graph, and with
+    ``changes``; ``candidate``: the new version starts as the candidate of the one served
+    (export/repository.py's ``write_version``). Returns its directory."""
+    document = metadata_document(of)
+    document.pop("onnxruntime_fusions", None)  # with_metadata counts the graph's own
+    document.update(version=version, attention_graph=None, **changes)
+    with_metadata(graph, document)
+    shape = document["input"]
+    dims = (shape["channels"], shape["height"], shape["width"])
+    files = {CLASSIFIER_FILE: graph}
+    name, labels = document["name"], document["labels"]
+    return write_version(repo, name, version, files, labels, dims, True, candidate)
+
+
 @dataclass(frozen=True)
 class Plan:
     sizes: tuple[str, ...]
@@ -116,6 +159,10 @@ class Plan:
     phone_levels: tuple[int, ...]
     seconds: float
     repeats: int
+    servers: tuple[str, ...] = SERVERS
+    anchor_workers: int = field(
+        default_factory=cores
+    )  # mosec's model processes, Triton's instances
 
     @classmethod
     def for_run(cls, quick: bool) -> Plan:
@@ -145,10 +192,19 @@ def run(out: Path, plan: Plan, command: str = "python -m bench.real_size") -> Re
     result = RealSize(list(plan.sizes), {}, plan.seconds, plan.repeats, list(photos))
     result.command = command
     for size in plan.sizes:
-        model_dir = write_heavy_model(size, out / "models" / size, geometry="resize-crop")
+        model = random_weight_model(size)
+        model_dir = write_heavy_model(
+            size, out / "models" / size, geometry="resize-crop", model=model
+        )
+        legacy_dir = None
+        if LEGACY in plan.servers:
+            legacy_dir = write_variant(
+                legacy_graph(model), model_dir, out / "models" / f"{size}-legacy"
+            )
         plan_servers = []
-        for server in servers(model_dir, {}):
-            if server.key not in SERVERS or server.key in result.missing:
+        found = servers(model_dir, {}, model_workers=plan.anchor_workers, legacy_dir=legacy_dir)
+        for server in found:
+            if server.key not in plan.servers or server.key in result.missing:
                 continue
             try:
                 if server.venv:
@@ -196,7 +252,8 @@ def run(out: Path, plan: Plan, command: str = "python -m bench.real_size") -> Re
                         print(
                             f"  {size} r{repeat} {payload} c={c} {key}: {point.images_per_s:.1f} "
                             f"images/s p50 {fmt(point.p50_ms)} p99 {fmt(point.p99_ms)} "
-                            f"failed {point.failed} cpu {point.cpu_ms}",
+                            f"failed {point.failed} cpu {point.cpu_ms} "
+                            f"others {point.other_cores:.2f} cores",
                             flush=True,
                         )
             for key, pid in pids.items():
@@ -244,6 +301,7 @@ def _point(
         per_image,
         model_ms,
         check.busy,
+        check.other_cores,
     )
 
 
@@ -251,7 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.real_size", description=__doc__)
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"of {','.join(SIZES)}")
     parser.add_argument("--levels", default=",".join(map(str, LEVELS)))
-    parser.add_argument("--phone-levels", default="16", help="levels of the 4032 x 3024 photo")
+    parser.add_argument(
+        "--phone-levels", default="16", help="levels of the 4032 x 3024 photo ('' for none)"
+    )
+    parser.add_argument("--servers", default=",".join(SERVERS), help=f"of {','.join(SERVERS)}")
+    parser.add_argument(
+        "--anchor-workers",
+        type=int,
+        default=cores(),
+        help="mosec's model processes and Triton's model instances (default: the cores)",
+    )
     parser.add_argument("--seconds", type=float, default=12.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--results-dir", type=Path, help="raw results (default: a temporary one)")
@@ -267,9 +334,24 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         parser.error(f"--sizes {','.join(unknown)}: expected some of {','.join(SIZES)}")
-    plan = Plan(sizes, numbers(args.levels), numbers(args.phone_levels), args.seconds, args.repeats)
+    chosen = tuple(s.strip() for s in args.servers.split(",") if s.strip())
+    unknown = [s for s in chosen if s not in SERVERS]
+    if unknown or not chosen:
+        parser.error(f"--servers {args.servers!r}: expected some of {','.join(SERVERS)}")
+    if args.anchor_workers < 1:
+        parser.error("--anchor-workers must be 1 or more")
+    plan = Plan(
+        sizes,
+        numbers(args.levels),
+        numbers(args.phone_levels),
+        args.seconds,
+        args.repeats,
+        chosen,
+        args.anchor_workers,
+    )
     out = args.results_dir or Path(tempfile.mkdtemp(prefix="real-size-"))
-    shown = " ".join(["python -m bench.real_size", *(argv if argv is not None else sys.argv[1:])])
+    given = argv if argv is not None else sys.argv[1:]
+    shown = " ".join(["python -m bench.real_size", *([shlex.join(given)] if given else [])])
     result = run(out, plan, shown)
     raw = json.dumps(dataclasses.asdict(result), indent=1, default=str)
     (out / "real_size.json").write_text(raw)

@@ -1,6 +1,6 @@
 """What bench/real_size.py measured, as a BENCHMARKS.md section: the points, their medians over the
 repeats, and the targets met or not (vitserve against the best of the plain server, mosec and
-Triton on 640 x 480 photos)."""
+Triton on 640 x 480 photos, and against the plain server on the legacy torch export)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,13 @@ from bench.stats import Spread, fmt, median, ratio, spread_text, table
 
 SIZES = ("tiny", "small")
 LABELS = {"tiny": "ViT-Ti/16 (DeiT-tiny)", "small": "ViT-S/16 (DeiT-small)"}
-PEERS = ("plain", "mosec", "triton")
+PEERS = ("plain", "mosec", "triton")  # on vitserve's own export, as vitserve
 TARGET_LEVELS = (16, 64)  # where vitserve must beat the best peer
+LEGACY = (
+    "plain-legacy"  # the plain server on torch.onnx.export(dynamo=False) of the same checkpoint
+)
+LEGACY_LEVELS = (16,)  # where vitserve must match it with a lower p99 (the cheaper-graphs issue)
+LEGACY_SPEEDUP = 1.0
 PHOTO, PHONE = "640x480", "4032x3024"
 PHOTO_SIZE = (640, 480)
 SPEEDUP = 1.1  # vitserve's images/s over the best peer's, at TARGET_LEVELS
@@ -32,6 +37,7 @@ class Point:
     cpu_ms: dict[str, float]  # CPU per answered image, by role
     model_ms: float | None  # vitserve's model time per answered image
     busy: bool  # other work used the machine while it ran
+    other_cores: float | None = None  # cores other processes used just before it (busy_check)
 
 
 @dataclass(frozen=True)
@@ -81,8 +87,9 @@ class Verdict:
 
 def verdicts(summaries: dict[tuple[str, str, str, int], Summary], size: str) -> list[Verdict]:
     """The targets for ``size`` on 640 x 480 photos: at each of TARGET_LEVELS, vitserve's
-    images/s at least SPEEDUP x the best peer's, with a lower p99 than that peer's; at c=1, vitserve's
-    p50 at most C1_P50 x the plain server's."""
+    images/s at least SPEEDUP x the best peer's, with a lower p99 than that peer's; at each of
+    LEGACY_LEVELS, at least LEGACY_SPEEDUP x the plain server's on the legacy export, with a lower
+    p99; at c=1, vitserve's p50 at most C1_P50 x the plain server's."""
     found = []
 
     def get(server: str, c: int) -> Summary | None:
@@ -116,11 +123,37 @@ def verdicts(summaries: dict[tuple[str, str, str, int], Summary], size: str) -> 
         p99, peer_p99 = median(ours.p99_ms), median(theirs.p99_ms)
         lower = None if p99 is None or peer_p99 is None else p99 < peer_p99
         found.append(Verdict(size, c, p99_target, p99, peer_p99, best, lower))
+    for c in LEGACY_LEVELS:
+        ours, legacy = get("vitserve", c), get(LEGACY, c)
+        if legacy is None:
+            continue  # not measured in this run
+        rates = (median(ours.images_per_s) if ours else None, median(legacy.images_per_s))
+        speed = ratio(*rates)
+        met = None if speed is None else speed >= LEGACY_SPEEDUP
+        target = f"c={c} images/s >= {LEGACY_SPEEDUP}x {LEGACY}"
+        found.append(Verdict(size, c, target, *rates, LEGACY, met))
+        p99s = (median(ours.p99_ms) if ours else None, median(legacy.p99_ms))
+        lower = None if None in p99s else p99s[0] < p99s[1]
+        found.append(Verdict(size, c, f"c={c} p99 ms lower than {LEGACY}", *p99s, LEGACY, lower))
     ours, plain = get("vitserve", 1), get("plain", 1)
     p50, plain_p50 = median(ours.p50_ms if ours else None), median(plain.p50_ms if plain else None)
     met = None if p50 is None or plain_p50 is None else p50 <= C1_P50 * plain_p50
     found.append(Verdict(size, 1, f"c=1 p50 ms <= {C1_P50}x plain", p50, plain_p50, "plain", met))
     return found
+
+
+def legacy_ratios(summaries: dict[tuple[str, str, str, int], Summary], size: str) -> list[str]:
+    """vitserve over the plain server on the legacy export at each of LEGACY_LEVELS measured:
+    images/s and p99, each from the medians."""
+    lines = []
+    for c in LEGACY_LEVELS:
+        ours, legacy = (summaries.get((size, s, PHOTO, c)) for s in ("vitserve", LEGACY))
+        if ours is None or legacy is None:
+            continue
+        rate = ratio(median(ours.images_per_s), median(legacy.images_per_s))
+        p99 = ratio(median(ours.p99_ms), median(legacy.p99_ms))
+        lines.append(f"vitserve / {LEGACY} at c={c}: images/s {fmt(rate, 2)}x, p99 {fmt(p99, 2)}x")
+    return lines
 
 
 @dataclass
@@ -156,7 +189,13 @@ class RealSize:
             *(f"- {k}: **not measured**: {v}" for k, v in self.missing.items()),
         ]
         if any(p.busy for p in self.points):
-            lines += ["", "**Other work used the machine during some points** (marked `busy`)."]
+            others = Spread.of(p.other_cores for p in self.points)
+            lines += [
+                "",
+                "**Other work used the machine during some points** (marked `busy`; other "
+                f"processes used {spread_text(others, 2)} cores, median (min-max), in the half "
+                "second before each point).",
+            ]
         for size in self.sizes:
             rows = []
             for (s, server, payload, c), got in sorted(
@@ -200,5 +239,6 @@ class RealSize:
                     "",
                 ]
             lines += [f"- {v.text()}" for v in verdicts(summaries, size)]
+            lines += [f"- {line}" for line in legacy_ratios(summaries, size)]
         lines += ["", "The servers:", "", *(f"    {c}" for c in self.commands)]
         return "\n".join(lines)

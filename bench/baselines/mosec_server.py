@@ -1,11 +1,12 @@
 """The shipped model on mosec (an anchor: docs/decisions.md#performance-targets; pinned in requirements/bench-mosec.txt): mosec's
 Rust HTTP front end, ``--decoders`` processes that parse the /predict JSON and decode its base64 images
-with vitserve's preprocessing, then one process that runs the model on dynamic batches
-(bench/baselines/__init__.py) and answers vitserve's /predict JSON (bench/baselines/classifier.py).
+with vitserve's preprocessing, then ``--infer-workers`` processes (one by default) that run the model
+on dynamic batches (bench/baselines/__init__.py) and answer vitserve's /predict JSON
+(bench/baselines/classifier.py); with more than one, mosec hands each batch to a free one.
 mosec's default JSON (de)serialisation and pickled hand-offs between the stages, as its tutorial
 server. Runs in its own venv (bench/baselines/venvs.py); GET / answers 200 once every stage is up.
 
-    .venv-mosec/bin/python -m bench.baselines.mosec_server --port 18116 [--decoders 2]
+    .venv-mosec/bin/python -m bench.baselines.mosec_server --port 18116 [--decoders 2] [--infer-workers 2]
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)  # read by mosec itself too
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     parser.add_argument("--decoders", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--threads", type=int, default=default_threads(), help="intra-op")
+    parser.add_argument("--infer-workers", type=int, default=1, help="model processes")
+    parser.add_argument("--threads", type=int, default=default_threads(), help="intra-op, each")
     args, _ = parser.parse_known_args()
     env = {ENV_MODEL_DIR: str(args.model_dir), ENV_THREADS: str(args.threads)}
     # mosec answers 408 after 3 s by default; a heavy model's queue at c=64 holds more than that, and
@@ -66,7 +68,12 @@ def main() -> None:
     server = Server()
     server.append_worker(Decode, num=args.decoders, env=[env] * args.decoders, route=ROUTE)
     server.append_worker(
-        Infer, max_batch_size=MAX_BATCH, max_wait_time=MAX_WAIT_MS, env=[env], route=ROUTE
+        Infer,
+        num=args.infer_workers,
+        max_batch_size=MAX_BATCH,
+        max_wait_time=MAX_WAIT_MS,
+        env=[env] * args.infer_workers,
+        route=ROUTE,
     )
     server.run()
 

@@ -1,6 +1,8 @@
 """The shipped model on Triton Inference Server (an anchor: docs/decisions.md#performance-targets): the ``tritonserver`` that
 nvidia-pytriton ships (requirements/bench-triton.txt; C++ HTTP front end and dynamic batcher; its only backend is Python), with
-two models, each one Python callable batched by Triton (bench/baselines/__init__.py):
+two models, each a Python callable batched by Triton (bench/baselines/__init__.py), ``--instances`` of
+it (one by default; pytriton makes a model instance of each callable bound, each here with its own
+onnxruntime session, and Triton gives each batch to a free instance):
 
 - ``fashion-mnist-vit``: the Open Inference Protocol on the model's own tensors, FP32 ``images``
   ``[N, 1, 28, 28]`` in, ``logits`` out (what Triton serves for a model repository's ONNX file);
@@ -13,7 +15,7 @@ interpreter's libpython, so LD_LIBRARY_PATH must hold its LIBDIR (venvs.py sets 
 served (no gRPC, no metrics port). Ready once GET /v2/models/{name}-png/ready answers 200 (bound last;
 /v2/health/ready answers 200 before any model is loaded); stopped by SIGINT or SIGTERM.
 
-    .venv-triton/bin/python -m bench.baselines.triton_server --port 18117
+    .venv-triton/bin/python -m bench.baselines.triton_server --port 18117 [--instances 2]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,36 +51,42 @@ def classify_pngs(classifier: Classifier, images: np.ndarray) -> np.ndarray:
     return np.array(top, dtype=np.object_)
 
 
-def bind(triton: Triton, classifier: Classifier) -> None:
-    """Both models of the module's docstring on ``triton``."""
+def bind(triton: Triton, classifiers: list[Classifier]) -> None:
+    """Both models of the module's docstring on ``triton``, an instance of each per classifier."""
     from pytriton.decorators import batch
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 
-    meta = classifier.metadata
+    meta = classifiers[0].metadata
     shape = (meta.input.channels, meta.input.height, meta.input.width)
     config = ModelConfig(
         max_batch_size=MAX_BATCH,
         batcher=DynamicBatcher(max_queue_delay_microseconds=MAX_WAIT_MS * 1000),
     )
 
-    @batch
-    def tensors(**inputs: np.ndarray) -> dict[str, np.ndarray]:
-        return {meta.outputs.logits: classifier.logits(inputs[meta.input.name])}
+    def tensors(classifier: Classifier) -> Callable:
+        @batch
+        def infer(**inputs: np.ndarray) -> dict[str, np.ndarray]:
+            return {meta.outputs.logits: classifier.logits(inputs[meta.input.name])}
 
-    @batch
-    def pngs(image: np.ndarray) -> dict[str, np.ndarray]:
-        return {"top_k": classify_pngs(classifier, image)}
+        return infer
+
+    def pngs(classifier: Classifier) -> Callable:
+        @batch
+        def infer(image: np.ndarray) -> dict[str, np.ndarray]:
+            return {"top_k": classify_pngs(classifier, image)}
+
+        return infer
 
     triton.bind(
         meta.name,
-        tensors,
+        [tensors(c) for c in classifiers],
         inputs=[Tensor(name=meta.input.name, dtype=np.float32, shape=shape)],
         outputs=[Tensor(name=meta.outputs.logits, dtype=np.float32, shape=(meta.num_classes,))],
         config=config,
     )
     triton.bind(
         meta.name + PNG_SUFFIX,
-        pngs,
+        [pngs(c) for c in classifiers],
         inputs=[Tensor(name="image", dtype=bytes, shape=(1,))],
         outputs=[Tensor(name="top_k", dtype=bytes, shape=(TOP_K,))],
         config=config,
@@ -88,7 +97,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR)
-    parser.add_argument("--threads", type=int, default=default_threads(), help="intra-op")
+    parser.add_argument("--instances", type=int, default=1, help="model instances")
+    parser.add_argument("--threads", type=int, default=default_threads(), help="intra-op, each")
     args = parser.parse_args()
     from pytriton.triton import Triton, TritonConfig
 
@@ -104,7 +114,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         with Triton(config=config) as triton:
-            bind(triton, Classifier(args.model_dir, threads=args.threads))
+            instances = max(1, args.instances)
+            bind(triton, [Classifier(args.model_dir, args.threads) for _ in range(instances)])
             triton.serve()
     except KeyboardInterrupt:  # stopped, and its workspace removed
         pass

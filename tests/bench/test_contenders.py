@@ -69,3 +69,22 @@ def test_cases_each_server_at_its_levels():
     quick = contenders.cases(servers, compare.Plan.for_run(quick=True).levels)
     assert {c.levels for c in quick} == {(64,)} and len(quick) == 12
     assert [c.server for c in contenders.cases(servers, (1,))].count("torch") == 0
+
+
+def test_the_anchors_get_model_workers_and_plain_legacy_its_own_file_only_when_asked():
+    legacy = Path("/repo/out/models/small-legacy/vit-small/1")
+    found = by_key(contenders.servers(MODEL_DIR, {}, workers=2, model_workers=2, legacy_dir=legacy))
+    mosec, triton, plain_legacy = found["mosec"], found["triton"], found["plain-legacy"]
+    assert mosec.argv[mosec.argv.index("--infer-workers") + 1] == "2"
+    assert "2 batched onnxruntime processes" in mosec.label
+    assert triton.argv[triton.argv.index("--instances") + 1] == "2"
+    assert "2 instances" in triton.label
+    assert plain_legacy.argv[plain_legacy.argv.index("--model-dir") + 1] == str(legacy)
+    assert found["plain"].argv[found["plain"].argv.index("--model-dir") + 1] == str(MODEL_DIR)
+    assert plain_legacy.argv[:3] == found["plain"].argv[:3]  # the same server, another file
+    # unasked: the issue-23 comparison's anchors as they were (one model process or instance)
+    default = by_key(contenders.servers(MODEL_DIR, {}, workers=2))
+    assert "plain-legacy" not in default
+    assert "--infer-workers" not in default["mosec"].argv
+    assert "--instances" not in default["triton"].argv
+    assert "one batched onnxruntime stage" in default["mosec"].label

@@ -9,16 +9,36 @@ import io
 import json
 
 import numpy as np
+import onnx
 import pytest
 from PIL import Image
 
 from bench import real_size
+from bench.baselines.classifier import Classifier
+from bench.baselines.torch_eager_server import checkpoint_of
 from bench.decode import metadata
-from bench.heavy_models import preprocessing_for
+from bench.graphs import legacy_graph
+from bench.heavy_models import config_for, preprocessing_for, write_heavy_model
 from bench.machine import CLOCK_TICKS
-from bench.real_size_report import PHONE, PHOTO, Point, RealSize, summarise, verdicts
+from bench.real_size_report import (
+    LEGACY,
+    PHONE,
+    PHOTO,
+    Point,
+    RealSize,
+    legacy_ratios,
+    summarise,
+    verdicts,
+)
+from bench.server_process import REPO
+from export.checkpoint import load_checkpoint
+from export.model import VisionTransformer
+from export.onnx_graphs import onnxruntime_fusions
+from service.contract.model_config import CANDIDATE_VERSION, read_model_config
 from service.contract.model_repository import ModelMetadata
 from service.contract.preprocessing import Preprocessor
+
+SHIPPED = REPO / "models" / "fashion-mnist-vit" / "1"
 
 
 def test_photo_is_the_centre_four_by_three_at_640_by_480():
@@ -171,6 +191,9 @@ def test_heavy_models_declare_deits_resize_crop_as_pillow_does_it_by_hand():
     [
         (["--sizes", "tiny,huge"], "--sizes huge: expected some of tiny,small"),
         (["--levels", "1,x"], "'1,x': expected concurrency levels"),
+        (["--servers", "vitserve,torchserve"], "--servers 'vitserve,torchserve': expected some of"),
+        (["--servers", ","], "expected some of vitserve,plain,plain-legacy,mosec,triton"),
+        (["--anchor-workers", "0"], "--anchor-workers must be 1 or more"),
     ],
 )
 def test_bad_options_are_refused_before_anything_runs(argv, message, capsys, monkeypatch):
@@ -188,3 +211,87 @@ def test_each_server_gets_the_jpeg_itself_in_its_own_body(tmp_path):
     oip = json.loads(bodies[real_size.OIP_PNG, "grey"].read_bytes())["inputs"][0]
     assert (oip["datatype"], oip["shape"]) == ("BYTES", [1, 1])
     assert base64.b64decode(oip["data"][0]) == jpeg
+
+
+def test_options_plan_the_run_no_phone_photo_with_an_empty_list(tmp_path, monkeypatch, capsys):
+    planned = []
+
+    def run(out, plan, command):
+        planned.append((plan, command))
+        return RealSize(list(plan.sizes), {}, plan.seconds, plan.repeats, [])
+
+    monkeypatch.setattr(real_size, "run", run)
+    argv = ["--sizes", "small", "--levels", "16", "--phone-levels", "", "--seconds", "12"]
+    argv += ["--servers", "vitserve,plain-legacy", "--anchor-workers", "3"]
+    assert real_size.main([*argv, "--results-dir", str(tmp_path)]) == 0
+    ((plan, command),) = planned
+    assert (plan.sizes, plan.levels, plan.phone_levels) == (("small",), (16,), ())
+    assert (plan.servers, plan.anchor_workers) == (("vitserve", "plain-legacy"), 3)
+    assert "--phone-levels '' --seconds 12" in command  # shown as a shell would take it
+    assert (tmp_path / "real_size.json").is_file()
+    defaults = real_size.Plan(("tiny",), (1,), (16,), 1.0, 1)
+    assert defaults.servers == real_size.SERVERS and defaults.anchor_workers >= 1
+
+
+def test_the_legacy_export_carries_the_models_metadata_and_answers_as_its_file(tmp_path):
+    model, _ = load_checkpoint(checkpoint_of(SHIPPED))
+    # the vitserve file's metadata with a count of its fused nodes, which the legacy file must not take
+    shipped = onnx.load(SHIPPED / "model.onnx")
+    ours_dir = real_size.write_variant(
+        shipped, SHIPPED, tmp_path / "ours", onnxruntime_fusions={"X": 1}
+    )
+    written = real_size.write_variant(legacy_graph(model), ours_dir, tmp_path / "legacy")
+    assert written == tmp_path / "legacy" / "fashion-mnist-vit" / "1"
+    ours, theirs = real_size.metadata_document(ours_dir), real_size.metadata_document(written)
+    assert theirs["attention_graph"] is None  # the plain server runs model.onnx alone
+    own = onnxruntime_fusions(onnx.load(written / "model.onnx"))
+    assert theirs["onnxruntime_fusions"] == own  # the legacy graph's own, not vitserve's
+    kept = set(ours) | set(theirs)
+    kept -= {"attention_graph", "onnxruntime_fusions"}
+    assert {key: theirs.get(key) for key in kept} == {key: ours.get(key) for key in kept}
+    assert (written / "labels.txt").read_text() == (SHIPPED / "labels.txt").read_text()
+    vitserve, legacy = Classifier(SHIPPED), Classifier(written)
+    assert legacy.metadata.preprocessing == vitserve.metadata.preprocessing
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(4, 1, 28, 28)).astype(np.float32)
+    assert np.abs(legacy.logits(images) - vitserve.logits(images)).max() < 1e-4
+
+
+def test_a_variant_written_as_the_candidate_starts_its_trial(tmp_path):
+    repo = tmp_path / "models"
+    real_size.write_variant(onnx.load(SHIPPED / "model.onnx"), SHIPPED, repo)
+    graph = onnx.load(SHIPPED / "model.onnx")
+    written = real_size.write_variant(graph, SHIPPED, repo, 2, candidate=True, precision="int8")
+    document = real_size.metadata_document(written)
+    assert (document["version"], document["precision"]) == (2, "int8")
+    config = read_model_config(repo / "fashion-mnist-vit" / "config.pbtxt")
+    assert config.parameters[CANDIDATE_VERSION].string_value == "2"
+
+
+def test_heavy_models_refuse_weights_of_another_size(tmp_path):
+    model = VisionTransformer(config_for("tiny", image=32))
+    with pytest.raises(ValueError, match="not a ViT of size 'tiny'"):
+        write_heavy_model("tiny", tmp_path, model=model)
+    assert not (tmp_path / "vit-tiny").exists()
+
+
+def test_vitserve_must_match_the_plain_server_on_the_legacy_export_with_a_lower_p99():
+    summaries = rows(
+        {"vitserve": (18.0, 900), "plain": (18.5, 950), LEGACY: (18.0, 1000)},
+        {},
+        {},
+    )
+    got = {v.target: v for v in verdicts(summaries, "tiny")}
+    speed, p99 = got[f"c=16 images/s >= 1.0x {LEGACY}"], got[f"c=16 p99 ms lower than {LEGACY}"]
+    assert (speed.ours, speed.theirs, speed.peer, speed.met) == (18.0, 18.0, LEGACY, True)
+    assert (p99.ours, p99.theirs, p99.met) == (900, 1000, True)
+    assert got["c=16 images/s >= 1.1x the best peer"].peer == "plain"  # legacy is no such peer
+    assert legacy_ratios(summaries, "tiny") == [
+        f"vitserve / {LEGACY} at c=16: images/s 1.00x, p99 0.90x"
+    ]
+    slower = rows({"vitserve": (17.9, 1000), LEGACY: (18.0, 1000)}, {}, {})
+    got = {v.target: v for v in verdicts(slower, "tiny")}
+    assert got[f"c=16 images/s >= 1.0x {LEGACY}"].met is False
+    assert got[f"c=16 p99 ms lower than {LEGACY}"].met is False  # equal is not lower
+    unmeasured = {v.target for v in verdicts(rows({"vitserve": (1, 1)}, {}, {}), "tiny")}
+    assert not any(LEGACY in target for target in unmeasured)
