@@ -12,7 +12,9 @@ are not all zero), three graphs of the same model:
   runs it (fused attention), with a dynamic batch axis. Both exporters trace the same blocks
   (``torch.onnx.is_in_onnx_export()`` is true in both: GELU and q, k, v written as onnxruntime
   fuses them, docs/decisions.md#onnx-graph-for-onnxruntime), so the two rows compare exporters,
-  as the issue did on a Hugging Face DeiT (separate q, k, v; a GELU the legacy exporter fuses);
+  as the issue did on a Hugging Face DeiT (separate q, k, v; a GELU the legacy exporter fuses).
+  One difference is the export's own: its explicit attention takes the queries scaled by their
+  weights, where the legacy exporter writes scaled_dot_product_attention's scale as two Mul;
 - ``int8 dynamic``: vitserve's graph through ``export.quantize.quantize_graph(..., "dynamic")``
   (onnxruntime's ``quantize_dynamic``, int8 weights per tensor).
 

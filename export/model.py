@@ -93,39 +93,49 @@ class Attention(nn.Module):
         self, x: torch.Tensor, return_attention: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, tokens, dim = x.shape
-        q, k, v = self.project(x)  # each (B, heads, tokens, head_dim)
         probabilities = None
         if self.fused and not return_attention:
+            q, k, v = self.project(x)  # each (B, heads, tokens, head_dim)
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=self.attention_dropout.p if self.training else 0.0
             )
         else:
             # Scale before the softmax (seed 004 scaled after it, which is a different model).
-            probabilities = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+            q, k, v = self.project(x, query_scale=self.scale)
+            probabilities = (q @ k.transpose(-2, -1)).softmax(dim=-1)
             out = self.attention_dropout(probabilities) @ v
         out = out.transpose(1, 2).reshape(batch, tokens, dim)
         return self.projection_dropout(self.projection(out)), probabilities
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values, each (B, heads, tokens, head_dim), from the packed ``qkv``.
+    def project(
+        self, x: torch.Tensor, query_scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries times ``query_scale``, keys and values, each (B, heads, tokens, head_dim), from
+        the packed ``qkv``.
 
         In PyTorch, one matrix product cut into three views. Exported to ONNX, three products by
         thirds of the packed weight (onnxruntime folds the slices of the initializer when it loads
         the graph): cutting the product's output would be a Split and three Squeeze nodes copying
-        every token's q, k and v (docs/decisions.md#onnx-graph-for-onnxruntime).
+        every token's q, k and v. The queries' scale goes into their third of the weight and bias,
+        folded the same way, so that the attention scores are a plain MatMul: onnxruntime fuses a
+        scaled product into a FusedMatMul that ran slower than MatMul on this CPU. Scaling a weight
+        by 1/8 (head_dim 64) is exact (docs/decisions.md#onnx-graph-for-onnxruntime).
         """
         batch, tokens, dim = x.shape
         if not torch.onnx.is_in_onnx_export():
             qkv = self.qkv(x).reshape(batch, tokens, 3, self.heads, self.head_dim)
-            return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            return (q if query_scale == 1.0 else q * query_scale), k, v
         weight, bias = self.qkv.weight, self.qkv.bias
-        thirds = [slice(i * dim, (i + 1) * dim) for i in range(3)]  # Slice nodes; chunk is a Split
-        q, k, v = (
-            F.linear(x, weight[rows], None if bias is None else bias[rows])
-            .reshape(batch, tokens, self.heads, self.head_dim)
-            .transpose(1, 2)
-            for rows in thirds
-        )
+        projections = []
+        for i, scale in enumerate((query_scale, 1.0, 1.0)):
+            rows = slice(i * dim, (i + 1) * dim)  # a Slice node; chunk would be a Split
+            w, b = weight[rows], None if bias is None else bias[rows]
+            if scale != 1.0:
+                w, b = w * scale, None if b is None else b * scale
+            y = F.linear(x, w, b).reshape(batch, tokens, self.heads, self.head_dim)
+            projections.append(y.transpose(1, 2))
+        q, k, v = projections
         return q, k, v
 
 

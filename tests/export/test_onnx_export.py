@@ -224,8 +224,9 @@ def test_model_card_reports_the_onnx_accuracy(exported, tiny_run):
 
 
 def test_onnxruntime_fuses_every_blocks_gelu_and_the_card_says_so(exported, tiny_run):
-    """The exported GELU is the pattern onnxruntime fuses (with fc1's bias, BiasGelu), and q, k,
-    v are three products rather than one cut by Split and Squeeze; the count recorded at export
+    """The exported GELU is the pattern onnxruntime fuses (with fc1's bias, BiasGelu), q, k, v
+    are three products rather than one cut by Split and Squeeze, and the queries come scaled by
+    their weights (the scores a MatMul, not a scaled FusedMatMul); the count recorded at export
     is what the model card shows."""
     from export.model_card import write_model_card
 
@@ -233,6 +234,7 @@ def test_onnxruntime_fuses_every_blocks_gelu_and_the_card_says_so(exported, tiny
     depth = load_checkpoint(tiny_run)[0].config.depth
     fusions = metadata_of(repo / "tiny/3/model.onnx")["onnxruntime_fusions"]
     assert fusions["BiasGelu"] == depth
+    assert "FusedMatMul" not in fusions
     assert "onnxruntime_fusions" not in metadata_of(repo / "tiny/3/attention.onnx")
     raw = Counter(node.op_type for node in onnx.load(str(repo / "tiny/3/model.onnx")).graph.node)
     assert raw["Squeeze"] == raw["Split"] == 0

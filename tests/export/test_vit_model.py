@@ -213,6 +213,24 @@ def test_fused_and_explicit_attention_agree(pooling, training, monkeypatch):
     torch.testing.assert_close(fused, with_maps, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("qkv_bias", [True, False])
+def test_the_exported_projection_is_pytorchs(qkv_bias, monkeypatch):
+    """Exported, q, k and v are three products by thirds of the packed weight, the queries'
+    scale folded into theirs: the same q (already scaled), k and v as PyTorch's one product."""
+    torch.manual_seed(0)
+    attention = VisionTransformer(small(qkv_bias=qkv_bias)).blocks[0].attention
+    if qkv_bias:
+        nn.init.normal_(attention.qkv.bias)
+    x = torch.randn(3, 17, 32)
+    expected = attention.project(x, query_scale=attention.scale)
+    monkeypatch.setattr(torch.onnx, "is_in_onnx_export", lambda: True)
+    exported = attention.project(x, query_scale=attention.scale)
+    for got, want in zip(exported, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    unscaled_q = attention.project(x)[0]
+    torch.testing.assert_close(unscaled_q * attention.scale, exported[0], atol=1e-6, rtol=1e-6)
+
+
 def test_attention_rows_are_probabilities():
     config = small(pooling="token")
     model = VisionTransformer(config).eval()
