@@ -103,7 +103,7 @@ def test_servers_in_turn_each_get_their_slices_and_their_own_times(server, slow_
     assert turns == [(i % 4 // 2, i % 2 == 0) for i in range(len(turns))]
     # each server's requests timed apart (not bounded above: a loaded machine adds its own time)
     assert DELAY_S <= fast.percentiles_s[50] < slow.percentiles_s[50]
-    assert 3 * DELAY_S <= slow.percentiles_s[50]
+    assert slow.percentiles_s[50] >= 3 * DELAY_S
     # turns of equal time: each server's requests took about half of it, the fast one's more of them
     assert fast.total_s == pytest.approx(slow.total_s, abs=0.1) and 0.25 < slow.total_s < 0.6
     assert sum(fast.status_codes.values()) > sum(slow.status_codes.values()) >= 3
