@@ -34,7 +34,8 @@ from bench.server_process import REPO
 from export.checkpoint import load_checkpoint
 from export.model import VisionTransformer
 from export.onnx_graphs import onnxruntime_fusions
-from service.contract.model_config import CANDIDATE_VERSION, read_model_config
+from service.contract.candidate_plan import CANDIDATE_VERSION
+from service.contract.model_config import read_model_config
 from service.contract.model_repository import ModelMetadata
 from service.contract.preprocessing import Preprocessor
 
