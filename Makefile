@@ -51,7 +51,7 @@ apt_install = export DEBIAN_FRONTEND=noninteractive; \
 	$(SUDO) apt-get install -y --no-install-recommends $(1) \
 	|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends $(1); }
 
-.PHONY: help serve export-env test lint format hadolint compose-check k8s-check pytest dataset chromium hey train \
+.PHONY: help serve export-env test lint format hadolint compose-check k8s-check pytest dataset chromium hey wrk train \
 	export bench mutation docker-build image-test clean
 
 help: ## List the targets.
@@ -134,9 +134,11 @@ chromium: ## Install Debian's chromium (for the demo page's browser test) when i
 	@if [ -x /usr/bin/chromium ]; then echo "Chromium: /usr/bin/chromium"; \
 	else $(call apt_install,chromium); fi
 
-hey: ## Install Debian's hey and wrk (the benchmarks' load generators; tests/bench/ runs hey) when missing.
+hey: ## Install Debian's hey (the benchmarks' load generator, run by tests/bench/) when it is missing.
 	@if command -v hey >/dev/null; then echo "hey: $$(command -v hey)"; \
 	else $(call apt_install,hey); fi
+
+wrk: ## Install Debian's wrk (python -m bench.cost's load generator) when it is missing.
 	@if command -v wrk >/dev/null; then echo "wrk: $$(command -v wrk)"; \
 	else $(call apt_install,wrk); fi
 

@@ -79,7 +79,7 @@ def run(
 ) -> WrkResult:
     """``concurrency`` connections POSTing ``body`` to ``url`` for ``seconds``."""
     if not available():
-        raise WrkError("wrk is not installed (Debian: apt-get install wrk; `make hey` installs it)")
+        raise WrkError("wrk is not installed (Debian: apt-get install wrk; `make wrk` installs it)")
     with tempfile.TemporaryDirectory(prefix="vitserve-wrk-") as folder:
         body_file, script = Path(folder, "body"), Path(folder, "post.lua")
         body_file.write_bytes(body)
