@@ -10,7 +10,7 @@ which version answers while a candidate is tried is ``service/contract/candidate
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from service.contract.model_config import (
     ModelConfig,
@@ -203,17 +203,12 @@ def with_trial(config: ModelConfig, available: Sequence[int], candidate: int) ->
             f"model {config.name!r} serves no version to try version {candidate} against; export "
             "it without --candidate"
         )
-    trial = CandidatePlan(
+    # every other field of the plan (the shadow's queue, the promotion thresholds) as it was
+    trial = replace(
+        plan,
         live_version=live,
         candidate_version=candidate,
         shadow_percent=plan.shadow_percent or 100.0,
-        canary_percent=plan.canary_percent,
-        shadow_queue_size=plan.shadow_queue_size,
-        shadow_timeout_s=plan.shadow_timeout_s,
-        promote_min_requests=plan.promote_min_requests,
-        promote_min_agreement=plan.promote_min_agreement,
-        promote_max_latency_ratio=plan.promote_max_latency_ratio,
-        promote_max_p99_difference=plan.promote_max_p99_difference,
     )
     copy = with_candidate_plan(config, trial)
     if policy[0] != "all":
