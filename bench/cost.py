@@ -143,8 +143,9 @@ def main() -> int:
     args = parser.parse_args()
     levels = tuple(int(c) for c in args.levels.split(","))
     wanted = args.servers.split(",")
-    plan = [s for s in servers(args.model_dir.resolve(), {}) if s.key in wanted]
-    ours = next(s for s in servers(args.model_dir.resolve(), {}) if s.key == "vitserve")
+    every = servers(args.model_dir.resolve(), {})
+    plan = [s for s in every if s.key in wanted]
+    ours = next(s for s in every if s.key == "vitserve")
     checkouts = {ours.key: REPO}
     for checkout in args.also:
         key = checkout.resolve().name
