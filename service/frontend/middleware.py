@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
-from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import PayloadTooLarge
@@ -29,6 +29,22 @@ def _route_template(scope: Scope, static_paths: frozenset[str]) -> str:
         return route.path
     path = scope.get("path", "")
     return path if path in static_paths else "unmatched"
+
+
+MAX_SERIES = 1024
+
+
+def _context_headers(scope: Scope) -> tuple[str | None, str | None]:
+    """The request's X-Request-ID and Content-Length (the first of each), in one pass over its
+    headers (ASGI names them in lower case)."""
+    request_id = length = None
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            if request_id is None:
+                request_id = value.decode("latin-1")
+        elif name == b"content-length" and length is None:
+            length = value.decode("latin-1")
+    return request_id, length
 
 
 def _too_large(limit: int) -> str:
@@ -60,13 +76,17 @@ class RequestContextMiddleware:
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
         self.json_limits = json_limits
+        # each (route template, method, status)'s two series, looked up once: prometheus-client's
+        # labels() takes a lock and checks every label on each call
+        self._series: dict[tuple[str, str, int], tuple[Any, Any]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = Headers(scope=scope)
-        request_id = logs.request_id(headers.get("x-request-id"))
+        incoming_id, length = _context_headers(scope)
+        request_id = logs.request_id(incoming_id)
+        id_header = (b"x-request-id", request_id.encode("latin-1"))
         scope.setdefault("state", {})["request_id"] = request_id
         # for every log line of this request; not reset: each request runs in a task of its own,
         # and the error handlers outside this middleware still log for it
@@ -78,7 +98,10 @@ class RequestContextMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                MutableHeaders(scope=message).setdefault("X-Request-ID", request_id)
+                headers = list(message.get("headers") or ())
+                if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                    headers.append(id_header)
+                message["headers"] = headers
             await send(message)
 
         limit = self.max_body_bytes
@@ -96,7 +119,6 @@ class RequestContextMiddleware:
         token = current_json_limits.set(self.json_limits)
         try:
             path = scope.get("path", "")
-            length = headers.get("content-length")
             declared = None if length is None else declared_length(length)
             if length is not None and declared is None:
                 shown = length if len(length) <= 40 else f"{length[:40]}..."
@@ -113,10 +135,23 @@ class RequestContextMiddleware:
             await self.app(scope, receive_limited, send_with_id)
         finally:
             current_json_limits.reset(token)
-            template = _route_template(scope, self.static_paths)
-            method = scope.get("method", "")
-            self.metrics.requests.labels(template, method, str(status)).inc()
-            self.metrics.latency.labels(template, method).observe(time.perf_counter() - started)
+            counted, timed = self._series_of(scope, status)
+            counted.inc()
+            timed.observe(time.perf_counter() - started)
+
+    def _series_of(self, scope: Scope, status: int) -> tuple[Any, Any]:
+        """The request counter's and the latency histogram's series for this request."""
+        key = (_route_template(scope, self.static_paths), scope.get("method", ""), status)
+        series = self._series.get(key)
+        if series is None:
+            template, method, _ = key
+            series = (
+                self.metrics.requests.labels(template, method, str(status)),
+                self.metrics.latency.labels(template, method),
+            )
+            if len(self._series) < MAX_SERIES:  # templates, methods and statuses are few
+                self._series[key] = series
+        return series
 
     @staticmethod
     async def _reject(

@@ -71,6 +71,7 @@ def serve_http(
         timeout_graceful_shutdown=settings.server.graceful_shutdown_s + ANSWER_MARGIN_S,
         access_log=settings.server.access_log,
         proxy_headers=False,
+        server_header=False,  # no "server: uvicorn" on every answer: nothing to advertise
         http=guarded_protocol(settings, app.state.frontend),
         callback_notify=beat if beat is not None else health.heartbeat if probes else None,
         timeout_notify=1,

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import re
 import sys
 import time
-import uuid
 from contextvars import ContextVar
 from typing import Any
 
@@ -30,7 +30,7 @@ _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 def request_id(incoming: str | None) -> str:
     """The client's request id when it is a plausible one (1-128 of ``A-Za-z0-9._:-``), else a new one."""
-    return incoming if incoming and _VALID_REQUEST_ID.match(incoming) else uuid.uuid4().hex
+    return incoming if incoming and _VALID_REQUEST_ID.match(incoming) else os.urandom(16).hex()
 
 
 class Throttle:

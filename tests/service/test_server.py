@@ -39,6 +39,8 @@ def test_predictions_over_http_match_onnxruntime(http, fashion_images, reference
         "/predict", json={"images": [{"b64": b64(encode(i))} for i in images], "top_k": 10}
     )
     assert response.status_code == 200, response.text
+    assert "server" not in response.headers  # nothing advertised about what serves it
+    assert "date" in response.headers
     expected = reference.probabilities(images)
     for prediction, probabilities in zip(response.json()["predictions"], expected, strict=True):
         assert prediction["index"] == int(np.argmax(probabilities))
