@@ -97,6 +97,9 @@ class _Job:
     started: float  # event-loop time
     span: Span | None
     waits: list[tuple[float, int]]  # (seconds waited in the queue, images that waited as long)
+    # the segments' rows, taken on the loop as the batch starts: a request cancelled before the
+    # instance's thread gets to the batch lets its own rows go, and the batch runs on
+    parts: list[np.ndarray]
     rows: list[list[np.ndarray]] = field(default_factory=list)
     non_finite: list[int] = field(default_factory=list)
     times: BatchTimes | None = None
@@ -106,7 +109,8 @@ class _Job:
 
 def batch_parts(batch: list[Segment]) -> list[np.ndarray]:
     """The rows of ``batch``'s segments, in order (views: one request's rows as they are when it is
-    the whole batch). Taken as the batch starts: a request that ends meanwhile lets its rows go."""
+    the whole batch). Taken on the loop as the batch starts: a request that ends after that lets its
+    own reference go, and the batch still holds the rows it runs."""
     return [
         request.rows if count == request.count else request.rows[first : first + count]
         for request, first, count in batch
@@ -203,7 +207,7 @@ class Instances:
         span = tracing.start_batch(
             self.model, self.graph, instance.index, (segment[0].queue_trace for segment in batch)
         )
-        job = _Job(batch, images, instance, started, span, waits)
+        job = _Job(batch, images, instance, started, span, waits, batch_parts(batch))
         if inline and images == 1 and self._lone_run_s <= INLINE_RUN_MAX_S and not self.running:
             self._run(job)
             self.idle.append(instance)
@@ -220,7 +224,8 @@ class Instances:
         try:
             for seconds, images in job.waits:
                 observe_times(self._queue_wait, seconds, images)
-            outputs, times = timed_run(job.instance.run, batch_parts(job.batch))
+            outputs, times = timed_run(job.instance.run, job.parts)
+            job.parts = []  # the rows (a front end's shared memory) are let go as soon as they ran
             for output in outputs:
                 if len(output) != job.images:
                     raise RuntimeError(

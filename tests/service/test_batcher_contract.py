@@ -789,6 +789,36 @@ def test_a_client_that_goes_away_gets_client_disconnected_and_its_images_never_r
     assert model.batches == [1]  # only the first request's image ever ran
 
 
+def test_a_client_gone_after_its_batch_started_fails_nobody_else_in_the_batch():
+    """A request cancelled between its batch's start (on the loop) and the instance's thread taking
+    the batch up lets its rows go; the batch keeps the rows it took and runs, and its other
+    requests are answered (the rows were once read in the thread, found gone, and the whole batch
+    failed with a 500 for every request in it)."""
+
+    async def scenario():
+        model = Model()
+        b = make(model, max_batch_size=4, max_queue_delay_s=0.0)
+        instance = next(iter(b._instances))
+        thread_busy = threading.Event()
+        instance.submit(lambda: thread_busy.wait(10))  # the thread takes the batch up only later
+        b.start()
+        gone = asyncio.get_running_loop().create_future()
+        leaving = asyncio.create_task(submit(b, rows(2, 3), disconnected=gone))
+        staying = asyncio.create_task(submit(b, rows(5)))
+        await asyncio.sleep(0.1)  # the batch of both has started: handed to the busy thread
+        gone.set_result(None)
+        with pytest.raises(ClientDisconnected):
+            await asyncio.wait_for(leaving, 5)
+        thread_busy.set()
+        answer = await asyncio.wait_for(staying, 5)
+        await b.stop(5)
+        return model, answer
+
+    model, answer = asyncio.run(scenario())
+    assert answer[0].tolist() == [5.0]
+    assert model.batches == [3]  # one batch of the three images, the gone request's rows in it
+
+
 def test_a_non_finite_output_fails_its_request_naming_model_and_graph():
     def infinite_for_nine(images: np.ndarray) -> tuple[np.ndarray]:
         sums = images.reshape(len(images), -1).sum(axis=1)
