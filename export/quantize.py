@@ -19,7 +19,8 @@ onnxruntime's ``quant_pre_process``, then quantized one of two ways:
 
 Both are measured on the whole test split next to the float graph; the int8 graph is written only
 when it is within ``MAX_ACCURACY_DROP`` of it. It ships as its own model (``<NAME>/<version>/
-model.onnx``, no attention graph) with ``"precision": "int8"`` and ``"quantization"`` in its metadata.
+model.onnx``, no attention graph) with ``"precision": "int8"``, ``"quantization"`` and (static-qdq)
+``"weight_range"`` in its metadata.
 """
 
 from __future__ import annotations
@@ -239,6 +240,7 @@ def int8_classifier(
         precision="int8",
         quantization=method,
         calibration_images=result["calibration_images"],
+        weight_range=list(WEIGHT_RANGE) if method == "static-qdq" else None,
         float_test_accuracy=float_accuracy,
         float_agreement=result["float_agreement"],
         attention_graph=None,
