@@ -308,6 +308,8 @@ def evaluate_onnx(
         "quantization": provenance.get("quantization"),
         "calibration_images": provenance.get("calibration_images"),
         "float_test_accuracy": provenance.get("float_test_accuracy"),
+        "float_agreement": provenance.get("float_agreement"),
+        "weight_range": provenance.get("weight_range"),
         "onnxruntime_fusions": provenance.get("onnxruntime_fusions"),
         "exported_with_onnxruntime": provenance.get("tools", {}).get("onnxruntime"),
         **results,

@@ -149,6 +149,12 @@ def quantization_lines(
     how = f"`{method}` quantization by onnxruntime"
     if onnx_results.get("calibration_images"):
         how += f", calibrated on {onnx_results['calibration_images']} training images"
+    if onnx_results.get("weight_range"):
+        low, high = onnx_results["weight_range"]
+        how += (
+            f", weights in 7 bits ({low} to {high}) so that int8 kernels without VNNI do not "
+            "saturate"
+        )
     lines = [
         f"- Precision: {onnx_results['precision']} ({how}), made from the float32 graph of the same "
         f"checkpoint, which measured {percent(onnx_results['float_test_accuracy'])} on the same "

@@ -483,6 +483,7 @@ def test_static_qdq_is_calibrated_on_training_images(tiny_run, tmp_path, monkeyp
     graph = tmp_path / "q" / "1" / "model.onnx"
     document = metadata_of(graph)
     assert document["quantization"] == "static-qdq" and document["calibration_images"] == 64
+    assert document["weight_range"] == list(quantize.WEIGHT_RANGE)
     ops = Counter(n.op_type for n in onnx.load(str(graph)).graph.node)
     assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > 0 and not ops["MatMulInteger"]
     model, _ = load_checkpoint(tiny_run / "model.safetensors")
