@@ -36,7 +36,7 @@ ACCEPT_PAUSE_S = (
 class BatchAccept:
     """Accepts a listening socket's waiting connections in batches, for uvicorn's protocol.
 
-    uvloop (libuv since 1.45: libuv/libuv#3696) accepts one connection each time the event loop
+    uvloop (libuv, since libuv/libuv#3696 of 2022) accepts one connection each time the event loop
     turns. A front end's turn lasts as long as the requests it decodes in it (tens of milliseconds
     under load), so a burst of new connections (a client opening its pool) was let in one a turn:
     at c=256 the last of them waited 2-5 s in the kernel's queue before their first request was
