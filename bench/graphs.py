@@ -16,7 +16,7 @@ are not all zero), three graphs of the same model:
   One difference is the export's own: its explicit attention takes the queries scaled by their
   weights, where the legacy exporter writes scaled_dot_product_attention's scale as two Mul;
 - ``int8 dynamic``: vitserve's graph through ``export.quantize.quantize_graph(..., "dynamic")``
-  (onnxruntime's ``quantize_dynamic``, int8 weights per tensor).
+  (onnxruntime's ``quantize_dynamic``, int8 weights per tensor in 7 bits: ``WEIGHT_RANGE``).
 
 Each runs in its own onnxruntime session, ``ORT_ENABLE_ALL``, one thread (intra_op and inter_op 1),
 on seeded images, no server and no preprocessing. Per batch size, ``--rounds`` rounds of ``--calls``

@@ -430,6 +430,7 @@ def test_int8_ships_as_its_own_model_and_says_so(quantized, exported):
     assert sorted(p.name for p in (entry / "1").iterdir()) == ["labels.txt", "model.onnx"]
     document = metadata_of(entry / "1" / "model.onnx")
     assert document["precision"] == "int8" and document["quantization"] == "dynamic"
+    assert document["weight_range"] == list(quantize.WEIGHT_RANGE)
     assert document["attention_graph"] is None and document["graph"] == "classifier"
     assert document["name"] == "tiny-int8" and document["labels"][1] == "Trouser"
     _, float_result = exported
