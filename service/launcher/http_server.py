@@ -18,6 +18,7 @@ from service.frontend.probes import EventLoopHealth, ProbeListener
 from service.frontend.server import guarded_protocol
 from service.launcher.cli import EXIT_START_FAILED
 from service.launcher.health import FrontEndBeat
+from service.launcher.ports import listen
 from service.launcher.process_setup import ANSWER_MARGIN_S, freeze_heap
 from service.observability.logs import uvicorn_log_config
 from service.settings import Settings
@@ -113,7 +114,7 @@ class _Server(uvicorn.Server):
         self._beat = beat
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        if sockets is None:  # one process: uvicorn makes its socket from the host and port
+        if sockets is None:  # a socket of uvicorn's own (serve_http always gives its sockets)
             await super().startup(sockets)
             return
         await super().startup([])  # the app's lifespan, with no server of uvicorn's own
@@ -160,6 +161,22 @@ def serve_http(
             error.strerror or error,
         )
         return EXIT_START_FAILED
+    if sockets is None:  # one process: its own socket, so that it too accepts in batches
+        try:
+            sockets = listen(settings.server.host, settings.server.port, 1)
+        except OSError as error:
+            logger.error(
+                "cannot start: cannot listen on %s, HTTP port %d: %s",
+                settings.server.host,
+                settings.server.port,
+                error.strerror or error,
+            )
+            if probes is not None:
+                probes.close()
+            return EXIT_START_FAILED
+        logger.info(
+            "vitserve: one process on http://%s:%d", settings.server.host, settings.server.port
+        )
     config = uvicorn.Config(
         app,
         host=settings.server.host,
