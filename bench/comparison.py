@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from bench.stats import Spread, fmt, median, ratio, spread_text, table
@@ -17,7 +18,7 @@ from bench.targets import (
 )
 
 ANCHOR_POINTS = [(PNG, c) for c in ANCHOR_LEVELS] + [(TENSOR, c) for c in TENSOR_LEVELS]
-ANCHOR_SERVERS = ("vitserve", "w1", "plain", "mosec", "triton")
+ANCHOR_SERVERS = ("vitserve", "plain", "mosec", "triton")  # and the other vitserve row, w<count>
 
 
 @dataclass(frozen=True)
@@ -260,7 +261,9 @@ class Comparison:
         """The anchors' points, each server's row beside the others'."""
         rows = []
         for kind, c in ANCHOR_POINTS:
-            for key in (k for k in ANCHOR_SERVERS if self.mine(k, 1, c, kind)):
+            counts = [k for k in self.labels if re.fullmatch(r"w\d+", k)]
+            shown = [ANCHOR_SERVERS[0], *counts, *ANCHOR_SERVERS[1:]]
+            for key in (k for k in shown if self.mine(k, 1, c, kind)):
                 rps, cores = (self.spread(key, 1, c, a, kind=kind) for a in ("ok_rps", "cores"))
                 per_core = ratio(median(rps), median(cores))
                 rows.append(

@@ -1,6 +1,7 @@
 """Who bench/compare.py measures, with which request, at which concurrency levels.
 
-- vitserve: ``python -m service`` with ``VITSERVE_WORKERS`` = the cores (``vitserve``) and 1 (``w1``),
+- vitserve: ``python -m service`` with its default ``VITSERVE_WORKERS`` (``vitserve``: one per core but
+  the engine's) and another count beside it (``w1``, or ``wN``: one per core, where the default is 1),
   and each ``--variant`` (one setting changed);
 - plain: bench/baselines/plain_onnx_server.py, FastAPI + onnxruntime, batch 1, one intra-op thread;
   ``plain-legacy``, where a legacy model directory is given: the same server on
@@ -77,6 +78,12 @@ def cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def default_workers() -> int:
+    """The front ends ``python -m service`` runs here when VITSERVE_WORKERS is unset: one per core
+    but the engine's (service/settings/link.py)."""
+    return max(1, cores() - 1)
+
+
 def _shown(model_dir: Path) -> Path:
     return model_dir.relative_to(REPO) if model_dir.is_relative_to(REPO) else model_dir
 
@@ -88,11 +95,13 @@ def servers(
     model_workers: int = 1,
     legacy_dir: Path | None = None,
 ) -> list[Server]:
-    """Every server of the module's docstring; ``workers`` (the cores when not given) is vitserve's
-    ``VITSERVE_WORKERS``, and ``w1`` runs one worker beside it (left out on a 1-core machine);
+    """Every server of the module's docstring; ``workers`` (the service's default when not given)
+    is vitserve's ``VITSERVE_WORKERS``, and a second vitserve row runs another count beside it:
+    ``w1`` (one front end) when ``workers`` is more, else ``wN``, one per core (none on one core);
     ``model_workers`` the anchors' model processes or instances; ``legacy_dir`` the model directory
     of the legacy export that ``plain-legacy`` serves (no ``plain-legacy`` without it)."""
-    workers = workers or cores()
+    workers = workers or default_workers()
+    other = 1 if workers > 1 else cores() if cores() > 1 else None
     baseline = ("--port", "{port}", "--model-dir", str(_shown(model_dir)))
     name = model_dir.parent.name
     infer = Route(f"/v2/models/{name}/infer", OIP_TENSOR)
@@ -126,7 +135,7 @@ def servers(
 
     return [
         vitserve("vitserve", {"workers": str(workers)}, ours),
-        *([vitserve("w1", {"workers": "1"}, ours)] if workers > 1 else []),
+        *([vitserve(f"w{other}", {"workers": str(other)}, ours)] if other else []),
         *(vitserve(k, v) for k, v in variants.items()),
         plain("plain", "plain FastAPI + onnxruntime, batch 1, 1 thread", "plain_onnx_server"),
         *legacy,

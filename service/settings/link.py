@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 from pydantic import Field
 
+from service.machine import usable_cores
 from service.settings.group import SettingsGroup
 
 
@@ -18,8 +17,8 @@ class LinkSettings(SettingsGroup):
         le=256,
         description=(
             "`python -m service`: front-end processes (HTTP and gRPC, decoding), all feeding one "
-            "engine process that batches and runs the models; unset: one per usable core; 0: a "
-            "single process that runs the engine itself."
+            "engine process that batches and runs the models; unset: one per usable core but one "
+            "(the engine's), at least one; 0: a single process that runs the engine itself."
         ),
     )
     arena_mib: int = Field(
@@ -34,11 +33,9 @@ class LinkSettings(SettingsGroup):
 
     @property
     def front_end_count(self) -> int:
-        """Front-end processes: ``workers``, or one per usable core."""
+        """Front-end processes: ``workers``, or one per usable core but the engine's. On two cores,
+        one front end beside the engine spent 2.48 ms of CPU a request at c=64 where two spent
+        2.71, for as many answers (BENCHMARKS.md, "What a request costs")."""
         if self.workers is not None:
             return self.workers
-        return (
-            len(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity")
-            else os.cpu_count() or 1
-        )
+        return max(1, usable_cores() - 1)

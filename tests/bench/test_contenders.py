@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench import compare, contenders
 from bench.baselines.venvs import MOSEC, TRITON
 
@@ -29,6 +31,23 @@ def test_every_server_once_vitserve_with_one_worker_per_core_and_with_one():
     assert "--model-dir" in found["plain"].argv and "{port}" in found["plain"].argv
     # one core: no second vitserve row the same as the first
     assert "w1" not in by_key(contenders.servers(MODEL_DIR, {}, workers=1))
+
+
+@pytest.mark.parametrize(
+    ("cores", "rows"), [(2, {"vitserve": "1", "w2": "2"}), (4, {"vitserve": "3", "w1": "1"})]
+)
+def test_vitserve_runs_as_the_service_defaults_and_beside_it_another_count(
+    monkeypatch, cores, rows
+):
+    """The ``vitserve`` row is what ``python -m service`` runs unset (one front end per core but the
+    engine's); the other count is one front end, or one per core where the default is one."""
+    monkeypatch.setattr(contenders, "cores", lambda: cores)
+    found = {
+        s.key: s.env(18110, MODEL_DIR)["VITSERVE_WORKERS"]
+        for s in contenders.servers(MODEL_DIR, {})
+        if s.key == "vitserve" or s.key.startswith("w")
+    }
+    assert found == rows
 
 
 def test_the_anchors_run_in_their_venvs_on_their_routes():

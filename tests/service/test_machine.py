@@ -1,11 +1,13 @@
 """The cores the service counts on: a container's CPU quota caps its CPU affinity (a pod limited to 2
-CPUs on a 64-core node starts 2 front ends and 1 onnxruntime thread, not 64 and 63)."""
+CPUs on a 64-core node starts 1 front end beside the engine and 1 onnxruntime thread, not 63 and
+63)."""
 
 from __future__ import annotations
 
 import pytest
 
 from service import machine
+from service.settings.link import LinkSettings
 
 
 def test_cgroup_v2_quota_is_its_quota_over_its_period(tmp_path):
@@ -36,3 +38,12 @@ def test_usable_cores_is_the_affinity_capped_by_the_quota_rounded_up(monkeypatch
     monkeypatch.setattr(machine.os, "sched_getaffinity", lambda _: set(range(64)))
     monkeypatch.setattr(machine, "cgroup_cpu_quota", lambda: quota)
     assert machine.usable_cores() == expected
+
+
+@pytest.mark.parametrize(("quota", "expected"), [(None, 63), (2.0, 1), (0.5, 1), (4.0, 3)])
+def test_front_ends_are_one_per_usable_core_but_the_engines(monkeypatch, quota, expected):
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda _: set(range(64)))
+    monkeypatch.setattr(machine, "cgroup_cpu_quota", lambda: quota)
+    assert LinkSettings().front_end_count == expected
+    assert LinkSettings(workers=2).front_end_count == 2
+    assert LinkSettings(workers=0).front_end_count == 0
