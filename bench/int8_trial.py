@@ -21,7 +21,8 @@ The steps, as a user takes them with a model of their own:
 3. ``python -m service.promote`` with ``--min-agreement`` (0.97, README's), ``--min-requests``
    ``--compare`` and ``--max-latency-ratio`` (1.0: an int8 variant is tried for speed), first with
    ``--dry-run``. Random weights give near-uniform probabilities, so the int8 graph's top-1 can
-   differ on a few percent of photos (97% offline agreement measured), near the threshold: where that alone refuses it, the step says so and promotes with ``--min-agreement
+   differ on a few percent of photos (97% offline agreement measured), near the threshold: where
+   that alone refuses it, the step says so and promotes with ``--min-agreement
    --accept-agreement`` (0.5), the flag a user passes to accept it.
 4. Served images/s and latency at ``--concurrency`` (16) with one 640 x 480 JPEG per request:
    ``/models/NAME/versions/2/predict`` (int8, live) against ``.../versions/1/predict`` (float, still
