@@ -543,7 +543,10 @@ def test_the_int8_model_card_says_how_it_was_made_and_what_batching_does_to_it(q
 
     entry, result = quantized
     text = write_model_card(tiny_run, entry).read_text()
-    assert "- Precision: int8 (`dynamic` quantization by onnxruntime)" in text
+    assert (
+        "- Precision: int8 (`dynamic` quantization by onnxruntime, weights in 7 bits (-64 to 64) "
+        "so that int8 kernels without VNNI do not saturate)" in text
+    )
     assert f"which measured {100 * result['float_test_accuracy']:.2f}% on the same split" in text
     assert (
         f"`python -m export.onnx {tiny_run} --name tiny-int8 --version 1 --quantize int8 "
