@@ -23,7 +23,7 @@ import msgspec
 import numpy as np
 
 from service.contract.candidates import RowsPlan, in_canary
-from service.contract.model_repository import ModelMetadata, rows_key
+from service.contract.model_repository import ModelMetadata, rows_id
 from service.errors import NotFound, ServiceUnavailable
 
 if TYPE_CHECKING:  # the supervisor imports the link's addresses, and never grpc (tritonclient's)
@@ -97,10 +97,11 @@ class VersionView(msgspec.Struct, frozen=True, dict=True):
     attention: bool  # has an attention graph
 
     @cached_property
-    def preprocessing_key(self) -> str:
-        """What decides the rows a request becomes: a version with the same key takes the same rows
-        (``rows_key``: equal in effect, whatever the metadata's text)."""
-        return rows_key(self.metadata)
+    def preprocessing_key(self) -> int:
+        """What decides the rows a request becomes, as a 63-bit number each call carries and the
+        engine compares: versions with the same key take the same rows (``rows_id`` of ``rows_key``:
+        equal in effect, whatever the metadata's text)."""
+        return rows_id(self.metadata)
 
     @cached_property
     def row_shape(self) -> tuple[int, int, int]:

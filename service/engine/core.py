@@ -141,7 +141,7 @@ class Engine:
         name: str,
         version: int,
         requested: int | None,
-        key: str,
+        key: int,
         graph: Graph,
         count: int,
     ) -> None:

@@ -60,7 +60,7 @@ class Route(NamedTuple):
     name: str
     version: int
     requested: int | None
-    key: str
+    key: int
     graph: Graph
 
 

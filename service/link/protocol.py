@@ -33,7 +33,6 @@ from service.errors import ServiceError
 
 # bounds of what a message may hold: far above anything a front end sends, far below what would hurt
 MAX_TEXT = 1024  # a model name, a request id, a trace header
-MAX_KEY = 1 << 20  # a version's preprocessing key (its rows' shape and preprocessing as JSON)
 MAX_DIMS = 8
 MAX_DIM = 1 << 31
 
@@ -42,7 +41,7 @@ Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 Shape = Annotated[
     tuple[Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)], ...], msgspec.Meta(max_length=MAX_DIMS)
 ]
-Key = Annotated[str, msgspec.Meta(max_length=MAX_KEY)]
+Key = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # a version's rows, as table.py names them
 
 
 class LinkViolation(ValueError):

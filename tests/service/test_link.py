@@ -29,7 +29,7 @@ def raw_bytes(raw: list) -> list[bytes]:
 
 def infer(call_id: int, rows: np.ndarray, offset: int | None = None) -> Infer:
     """A call for model "m" version 1, its rows inline (``offset`` None) or in the arena."""
-    return Infer(call_id, "m", 1, None, "k", "classifier", rows.shape, rows.dtype.str, offset)
+    return Infer(call_id, "m", 1, None, 7, "classifier", rows.shape, rows.dtype.str, offset)
 
 
 ROWS = np.arange(4, dtype=np.float32).reshape(1, 1, 2, 2)
@@ -481,9 +481,9 @@ def test_the_calls_of_one_turn_are_handed_to_the_engine_once_per_route(tmp_path)
         calls = [
             infer(1, ROWS),
             infer(2, ROWS * 2),
-            Infer(3, "m", 2, 2, "k", "classifier", ROWS.shape, ROWS.dtype.str, None),
+            Infer(3, "m", 2, 2, 7, "classifier", ROWS.shape, ROWS.dtype.str, None),
             infer(4, ROWS * 3),
-            Infer(5, "m", 1, None, "k", "attention", ROWS.shape, ROWS.dtype.str, None),
+            Infer(5, "m", 1, None, 7, "attention", ROWS.shape, ROWS.dtype.str, None),
         ]
         rows = [ROWS, ROWS * 2, ROWS, ROWS * 3, ROWS]
         items = [(call, [r.tobytes()]) for call, r in zip(calls, rows, strict=True)]
@@ -494,9 +494,9 @@ def test_the_calls_of_one_turn_are_handed_to_the_engine_once_per_route(tmp_path)
 
     asyncio.run(scenario())
     assert engine.routes == [
-        (("m", 1, None, "k", "classifier"), 3),
-        (("m", 2, 2, "k", "classifier"), 1),
-        (("m", 1, None, "k", "attention"), 1),
+        (("m", 1, None, 7, "classifier"), 3),
+        (("m", 2, 2, 7, "classifier"), 1),
+        (("m", 1, None, 7, "attention"), 1),
     ]
     answers = {
         item.call: np.frombuffer(raw[0], np.float32)[0]
@@ -522,7 +522,7 @@ def test_an_engine_fault_on_one_route_fails_only_its_calls(tmp_path):
     async def scenario():
         server = EngineServer(engine, wire.Addresses.in_directory(str(tmp_path)))
         link = hello(server, sent)
-        attention = Infer(2, "m", 1, None, "k", "attention", ROWS.shape, "<f4", None)
+        attention = Infer(2, "m", 1, None, 7, "attention", ROWS.shape, "<f4", None)
         items = [(infer(1, ROWS), [ROWS.tobytes()]), (attention, [ROWS.tobytes()])]
         server.take(link, wire.unpack(memoryview(wire.pack(items)), wire.to_engine))
         async with asyncio.timeout(5):

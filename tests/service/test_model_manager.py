@@ -197,7 +197,7 @@ def test_a_call_resolved_before_a_swap_goes_to_a_version_that_can_take_it(reposi
         await manager.start()
         v1, v2 = manager.resolve(MODEL_NAME, 1), manager.resolve(MODEL_NAME, 2)
         key = v2.view.preprocessing_key
-        other_key = ("another", "preprocessing")
+        other_key = key ^ 1  # another version's rows
         assert pipeline_for(manager, MODEL_NAME, 1, 1, key) is v1
         assert pipeline_for(manager, MODEL_NAME, 2, None, other_key) is v2
         # kept for the next calls of these routes, until the versions change

@@ -38,7 +38,7 @@ def view(timeout_s: float = 5.0) -> SimpleNamespace:
     return SimpleNamespace(
         name="m",
         version=1,
-        preprocessing_key="k",
+        preprocessing_key=7,
         serving=SimpleNamespace(request_timeout_s=timeout_s),
     )
 
@@ -188,7 +188,7 @@ def test_a_front_end_connects_again_to_a_restarted_engine(tmp_path):
     view = SimpleNamespace(  # what infer reads
         name="m",
         version=1,
-        preprocessing_key="k",
+        preprocessing_key=7,
         serving=SimpleNamespace(request_timeout_s=5),
     )
 

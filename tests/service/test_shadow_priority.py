@@ -80,7 +80,7 @@ def version(
         classifier=batcher,
         runtime=SimpleNamespace(classify_with=lambda instance: timed or model),
         serving=SimpleNamespace(max_batch_size=4),  # the shadow's batches: up to 4 on both
-        view=SimpleNamespace(preprocessing_key="rows", row_shape=(1, 1, 1)),
+        view=SimpleNamespace(preprocessing_key=11, row_shape=(1, 1, 1)),
         accepting=True,
         hold=lambda: None,
         release=lambda: None,
