@@ -87,7 +87,7 @@ async def _client(kind: str, address: str, size: int) -> Callable[[], Awaitable[
             lambda: wire.Link(wire.to_engine, answer), address
         )
         call = protocol.Infer(
-            1, "model", 1, None, "{}", "classifier", (1, size), "|u1", None, "request-id"
+            1, "model", 1, None, 0, "classifier", (1, size), "|u1", None, "request-id"
         )
 
         async def trip() -> object:
