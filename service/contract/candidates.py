@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from service.contract.model_repository import ModelMetadata, rows_fields, rows_key
+from service.contract.model_repository import ModelMetadata, rows_fields, rows_id
 
 # The header a client names itself with, so that the canary answers it from one version every time.
 CLIENT_KEY_HEADER = "x-client-key"
@@ -50,7 +50,7 @@ def shadow_rows(live: ModelMetadata, candidate: ModelMetadata) -> tuple[RowsPlan
             )
             why = f"class {first} is {candidate.labels[first]!r} against {live.labels[first]!r}"
         return "none", f"the candidate has other labels ({why}); its answers cannot be compared"
-    if rows_key(live) == rows_key(candidate):
+    if rows_id(live) == rows_id(candidate):
         return "same", "both versions take the same rows"
     live_rows, candidate_rows = rows_fields(live), rows_fields(candidate)
     differences = [

@@ -240,16 +240,12 @@ def rows_fields(metadata: ModelMetadata) -> dict[str, object]:
     return {"input": shape, "layout": spec.layout, "dtype": spec.dtype, **preprocessing}
 
 
-def rows_key(metadata: ModelMetadata) -> str:
-    """:func:`rows_fields` as one string: two versions with the same key take the same rows."""
-    return json.dumps(rows_fields(metadata), sort_keys=True)
-
-
 def rows_id(metadata: ModelMetadata) -> int:
-    """:func:`rows_key` as a 63-bit number, the same in every process and every engine started
-    (a digest, not a count assigned at load: a call made against one engine's table may reach the
-    next engine after a restart)."""
-    digest = hashlib.blake2b(rows_key(metadata).encode(), digest_size=8).digest()
+    """:func:`rows_fields` as a 63-bit number: two versions with the same id take the same rows. The
+    same in every process and every engine started (a digest, not a count assigned at load: a call
+    made against one engine's table may reach the next engine after a restart)."""
+    text = json.dumps(rows_fields(metadata), sort_keys=True)
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
 
 

@@ -99,7 +99,7 @@ class VersionView(msgspec.Struct, frozen=True, dict=True):
     @cached_property
     def preprocessing_key(self) -> int:
         """What decides the rows a request becomes, as a 63-bit number each call carries and the
-        engine compares: versions with the same key take the same rows (``rows_id`` of ``rows_key``:
+        engine compares: versions with the same key take the same rows (``rows_id`` of ``rows_fields``:
         equal in effect, whatever the metadata's text)."""
         return rows_id(self.metadata)
 
