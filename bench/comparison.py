@@ -260,9 +260,9 @@ class Comparison:
     def _anchors(self) -> list[str]:
         """The anchors' points, each server's row beside the others'."""
         rows = []
+        counts = [k for k in self.labels if re.fullmatch(r"w\d+", k)]
+        shown = [ANCHOR_SERVERS[0], *counts, *ANCHOR_SERVERS[1:]]
         for kind, c in ANCHOR_POINTS:
-            counts = [k for k in self.labels if re.fullmatch(r"w\d+", k)]
-            shown = [ANCHOR_SERVERS[0], *counts, *ANCHOR_SERVERS[1:]]
             for key in (k for k in shown if self.mine(k, 1, c, kind)):
                 rps, cores = (self.spread(key, 1, c, a, kind=kind) for a in ("ok_rps", "cores"))
                 per_core = ratio(median(rps), median(cores))
