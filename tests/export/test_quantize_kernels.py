@@ -1,6 +1,6 @@
 """The int8 graphs answer through onnxruntime's int8 kernels as their integers say, on the shipped
 checkpoint: the static one as it does run as written (QuantizeLinear/DequantizeLinear around float
-nodes), the dynamic one as its MatMulInteger and ConvInteger nodes do with their sums taken in float.
+nodes), the dynamic one as its MatMulInteger nodes do with their sums taken in float.
 
 Without VNNI, the x86 kernels add pairs of uint8 x int8 products in int16 and saturate with 8-bit
 weights (export/quantize.py, ``WEIGHT_RANGE``): the shipped checkpoint's static int8 lost 0.7 points
@@ -71,10 +71,30 @@ def test_static_weights_fit_the_range_no_cpu_saturates(shipped_int8):
         and node.input[0] in constants
         and constants[node.input[0]].dtype == np.int8
     ]
-    assert len(weights) >= 6 * 6 + 1  # q, k, v, projection, fc1, fc2 a block, and the patch Conv
+    assert len(weights) >= 6 * 6 + 1  # q, k, v, projection, fc1, fc2 a block, and the head
     low, high = quantize.WEIGHT_RANGE
     assert min(int(w.min()) for w in weights) >= low
     assert max(int(w.max()) for w in weights) <= high
+
+
+def test_static_activations_are_uint8_and_the_patch_conv_float(shipped_int8):
+    """x86's fast int8 product takes uint8 activations; the patch Conv ran faster in float
+    (export/quantize.py, ``QUANTIZED_OP_TYPES`` and ``STATIC_ACTIVATIONS``)."""
+    int8, _ = shipped_int8
+    constants = {i.name: numpy_helper.to_array(i) for i in int8.graph.initializer}
+    activation_zero_points = [
+        constants[node.input[2]]
+        for node in int8.graph.node
+        if node.op_type == "QuantizeLinear" and node.input[0] not in constants
+    ]
+    assert len(activation_zero_points) >= 6 * 6 + 1
+    assert all(z.dtype == np.uint8 for z in activation_zero_points)
+    produced_by = {out: node for node in int8.graph.node for out in node.output}
+    (conv,) = [node for node in int8.graph.node if node.op_type == "Conv"]
+    assert all(
+        name not in produced_by or produced_by[name].op_type != "DequantizeLinear"
+        for name in conv.input
+    )
 
 
 def test_fused_kernels_answer_as_the_graph_is_written(shipped_int8):
@@ -136,7 +156,8 @@ def test_dynamic_weights_fit_the_range_no_cpu_saturates(shipped_dynamic):
         for node in int8.graph.node
         if node.op_type in INTEGER_OPS and node.input[1] in constants
     ]
-    assert len(weights) >= 6 * 6 + 1  # q, k, v, projection, fc1, fc2 a block, and the patch Conv
+    assert len(weights) >= 6 * 6 + 1  # q, k, v, projection, fc1, fc2 a block, and the head
+    assert not any(node.op_type == "ConvInteger" for node in int8.graph.node)
     assert all(w.dtype == np.int8 for w in weights)
     low, high = quantize.WEIGHT_RANGE
     assert min(int(w.min()) for w in weights) >= low
