@@ -8,8 +8,10 @@ For ViT-Ti/16 and ViT-S/16 (``--base`` adds ViT-B/16, slow on two cores) with se
 are not all zero), three graphs of the same model:
 
 - ``vitserve``: ``export.onnx_graphs.classifier_graph``, what ``python -m export.onnx`` ships;
-- ``torch legacy``: ``torch.onnx.export(dynamo=False)`` at opset 17 of the same model as PyTorch
-  runs it (fused attention), with a dynamic batch axis. Both exporters trace the same blocks
+- ``torch legacy``: ``torch.onnx.export(dynamo=False)`` at opset 17 of the same model as timm and
+  Hugging Face run a ViT (fused attention, every token through every block; vitserve's forward
+  takes the last block's class token only, ``VisionTransformer.read_rows``), with a dynamic batch
+  axis. Both exporters trace the same blocks
   (``torch.onnx.is_in_onnx_export()`` is true in both: GELU and q, k, v written as onnxruntime
   fuses them, docs/decisions.md#onnx-graph-for-onnxruntime), so the two rows compare exporters,
   as the issue did on a Hugging Face DeiT (separate q, k, v; a GELU the legacy exporter fuses).
@@ -99,15 +101,29 @@ def random_weight_model(size: str, seed: int = 0, image: int = 224) -> VisionTra
     return model
 
 
+class EveryToken(torch.nn.Module):
+    """``model``'s logits with every token through every block, as timm's and Hugging Face's ViTs
+    compute them (their last block computes every token's output; the head reads one)."""
+
+    def __init__(self, model: VisionTransformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        features, _ = self.model.forward_features(images)
+        return self.model.logits(features)
+
+
 def legacy_graph(model: VisionTransformer, opset: int = LEGACY_OPSET) -> onnx.ModelProto:
-    """``torch.onnx.export(dynamo=False)`` of ``model`` as PyTorch runs it, batch axis dynamic."""
+    """``torch.onnx.export(dynamo=False)`` of ``model`` as timm and Hugging Face run a ViT (every
+    token through every block), batch axis dynamic."""
     c = model.config
     example = torch.zeros(2, c.in_channels, c.image_height, c.image_width)
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the legacy exporter's deprecation and tracer warnings
         torch.onnx.export(
-            model.eval(),
+            EveryToken(model.eval()),
             (example,),
             buffer,
             dynamo=False,

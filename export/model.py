@@ -9,7 +9,9 @@ The tokens are ``[class token] [distillation token] patches``. The class head re
 takes part in attention); the distillation head, when there is a distillation token, reads that
 token and is trained against a teacher (export/teacher.py). The logits are the mean of the two
 heads', so the model, and its exported graph, has one output. The final layer norm applies to every
-token, or (``pooled_norm``) to what each head reads.
+token, or (``pooled_norm``) to what each head reads. With token pooling the last block computes the
+rows the heads read only (``read_rows``; every token still serves as a key and a value): the same
+logits for about 1/depth less work (docs/decisions.md#last-block-rows).
 
 Checkpoints imported from Hugging Face and timm (export/importers/) are mapped onto this model.
 """
@@ -90,28 +92,30 @@ class Attention(nn.Module):
         self.projection_dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self, x: torch.Tensor, return_attention: bool = False
+        self, x: torch.Tensor, return_attention: bool = False, rows: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        batch, tokens, dim = x.shape
+        """Every token attends to every token; with ``rows``, only the first ``rows`` tokens ask
+        (queries of those only, keys and values of all): (B, rows, dim) out."""
+        batch, _, dim = x.shape
         probabilities = None
         if self.fused and not return_attention:
-            q, k, v = self.project(x)  # each (B, heads, tokens, head_dim)
+            q, k, v = self.project(x, rows=rows)  # each (B, heads, tokens, head_dim)
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=self.attention_dropout.p if self.training else 0.0
             )
         else:
             # Scale before the softmax (seed 004 scaled after it, which is a different model).
-            q, k, v = self.project(x, query_scale=self.scale)
+            q, k, v = self.project(x, query_scale=self.scale, rows=rows)
             probabilities = (q @ k.transpose(-2, -1)).softmax(dim=-1)
             out = self.attention_dropout(probabilities) @ v
-        out = out.transpose(1, 2).reshape(batch, tokens, dim)
+        out = out.transpose(1, 2).reshape(batch, q.shape[2], dim)
         return self.projection_dropout(self.projection(out)), probabilities
 
     def project(
-        self, x: torch.Tensor, query_scale: float = 1.0
+        self, x: torch.Tensor, query_scale: float = 1.0, rows: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries times ``query_scale``, keys and values, each (B, heads, tokens, head_dim), from
-        the packed ``qkv``.
+        """Queries times ``query_scale`` (of the first ``rows`` tokens, or all), keys and values,
+        each (B, heads, tokens, head_dim), from the packed ``qkv``.
 
         In PyTorch, one matrix product cut into three views. Exported to ONNX, three products by
         thirds of the packed weight (onnxruntime folds the slices of the initializer when it loads
@@ -125,15 +129,17 @@ class Attention(nn.Module):
         if not torch.onnx.is_in_onnx_export():
             qkv = self.qkv(x).reshape(batch, tokens, 3, self.heads, self.head_dim)
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            q = q if rows is None else q[:, :, :rows]
             return (q if query_scale == 1.0 else q * query_scale), k, v
         weight, bias = self.qkv.weight, self.qkv.bias
         projections = []
         for i, scale in enumerate((query_scale, 1.0, 1.0)):
-            rows = slice(i * dim, (i + 1) * dim)  # a Slice node; chunk would be a Split
-            w, b = weight[rows], None if bias is None else bias[rows]
+            third = slice(i * dim, (i + 1) * dim)  # a Slice node; chunk would be a Split
+            w, b = weight[third], None if bias is None else bias[third]
             if scale != 1.0:
                 w, b = w * scale, None if b is None else b * scale
-            y = F.linear(x, w, b).reshape(batch, tokens, self.heads, self.head_dim)
+            asking = x if i or rows is None else x[:, :rows]
+            y = F.linear(asking, w, b).reshape(batch, asking.shape[1], self.heads, self.head_dim)
             projections.append(y.transpose(1, 2))
         q, k, v = projections
         return q, k, v
@@ -174,10 +180,12 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, return_attention: bool = False
+        self, x: torch.Tensor, return_attention: bool = False, rows: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attended, probabilities = self.attention(self.norm1(x), return_attention)
-        x = x + attended
+        """(B, tokens, dim) -> the same; with ``rows``, the first ``rows`` tokens only (the others
+        still serve as keys and values)."""
+        attended, probabilities = self.attention(self.norm1(x), return_attention, rows)
+        x = (x if rows is None else x[:, :rows]) + attended
         x = x + self.mlp(self.norm2(x))
         return x, probabilities
 
@@ -257,13 +265,26 @@ class VisionTransformer(nn.Module):
             x = torch.cat([*(t.expand(x.shape[0], -1, -1) for t in prefix), x], dim=1)
         return self.embedding_dropout(x + self.position_embedding)
 
+    @property
+    def read_rows(self) -> int | None:
+        """How many leading tokens the heads read (the class token, and the distillation token
+        when a head reads it), or None when they read every token (mean pooling)."""
+        c = self.config
+        if c.pooling != "token":
+            return None
+        return c.num_prefix_tokens if self.distillation_head is not None else 1
+
     def forward_features(
-        self, images: torch.Tensor, return_attention: bool = False
+        self, images: torch.Tensor, return_attention: bool = False, rows: int | None = None
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Every token's features, or with ``rows`` the first ``rows`` tokens': the last block
+        then computes those only (its other tokens' outputs are read by no one), about 1/depth
+        of the model's work for token pooling, the same numbers."""
         x = self.embed(images)
         maps = []
-        for block in self.blocks:
-            x, probabilities = block(x, return_attention)
+        for i, block in enumerate(self.blocks):
+            last = i == len(self.blocks) - 1
+            x, probabilities = block(x, return_attention, rows if last else None)
             if probabilities is not None:
                 maps.append(probabilities)
         return (x if self.config.pooled_norm else self.norm(x)), maps
@@ -285,7 +306,7 @@ class VisionTransformer(nn.Module):
 
     def forward_heads(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(class head's logits, distillation head's logits or None): what training needs."""
-        features, _ = self.forward_features(images)
+        features, _ = self.forward_features(images, rows=self.read_rows)
         return self.forward_head(features), self.forward_distillation_head(features)
 
     def forward_distillation_head(self, features: torch.Tensor) -> torch.Tensor | None:
@@ -300,7 +321,7 @@ class VisionTransformer(nn.Module):
         return logits if distilled is None else (logits + distilled) / 2
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        features, _ = self.forward_features(images)
+        features, _ = self.forward_features(images, rows=self.read_rows)
         return self.logits(features)
 
     def forward_with_attention(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -268,6 +268,70 @@ def test_mean_pooling_reads_every_token():
     assert not torch.allclose(model.forward_head(changed, pre_logits=True), pooled)
 
 
+def every_token_logits(model: VisionTransformer, images: torch.Tensor) -> torch.Tensor:
+    """The logits as timm and Hugging Face compute a ViT's, written out here: every token through
+    every block, attention from the packed qkv, then the model's own heads."""
+    x = model.embed(images)
+    for block in model.blocks:
+        attention, y = block.attention, block.norm1(x)
+        batch, tokens, dim = y.shape
+        q, k, v = (
+            attention.qkv(y)
+            .reshape(batch, tokens, 3, attention.heads, attention.head_dim)
+            .permute(2, 0, 3, 1, 4)
+        )
+        weights = (q @ k.transpose(-2, -1) / math.sqrt(attention.head_dim)).softmax(dim=-1)
+        x = x + attention.projection((weights @ v).transpose(1, 2).reshape(batch, tokens, dim))
+        x = x + block.mlp(block.norm2(x))
+    return model.logits(x if model.config.pooled_norm else model.norm(x))
+
+
+POOLINGS = {
+    "class token": {"pooling": "token"},
+    "class token, pooled norm": {"pooling": "token", "pooled_norm": True},
+    "mean": {"pooling": "mean"},
+    "class and distillation heads": {
+        "pooling": "token",
+        "distillation_token": True,
+        "distillation_head": True,
+    },
+    "distillation token, no head": {
+        "pooling": "token",
+        "distillation_token": True,
+        "distillation_head": False,
+    },
+}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+@pytest.mark.parametrize("changes", POOLINGS.values(), ids=POOLINGS.keys())
+def test_the_last_block_computes_what_the_heads_read_and_the_logits_are_every_tokens(
+    changes, fused
+):
+    """The last block keeps only the rows the heads read (``read_rows``): the same logits as every
+    token through every block, and the last block's MLP sees those rows only."""
+    torch.manual_seed(0)
+    model = VisionTransformer(small(depth=3, **changes)).eval()
+    for parameter in model.parameters():
+        nn.init.normal_(parameter, std=0.2)
+    model.set_fused_attention(fused)
+    seen = []
+    for block in model.blocks:
+        block.mlp.register_forward_hook(lambda _m, inputs, _o: seen.append(inputs[0].shape[1]))
+    images = torch.randn(3, 1, 16, 16)
+    with torch.no_grad():
+        logits = model(images)
+        assert seen == [model.config.num_tokens] * 2 + [model.read_rows or model.config.num_tokens]
+        torch.testing.assert_close(logits, every_token_logits(model, images))
+        heads = model.forward_heads(images)
+        features, _ = model.forward_features(images)
+        every_token = (model.forward_head(features), model.forward_distillation_head(features))
+        torch.testing.assert_close(heads, every_token)
+    expected_rows = {"mean": None, "class and distillation heads": 2}
+    name = next(key for key, value in POOLINGS.items() if value == changes)
+    assert model.read_rows == expected_rows.get(name, 1)
+
+
 def test_without_representation_size_the_head_sees_the_pooled_features():
     model = VisionTransformer(small(pooling="mean")).eval()
     features = torch.randn(2, 16, 32)
