@@ -144,9 +144,22 @@ def batch_dependence(path: Path, data_dir: str | Path | None = None) -> tuple[in
 def quantization_lines(
     run_dir: Path, entry: Path, version_dir: Path, onnx_results: dict
 ) -> list[str]:
-    """What a quantized graph is, how it was made, and what it costs."""
-    method = onnx_results["quantization"]
-    how = f"`{method}` quantization by onnxruntime"
+    """What an int8 or fp16 graph is, how it was made, and what it costs."""
+    precision, method = onnx_results["precision"], onnx_results["quantization"]
+    made_by = (
+        f"- Made by: `python -m export.onnx {run_dir} --name {entry.name} --version "
+        f"{version_dir.name} --quantize {precision}"
+    )
+    if precision == "fp16":
+        how = (
+            "every float32 weight and activation in float16 by onnxruntime's float16 converter, "
+            "its input and output float32; made for CUDA, measured here with onnxruntime's CPU "
+            "provider, which runs in float32 the float16 nodes it has no kernel for"
+        )
+        made_by += "`"
+    else:
+        how = f"`{method}` quantization by onnxruntime"
+        made_by += f" --quantization {method}`"
     if onnx_results.get("calibration_images"):
         how += f", calibrated on {onnx_results['calibration_images']} training images"
     if onnx_results.get("weight_range"):
@@ -156,18 +169,17 @@ def quantization_lines(
             "saturate"
         )
     lines = [
-        f"- Precision: {onnx_results['precision']} ({how}), made from the float32 graph of the same "
+        f"- Precision: {precision} ({how}), made from the float32 graph of the same "
         f"checkpoint, which measured {percent(onnx_results['float_test_accuracy'])} on the same "
         "split in the same export.",
-        f"- Made by: `python -m export.onnx {run_dir} --name {entry.name} --version "
-        f"{version_dir.name} --quantize int8 --quantization {method}`",
+        made_by,
     ]
     offline = onnx_results.get("float_agreement")
     if offline:
         lines.append(
             f"- Against the float32 graph on the same test images: top-1 agreement "
-            f"{percent(offline['top1_agreement'])}; per image, the largest |p_int8 - p_float| over "
-            f"its classes: p99 {offline['probability_difference_p99']:.4f}, max "
+            f"{percent(offline['top1_agreement'])}; per image, the largest |p_{precision} - "
+            f"p_float| over its classes: p99 {offline['probability_difference_p99']:.4f}, max "
             f"{offline['probability_difference_max']:.4f}. Tried as a candidate (`--candidate`), the "
             "shadow measures the same on live requests before it answers any."
         )
@@ -178,11 +190,16 @@ def quantization_lines(
             f"the images batched with it: {changed} of {images} test images are classified "
             "differently at batch 1 and at batch 32."
         )
-    else:
+    elif method == "static-qdq":
         lines.append(
             "- Its activation scales are fixed at calibration, so a prediction does not depend on the "
             f"images batched with it: {changed} of {images} test images are classified differently "
             "at batch 1 and at batch 32."
+        )
+    else:
+        lines.append(
+            f"- {changed} of {images} test images are classified differently at batch 1 and at "
+            "batch 32."
         )
     return lines
 

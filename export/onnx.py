@@ -10,8 +10,8 @@ Writes (Triton layout, see docs/model-repository.md)::
     <repo>/<name>/<version>/labels.txt       one class label per line
 
 Nothing is written unless both graphs pass the ONNX checker and match PyTorch on real images at
-batch sizes 1, 7 and 64 (export/onnx_graphs.py). ``--quantize int8`` writes an int8 classifier
-instead (export/quantize.py).
+batch sizes 1, 7 and 64 (export/onnx_graphs.py). ``--quantize int8`` (or ``fp16``) writes an int8
+(or float16) classifier instead (export/quantize.py).
 
 CHECKPOINT may also be another library's checkpoint directory (export/importers/): a Hugging Face
 ViT or DeiT saved with ``save_pretrained`` (with its ``preprocessor_config.json``), or a timm
@@ -64,14 +64,14 @@ def export_model(
 ) -> dict:
     """Export, verify and write a checkpoint; returns the version's path and the figures.
     ``candidate``: the new version starts as the served version's candidate (``write_version``).
-    ``quantization``: an int8 classifier instead of the float graphs (export/quantize.py), always
-    measured."""
+    ``quantization``: an int8 or fp16 classifier instead of the float graphs (export/quantize.py),
+    always measured."""
     checked_version(version)  # before anything is read or built
     if is_imported(checkpoint):
         if quantization is not None:
             raise CheckpointError(
-                f"{checkpoint}: --quantize calibrates on a vitserve run's training images; "
-                "an imported checkpoint exports in float32"
+                f"{checkpoint}: --quantize measures on a vitserve run's test split (int8 "
+                "calibrates on its training images); an imported checkpoint exports in float32"
             )
         return export_imported(checkpoint, name, version, repo, overwrite, candidate)
     trained = load_trained(checkpoint)
@@ -79,7 +79,7 @@ def export_model(
     if quantization is None:
         files, figures = float_graphs(trained, name, version, data_dir, measure)
     else:
-        files, figures = quantize.int8_classifier(trained, name, version, data_dir, quantization)
+        files, figures = quantize.reduced_classifier(trained, name, version, data_dir, quantization)
     shape = trained.model.config.image_shape
     written = write_version(
         Path(repo), name, version, files, trained.labels, shape, overwrite, candidate

@@ -1,6 +1,14 @@
-"""An INT8 classifier from a checkpoint: onnxruntime.quantization, refused unless it keeps accuracy.
+"""An INT8 or FP16 classifier from a checkpoint, refused unless it keeps accuracy.
 
 ``python -m export.onnx RUN --name NAME-int8 --version 1 --quantize int8 [--quantization static-qdq]``
+``python -m export.onnx RUN --name NAME-fp16 --version 1 --quantize fp16``
+
+``fp16`` (for CUDA): every float32 weight and activation of the verified float classifier in
+float16 (onnxruntime's float16 converter), its input and output left float32 so that clients and
+``config.pbtxt`` see the float model's. Measured here with onnxruntime's CPU provider, which runs
+in float32 the float16 nodes it has no kernel for (each result still rounded to float16 in
+between), so its figures are close to, not the same as, a GPU's; on a CPU it runs slower than the
+float graph. For int8:
 
 The float classifier is exported and verified against PyTorch as ``export.onnx`` does, prepared with
 onnxruntime's ``quant_pre_process``, then quantized one of two ways:
@@ -17,10 +25,10 @@ onnxruntime's ``quant_pre_process``, then quantized one of two ways:
   against the float graph's 92.91% on an AVX2 CPU without VNNI (with 8-bit weights: 92.23% there,
   93.00% with the QDQ nodes run unfused, in float).
 
-Both are measured on the whole test split next to the float graph; the int8 graph is written only
-when it is within ``MAX_ACCURACY_DROP`` of it. It ships as its own model (``<NAME>/<version>/
-model.onnx``, no attention graph) with ``"precision": "int8"``, ``"quantization"`` and
-``"weight_range"`` in its metadata.
+Both precisions are measured on the whole test split next to the float graph; the graph is written
+only when it is within ``MAX_ACCURACY_DROP`` of it. It ships as its own model (``<NAME>/<version>/
+model.onnx``, no attention graph) with ``"precision"`` (``int8`` or ``fp16``) in its metadata, and
+for int8 ``"quantization"`` and ``"weight_range"``.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from onnxruntime.quantization import (
     quantize_static,
 )
 from onnxruntime.quantization.shape_inference import quant_pre_process
+from onnxruntime.transformers.float16 import convert_float_to_float16
 
 from export import onnx_graphs as export_onnx
 from export.checkpoint import TrainedCheckpoint, file_sha256
@@ -52,7 +61,8 @@ from export.data import Split, load_dataset, normalize, train_validation_split
 from export.evaluate import dataset_logits, onnx_runner
 from service.contract.probabilities import softmax
 
-QUANTIZATIONS = ("dynamic", "static-qdq")
+PRECISIONS = ("int8", "fp16")
+QUANTIZATIONS = ("dynamic", "static-qdq")  # int8's
 CALIBRATION_IMAGES = 512
 CALIBRATION_BATCH = 32
 MAX_ACCURACY_DROP = 0.003  # 0.3 points of test accuracy
@@ -79,7 +89,7 @@ WEIGHT_RANGE = (-64, 64)
 
 
 class QuantizationError(export_onnx.VerificationError):
-    """The quantized graph loses too much accuracy; nothing is written."""
+    """The int8 or fp16 graph loses too much accuracy; nothing is written."""
 
 
 class Calibration(CalibrationDataReader):
@@ -152,6 +162,11 @@ def quantize_graph(
         return onnx.load(str(quantized))
 
 
+def float16_graph(graph: onnx.ModelProto) -> onnx.ModelProto:
+    """``graph`` (float32) in float16, its input and output still float32 (a Cast at each end)."""
+    return convert_float_to_float16(graph, keep_io_types=True)
+
+
 def quantize_static_qdq(prepared: Path, quantized: Path, calibration: np.ndarray) -> None:
     """Static QDQ: 7-bit weights with one scale per output channel, uint8 activations with ranges fixed
     by min-max calibration, so that an image's answer never depends on the images batched with it
@@ -194,52 +209,66 @@ def agreement(float_logits: np.ndarray, int8_logits: np.ndarray) -> dict[str, fl
 
 @dataclass(frozen=True)
 class Quantization:
-    """How ``--quantize int8`` quantizes: ``method``, one of ``QUANTIZATIONS``, and how many
-    training images calibrate static-qdq."""
+    """What ``--quantize`` writes: ``precision``, one of ``PRECISIONS``; for int8, ``method``, one
+    of ``QUANTIZATIONS``, and how many training images calibrate static-qdq."""
 
     method: str = "static-qdq"
     calibration_count: int = CALIBRATION_IMAGES
+    precision: str = "int8"
+
+    @property
+    def name(self) -> str:
+        """How the card and errors name it: ``int8 (static-qdq)`` or ``fp16``."""
+        return f"int8 ({self.method})" if self.precision == "int8" else self.precision
 
 
-def int8_classifier(
+def reduced_classifier(
     trained: TrainedCheckpoint,
     name: str,
     version: int,
     data_dir: str | Path | None,
     quantization: Quantization,
 ) -> tuple[dict[str, onnx.ModelProto], dict]:
-    """The int8 classifier by file name, described, and the figures: the float classifier is
-    verified against PyTorch and quantized, and both are measured on the test split; refused
-    (QuantizationError) when int8 loses more than ``MAX_ACCURACY_DROP``."""
-    model, spec, method = trained.model, trained.spec, quantization.method
+    """The int8 or fp16 classifier by file name, described, and the figures: the float classifier
+    is verified against PyTorch and converted, and both are measured on the test split; refused
+    (QuantizationError) when the conversion loses more than ``MAX_ACCURACY_DROP``."""
+    model, spec, precision = trained.model, trained.spec, quantization.precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    int8 = precision == "int8"
+    method = quantization.method if int8 else None
     train, test = load_dataset(spec, data_dir)
-    train = run_training_images(trained.path, train)
     images = normalize(test.images, spec)
     graphs = export_onnx.build_graphs(model)
     count = max(export_onnx.verify_batch_sizes(model.config))
     figures = export_onnx.verify(model, graphs, images[:count])
     calibration = None
     if method == "static-qdq":
+        train = run_training_images(trained.path, train)
         chosen = calibration_images(train.images, quantization.calibration_count)
         calibration = normalize(chosen, spec).numpy()
-    quantized = quantize_graph(graphs.classifier, method, calibration)
+    if int8:
+        reduced = quantize_graph(graphs.classifier, method, calibration)
+    else:
+        reduced = float16_graph(graphs.classifier)
     test_images, test_labels = images.numpy(), test.labels.numpy()
     float_logits = logits_of(graphs.classifier, test_images)
-    int8_logits = logits_of(quantized, test_images)
+    reduced_logits = logits_of(reduced, test_images)
     float_accuracy = float((float_logits.argmax(1) == test_labels).mean())
-    int8_accuracy = float((int8_logits.argmax(1) == test_labels).mean())
+    reduced_accuracy = float((reduced_logits.argmax(1) == test_labels).mean())
     result = {
+        "precision": precision,
         "quantization": method,
         "calibration_images": quantization.calibration_count if calibration is not None else None,
         "float_test_accuracy": float_accuracy,
-        "float_agreement": agreement(float_logits, int8_logits),
-        "test_accuracy": int8_accuracy,
+        "float_agreement": agreement(float_logits, reduced_logits),
+        "test_accuracy": reduced_accuracy,
         "test_images": len(test),
         "verification": figures,
     }
-    if float_accuracy - int8_accuracy > MAX_ACCURACY_DROP:
+    if float_accuracy - reduced_accuracy > MAX_ACCURACY_DROP:
         raise QuantizationError(
-            f"int8 ({method}) test accuracy {100 * int8_accuracy:.2f}% is more than "
+            f"{quantization.name} test accuracy {100 * reduced_accuracy:.2f}% is more than "
             f"{100 * MAX_ACCURACY_DROP:.1f} points below the float graph's "
             f"{100 * float_accuracy:.2f}%: {json.dumps(result)}"
         )
@@ -250,36 +279,38 @@ def int8_classifier(
         name,
         version,
         "classifier",
-        int8_accuracy,
+        reduced_accuracy,
         len(test),
         file_sha256(trained.path),
     )
     document.update(
-        precision="int8",
+        precision=precision,
         quantization=method,
         calibration_images=result["calibration_images"],
-        weight_range=list(WEIGHT_RANGE),
+        weight_range=list(WEIGHT_RANGE) if int8 else None,
         float_test_accuracy=float_accuracy,
         float_agreement=result["float_agreement"],
         attention_graph=None,
     )
-    export_onnx.with_metadata(quantized, document)
-    return {"model.onnx": quantized}, result
+    export_onnx.with_metadata(reduced, document)
+    return {"model.onnx": reduced}, result
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--quantize`` and its options, for ``python -m export.onnx``."""
     parser.add_argument(
         "--quantize",
-        choices=["int8"],
+        choices=PRECISIONS,
         default=None,
-        help="write an int8 classifier (logits only) instead of the float graphs",
+        help="write an int8 classifier, or an fp16 one for CUDA (logits only), instead of the "
+        "float graphs",
     )
     parser.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
         default="static-qdq",
-        help="how to quantize (default: static-qdq, whose answers do not depend on batch partners)",
+        help="how to quantize int8 (default: static-qdq, whose answers do not depend on batch "
+        "partners)",
     )
     parser.add_argument(
         "--calibration-images",
@@ -293,4 +324,4 @@ def from_arguments(args: argparse.Namespace) -> Quantization | None:
     """``add_arguments``' options as a ``Quantization``; None without ``--quantize``."""
     if not args.quantize:
         return None
-    return Quantization(args.quantization, args.calibration_images)
+    return Quantization(args.quantization, args.calibration_images, args.quantize)
