@@ -110,13 +110,18 @@ k8s-check: $(TEST_STAMP) ## Validate deploy/kubernetes/ offline (kubernetes-vali
 	$(BIN)/kubernetes-validate --strict --kubernetes-version $(K8S_VERSION) $(K8S_MANIFESTS)
 
 # Two passes: the tests not marked serial on TEST_WORKERS processes (pytest-xdist), then the serial
-# ones alone (tests/conftest.py: they time the service or load it). pytest exits 5 when it collected
+# ones alone (tests/conftest.py: they time the service or load it). The first pass gives each worker
+# half of the tests in the order collected, and a worker that runs out takes half of what the other
+# has left (--dist worksteal): a module's fixtures (a server, a training run, an export) are mostly
+# made once, not on both workers, and neither waits idle at the end. Not --dist loadfile: when
+# pytest-timeout ends a hung test's worker, pytest-xdist 3.8's loadfile runs that test again on each
+# replacement, drops the rest of its file, and can wait forever at the end of the run. pytest exits 5 when it collected
 # no test: that fails here, but for a pass that PYTEST_ARGS left empty (`PYTEST_ARGS=tests/export`).
 # Both passes share one export of the tests' tiny model (TESTS_MODEL_CACHE, tests/conftest.py), in a
 # fresh directory removed after them.
 pytest: $(TEST_STAMP) dataset chromium hey ## Run the test suite (PYTEST_ARGS: pytest's arguments).
 	cache=$$(mktemp -d); trap 'rm -rf "$$cache"' EXIT; export TESTS_MODEL_CACHE=$$cache; \
-	$(VPY) -m pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS) || { s=$$?; [ $$s = 5 ] && [ -n "$(PYTEST_ARGS)" ] || exit $$s; }; \
+	$(VPY) -m pytest -n $(TEST_WORKERS) -m "not serial" --dist worksteal $(PYTEST_ARGS) || { s=$$?; [ $$s = 5 ] && [ -n "$(PYTEST_ARGS)" ] || exit $$s; }; \
 	$(VPY) -m pytest -m serial $(PYTEST_ARGS) || { s=$$?; [ $$s = 5 ] && [ -n "$(PYTEST_ARGS)" ] || exit $$s; }
 
 dataset: ## Install Debian's dataset-fashion-mnist when its files are missing.

@@ -37,3 +37,17 @@ def settings(model_repository: Path) -> Settings:
 def client(settings: Settings) -> Iterator[TestClient]:
     with TestClient(local_app(settings), raise_server_exceptions=False) as test_client:
         yield test_client
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Each of test_schemathesis.py's operations gets its own node id.
+
+    schemathesis names an operation's test ``test_...[POST /predict]``, but pytest 9.2 builds a
+    node id from the test's original name and its parametrize call, which schemathesis does not
+    use: all ~31 operations shared one id, and pytest-xdist's ``--dist loadfile``, which schedules
+    by node id, silently ran one of them. The id is made from the name the item already has."""
+    original = getattr(item, "originalname", None)
+    operation = getattr(item, "operation_label", None)
+    if operation is None or original is None or item.nodeid.endswith("]"):
+        return
+    item._id = item.parent.id.child(original).with_params(operation)  # type: ignore[union-attr]
