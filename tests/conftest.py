@@ -58,7 +58,6 @@ UNTIMED = (
     "tests/bench/test_cuda.py",
     "tests/bench/test_hey.py",
     "tests/bench/test_lone_call.py",
-    "tests/bench/test_one_client.py",
     "tests/bench/test_profile.py",
     "tests/bench/test_stats.py",
     "tests/bench/test_targets.py",
