@@ -218,7 +218,7 @@ class Quantization:
 
     @property
     def name(self) -> str:
-        """How the card and errors name it: ``int8 (static-qdq)`` or ``fp16``."""
+        """How a refusal names it: ``int8 (static-qdq)`` or ``fp16``."""
         return f"int8 ({self.method})" if self.precision == "int8" else self.precision
 
 
