@@ -50,6 +50,19 @@ def defaults_run(folder, tmp_path_factory, run_module):
     return out, completed
 
 
+@pytest.fixture(scope="module")
+def exported(defaults_run, tmp_path_factory, run_module) -> Path:
+    """The run exported as a user would (``python -m export.onnx``, its test accuracy measured): a
+    repository holding ``photos`` version 1. The tests below only read it."""
+    out, _ = defaults_run
+    repository = tmp_path_factory.mktemp("exported") / "models"
+    completed = run_module(
+        "export.onnx", str(out), "--name", "photos", "--version", "1", "--repo", str(repository)
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return repository
+
+
 @pytest.mark.slow
 def test_the_defaults_are_chosen_from_the_images_printed_once_and_recorded(defaults_run, folder):
     out, completed = defaults_run
@@ -82,14 +95,9 @@ def test_the_defaults_are_chosen_from_the_images_printed_once_and_recorded(defau
 
 @pytest.mark.slow
 def test_the_model_is_exported_evaluated_from_the_recorded_folder_and_served(
-    defaults_run, folder, run_module, tmp_path
+    exported, folder, run_module, tmp_path
 ):
-    out, _ = defaults_run
-    repository = tmp_path / "models"
-    exported = run_module(
-        "export.onnx", str(out), "--name", "photos", "--version", "1", "--repo", str(repository)
-    )
-    assert exported.returncode == 0, exported.stderr[-3000:]
+    repository = exported
     # No --data-dir: the test images come from the folder the run recorded.
     evaluated = run_module("export.evaluate", str(repository / "photos"))
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
@@ -152,21 +160,8 @@ def test_int8_export_of_a_folder_run_is_calibrated_on_its_own_training_images(
 
 
 @pytest.mark.slow
-def test_a_moved_folder_is_named_and_data_dir_overrides(defaults_run, folder, run_module, tmp_path):
-    out, _ = defaults_run
-    repository = tmp_path / "models"
-    exported = run_module(
-        "export.onnx",
-        str(out),
-        "--name",
-        "photos",
-        "--version",
-        "1",
-        "--repo",
-        str(repository),
-        "--skip-accuracy",
-    )
-    assert exported.returncode == 0, exported.stderr[-3000:]
+def test_a_moved_folder_is_named_and_data_dir_overrides(exported, folder, run_module, tmp_path):
+    repository = exported  # one export serves both tests: each costs tens of seconds here
     moved = tmp_path / "moved"
     shutil.copytree(folder, moved)
     original = folder.rename(folder.with_name("gone"))
