@@ -413,17 +413,25 @@ def test_overwrite_replaces_a_version_whole(tmp_path):
 
 
 # -- int8 ----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def quantized(tiny_run, tmp_path_factory, run_module) -> tuple[Path, dict]:
-    repo = tmp_path_factory.mktemp("int8")
+def reduced_export(
+    run_module, run: Path, repo: Path, name: str, *options: str
+) -> tuple[Path, dict]:
+    """``python -m export.onnx RUN --name NAME --version 1 --repo REPO OPTIONS`` as a user runs it:
+    the model's entry and the figures it printed."""
     completed = run_module(
         "export.onnx",
-        *(str(tiny_run), "--name", "tiny-int8", "--version", "1", "--repo", str(repo)),
-        *("--quantize", "int8", "--quantization", "dynamic"),
+        *(str(run), "--name", name, "--version", "1", "--repo", str(repo), *options),
         timeout=600,
     )
     assert completed.returncode == 0, completed.stderr
-    return repo / "tiny-int8", json.loads(completed.stdout)
+    return repo / name, json.loads(completed.stdout)
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_run, tmp_path_factory, run_module) -> tuple[Path, dict]:
+    repo = tmp_path_factory.mktemp("int8")
+    options = ("--quantize", "int8", "--quantization", "dynamic")
+    return reduced_export(run_module, tiny_run, repo, "tiny-int8", *options)
 
 
 def test_int8_ships_as_its_own_model_and_says_so(quantized, exported):
@@ -569,14 +577,7 @@ def test_the_int8_model_card_says_how_it_was_made_and_what_batching_does_to_it(q
 @pytest.fixture(scope="module")
 def half(tiny_run, tmp_path_factory, run_module) -> tuple[Path, dict]:
     repo = tmp_path_factory.mktemp("fp16")
-    completed = run_module(
-        "export.onnx",
-        *(str(tiny_run), "--name", "tiny-fp16", "--version", "1", "--repo", str(repo)),
-        *("--quantize", "fp16"),
-        timeout=600,
-    )
-    assert completed.returncode == 0, completed.stderr
-    return repo / "tiny-fp16", json.loads(completed.stdout)
+    return reduced_export(run_module, tiny_run, repo, "tiny-fp16", "--quantize", "fp16")
 
 
 def test_fp16_ships_as_its_own_model_in_float16_with_float32_at_its_ends(half, exported):
