@@ -146,20 +146,16 @@ def quantization_lines(
 ) -> list[str]:
     """What an int8 or fp16 graph is, how it was made, and what it costs."""
     precision, method = onnx_results["precision"], onnx_results["quantization"]
-    made_by = (
-        f"- Made by: `python -m export.onnx {run_dir} --name {entry.name} --version "
-        f"{version_dir.name} --quantize {precision}"
-    )
+    options = f"--quantize {precision}"
     if precision == "fp16":
         how = (
             "every float32 weight and activation in float16 by onnxruntime's float16 converter, "
             "its input and output float32; made for CUDA, measured here with onnxruntime's CPU "
             "provider, which runs in float32 the float16 nodes it has no kernel for"
         )
-        made_by += "`"
     else:
         how = f"`{method}` quantization by onnxruntime"
-        made_by += f" --quantization {method}`"
+        options += f" --quantization {method}"
     if onnx_results.get("calibration_images"):
         how += f", calibrated on {onnx_results['calibration_images']} training images"
     if onnx_results.get("weight_range"):
@@ -172,7 +168,8 @@ def quantization_lines(
         f"- Precision: {precision} ({how}), made from the float32 graph of the same "
         f"checkpoint, which measured {percent(onnx_results['float_test_accuracy'])} on the same "
         "split in the same export.",
-        made_by,
+        f"- Made by: `python -m export.onnx {run_dir} --name {entry.name} --version "
+        f"{version_dir.name} {options}`",
     ]
     offline = onnx_results.get("float_agreement")
     if offline:
