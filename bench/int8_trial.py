@@ -27,7 +27,9 @@ The steps, as a user takes them with a model of their own:
 4. Served images/s and latency at ``--concurrency`` (16) with one 640 x 480 JPEG per request:
    ``/models/NAME/versions/2/predict`` (int8, live) against ``.../versions/1/predict`` (float, still
    loaded: the trial's version policy keeps both), on the same server, ``hey`` for ``--seconds``,
-   alternated within each of ``--repeats`` repeats (which goes first alternates too); medians.
+   alternated within each of ``--repeats`` repeats (which goes first alternates too); medians. With
+   each window, the CPU time the server's engine and front ends used per image answered (/proc):
+   int8 shrinks the engine's, and the front end's decoding and resizing stays what it was.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from bench.graphs import LABELS, random_weight_model
 from bench.heavy_models import write_heavy_model
 from bench.machine import busy_check, descendants
 from bench.payloads import predict_body
-from bench.real_size import metadata_document, write_variant
+from bench.real_size import cpu_by_role, metadata_document, tree_stat, write_variant
 from bench.real_size_report import PHOTO_SIZE
 from bench.server_process import REPO, RunningServer, running_service
 from bench.stats import Spread, fmt, median, ratio, spread_text, table
@@ -259,6 +261,10 @@ class Window:
     p99_ms: float | None
     failed: int
     other_cores: float
+    cpu_ms: dict[str, float] = field(default_factory=dict)  # CPU per answered image, by role
+
+
+ROLES = ("engine", "front end")  # bench/real_size.py's ``role`` of vitserve's processes
 
 
 @dataclass
@@ -278,6 +284,9 @@ class Trial:
     def spread(self, version: int, value: str) -> Spread | None:
         return Spread.of(getattr(w, value) for w in self.windows if w.version == version)
 
+    def cpu_spread(self, version: int, role: str) -> Spread | None:
+        return Spread.of(w.cpu_ms.get(role) for w in self.windows if w.version == version)
+
     def markdown(self) -> str:
         pair = shadow_pair(self.report)
         times = pair.get("model_ms", {})
@@ -290,12 +299,24 @@ class Trial:
                     spread_text(self.spread(version, "images_s"), 1),
                     spread_text(self.spread(version, "p50_ms")),
                     spread_text(self.spread(version, "p99_ms")),
+                    *(spread_text(self.cpu_spread(version, role), 1) for role in ROLES),
                     str(sum(w.failed for w in self.windows if w.version == version)),
                 ]
             )
         rates = [median(self.spread(v, "images_s")) for v in (INT8, FLOAT)]
         p99s = [median(self.spread(v, "p99_ms")) for v in (INT8, FLOAT)]
-        rows.append(["int8 / float", times_text(ratio(*rates)), "", times_text(ratio(*p99s)), ""])
+        # CPU a image as a speed: float's over int8's, as images/s is int8's over float's
+        cpus = [[median(self.cpu_spread(v, role)) for v in (FLOAT, INT8)] for role in ROLES]
+        rows.append(
+            [
+                "int8 / float",
+                times_text(ratio(*rates)),
+                "",
+                times_text(ratio(*p99s)),
+                *(times_text(ratio(*pair)) for pair in cpus),
+                "",
+            ]
+        )
         others = Spread.of(w.other_cores for w in self.windows)
         offline = self.offline
         lines = [
@@ -324,9 +345,20 @@ class Trial:
             f"Served at c={self.concurrency}, one 640 x 480 JPEG a request, `hey` for "
             f"{self.seconds:g} s a window, the versions alternated, medians (min-max) over "
             f"{len(self.windows) // 2} repeats; other processes used {spread_text(others, 2)} "
-            f"cores during the windows:",
+            f"cores during the windows; CPU ms a image: the CPU time of the server's processes in "
+            f"each role over the window, per image answered (the last row: float's over int8's):",
             "",
-            table(["version", "images/s", "p50 ms", "p99 ms", "failed"], rows),
+            table(
+                [
+                    "version",
+                    "images/s",
+                    "p50 ms",
+                    "p99 ms",
+                    *(f"{r} CPU ms" for r in ROLES),
+                    "failed",
+                ],
+                rows,
+            ),
         ]
         return "\n".join(lines)
 
@@ -348,7 +380,10 @@ def window(
 ) -> Window:
     own = {server.process.pid, *descendants(server.process.pid)}
     check = busy_check(own, interval_s=0.5)
+    before = tree_stat(server.process.pid)
     result = hey.run(argv, seconds + 120)
+    cpu = cpu_by_role("vitserve", before, tree_stat(server.process.pid))
+    per_image = {r: 1000 * s / result.ok for r, s in cpu.items()} if result.ok else {}
     return Window(
         version,
         repeat,
@@ -357,6 +392,7 @@ def window(
         result.ms(99),
         result.not_ok + result.error_count,
         check.other_cores,
+        per_image,
     )
 
 
@@ -415,7 +451,7 @@ def run(args: argparse.Namespace, out: Path, command: str) -> Trial:
                 print(
                     f"  r{repeat} {ARMS[version]}: {got.images_s:.1f} images/s p50 "
                     f"{fmt(got.p50_ms)} p99 {fmt(got.p99_ms)} failed {got.failed} "
-                    f"others {got.other_cores:.2f} cores",
+                    f"others {got.other_cores:.2f} cores cpu ms {got.cpu_ms}",
                     flush=True,
                 )
     return trial
