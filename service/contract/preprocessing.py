@@ -328,14 +328,17 @@ def normalise(pixels: np.ndarray, preprocessing: Preprocessing) -> np.ndarray:
     """0-255 pixels ``[..., C, H, W]`` -> the model's float32 input, as the metadata says:
     ``x * scale``, then ``(x - mean) / std`` per channel."""
     channels = len(preprocessing.mean)
-    pixels = np.asarray(pixels, dtype=np.float32)
-    if pixels.ndim < 3 or pixels.shape[-3] != channels:
+    # A C-ordered copy, then every step in place: the same float32 operations in the same order,
+    # so the same bits, about 8x faster on a transposed [H, W, C] image (BENCHMARKS.md).
+    tensor = np.array(pixels, dtype=np.float32, order="C")
+    if tensor.ndim < 3 or tensor.shape[-3] != channels:
         raise ValueError(
-            f"pixels of shape {list(pixels.shape)} are not [..., C, H, W] with C = {channels}"
+            f"pixels of shape {list(tensor.shape)} are not [..., C, H, W] with C = {channels}"
         )
-    mean = np.asarray(preprocessing.mean, dtype=np.float32).reshape(-1, 1, 1)
-    std = np.asarray(preprocessing.std, dtype=np.float32).reshape(-1, 1, 1)
-    return (pixels * np.float32(preprocessing.scale) - mean) / std
+    tensor *= np.float32(preprocessing.scale)
+    tensor -= np.asarray(preprocessing.mean, dtype=np.float32).reshape(-1, 1, 1)
+    tensor /= np.asarray(preprocessing.std, dtype=np.float32).reshape(-1, 1, 1)
+    return tensor
 
 
 @dataclass(frozen=True)
@@ -448,9 +451,8 @@ class Preprocessor:
         model_view = _framed(
             255.0 - content if inverted else content, self.height, self.width, offset, pad_value
         )
-        tensor = normalise(model_view.transpose(2, 0, 1), pre)
         return Prepared(
-            tensor=np.ascontiguousarray(tensor, dtype=np.float32),
+            tensor=normalise(model_view.transpose(2, 0, 1), pre),
             inverted=inverted,
             content=content,
             offset=offset,

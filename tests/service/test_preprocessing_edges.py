@@ -257,6 +257,24 @@ def test_the_border_is_a_frame_of_5_percent_of_the_shorter_side():
     assert _border_mean(tiny) == pytest.approx(float(tiny.astype(np.float64).mean()), rel=1e-12)
 
 
+@pytest.mark.parametrize("channels", [1, 3])
+def test_normalise_leaves_its_input_alone_and_is_contiguous(channels):
+    """It works in place on its own copy: a one-channel image's transposed view is contiguous, and
+    must not be overwritten (Prepared.content is that image)."""
+    pre = SimpleNamespace(
+        mean=[0.485, 0.456, 0.406][:channels], std=[0.229] * channels, scale=1 / 255
+    )
+    image = np.random.default_rng(0).uniform(0, 255, (5, 7, channels)).astype(np.float32)
+    kept = image.copy()
+    out = normalise(image.transpose(2, 0, 1), pre)  # type: ignore[arg-type]
+    assert np.array_equal(image, kept)
+    assert out.flags.c_contiguous and out.shape == (channels, 5, 7)
+    mean = np.float32(pre.mean).reshape(-1, 1, 1)
+    std = np.float32(pre.std).reshape(-1, 1, 1)
+    written_out = (kept.transpose(2, 0, 1) * np.float32(pre.scale) - mean) / std
+    assert np.array_equal(out, written_out)  # the same float32 steps: the same bits
+
+
 def test_normalise_is_scale_then_mean_and_std_per_channel_in_float32():
     pre = SimpleNamespace(mean=[0.5, 0.25, 0.0], std=[0.5, 0.25, 2.0], scale=1 / 255)
     pixels = np.zeros((3, 1, 2), np.float64)
