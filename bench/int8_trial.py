@@ -29,7 +29,8 @@ The steps, as a user takes them with a model of their own:
    loaded: the trial's version policy keeps both), on the same server, ``hey`` for ``--seconds``,
    alternated within each of ``--repeats`` repeats (which goes first alternates too); medians. With
    each window, the CPU time the server's engine and front ends used per image answered (/proc):
-   int8 shrinks the engine's, and the front end's decoding and resizing stays what it was.
+   int8 shrinks the engine's, and the front end's decoding and resizing stays what it was; and the
+   images a classifier batch held (``vitserve_batch_size``), which sets the model's cost per image.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import onnx
 from PIL import Image
 
 from bench import hey
+from bench.compare import batch_counters
 from bench.contenders import cores
 from bench.decode import QUALITY, sample_photos
 from bench.graphs import LABELS, random_weight_model
@@ -62,7 +64,7 @@ from bench.machine import busy_check, descendants
 from bench.payloads import predict_body
 from bench.real_size import cpu_by_role, metadata_document, tree_stat, write_variant
 from bench.real_size_report import PHOTO_SIZE
-from bench.server_process import REPO, RunningServer, running_service
+from bench.server_process import REPO, RunningServer, http_get, running_service
 from bench.stats import Spread, fmt, median, ratio, spread_text, table
 from export.onnx_graphs import session_for
 from export.quantize import WEIGHT_RANGE, agreement, quantize_graph
@@ -262,6 +264,7 @@ class Window:
     failed: int
     other_cores: float
     cpu_ms: dict[str, float] = field(default_factory=dict)  # CPU per answered image, by role
+    batch: float | None = None  # images per classifier batch in the window
 
 
 ROLES = ("engine", "front end")  # bench/real_size.py's ``role`` of vitserve's processes
@@ -300,6 +303,7 @@ class Trial:
                     spread_text(self.spread(version, "p50_ms")),
                     spread_text(self.spread(version, "p99_ms")),
                     *(spread_text(self.cpu_spread(version, role), 1) for role in ROLES),
+                    spread_text(self.spread(version, "batch"), 1),
                     str(sum(w.failed for w in self.windows if w.version == version)),
                 ]
             )
@@ -314,6 +318,7 @@ class Trial:
                 "",
                 times_text(ratio(*p99s)),
                 *(times_text(ratio(*pair)) for pair in cpus),
+                "",
                 "",
             ]
         )
@@ -355,6 +360,7 @@ class Trial:
                     "p50 ms",
                     "p99 ms",
                     *(f"{r} CPU ms" for r in ROLES),
+                    "images a batch",
                     "failed",
                 ],
                 rows,
@@ -381,8 +387,12 @@ def window(
     own = {server.process.pid, *descendants(server.process.pid)}
     check = busy_check(own, interval_s=0.5)
     before = tree_stat(server.process.pid)
+    batches_before = batch_counters(http_get(f"{server.url}/metrics"))
     result = hey.run(argv, seconds + 120)
     cpu = cpu_by_role("vitserve", before, tree_stat(server.process.pid))
+    images, batches = map(
+        float.__sub__, batch_counters(http_get(f"{server.url}/metrics")), batches_before
+    )
     per_image = {r: 1000 * s / result.ok for r, s in cpu.items()} if result.ok else {}
     return Window(
         version,
@@ -393,6 +403,7 @@ def window(
         result.not_ok + result.error_count,
         check.other_cores,
         per_image,
+        images / batches if batches else None,
     )
 
 
@@ -451,7 +462,7 @@ def run(args: argparse.Namespace, out: Path, command: str) -> Trial:
                 print(
                     f"  r{repeat} {ARMS[version]}: {got.images_s:.1f} images/s p50 "
                     f"{fmt(got.p50_ms)} p99 {fmt(got.p99_ms)} failed {got.failed} "
-                    f"others {got.other_cores:.2f} cores cpu ms {got.cpu_ms}",
+                    f"others {got.other_cores:.2f} cores cpu ms {got.cpu_ms} batch {fmt(got.batch, 1)}",
                     flush=True,
                 )
     return trial

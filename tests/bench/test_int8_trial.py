@@ -114,8 +114,8 @@ def test_the_section_gives_the_shadows_numbers_the_promotion_and_int8_over_float
     for repeat, (float_rate, int8_rate) in enumerate([(10.0, 15.0), (12.0, 20.0)]):
         float_cpu = {"engine": 150.0 + repeat, "front end": 15.0, "supervisor": 0.1}
         int8_cpu = {"engine": 100.0 + repeat, "front end": 15.0 + 2 * repeat}
-        trial.windows.append(Window(FLOAT, repeat, float_rate, 900, 1000, 0, 0.5, float_cpu))
-        trial.windows.append(Window(INT8, repeat, int8_rate, 600, 700, 0, 1.5, int8_cpu))
+        trial.windows.append(Window(FLOAT, repeat, float_rate, 900, 1000, 0, 0.5, float_cpu, 7.5))
+        trial.windows.append(Window(INT8, repeat, int8_rate, 600, 700, 0, 1.5, int8_cpu, None))
     text = trial.markdown()
     assert "## An int8 ViT-S/16 promoted through the shadow" in text
     assert "200 compared, top-1 agreement 0.6000" in text
@@ -125,11 +125,13 @@ def test_the_section_gives_the_shadows_numbers_the_promotion_and_int8_over_float
     assert "answered by version 2 after it" in text
     assert (
         "| float (version 1) | 11.0 (10.0-12.0) | 900 (900-900) | 1,000 (1,000-1,000) "
-        "| 150.5 (150.0-151.0) | 15.0 (15.0-15.0) | 0 |" in text
+        "| 150.5 (150.0-151.0) | 15.0 (15.0-15.0) | 7.5 (7.5-7.5) | 0 |" in text
     )
-    assert "| 100.5 (100.0-101.0) | 16.0 (15.0-17.0) | 0 |" in text
+    assert "| 100.5 (100.0-101.0) | 16.0 (15.0-17.0) | - | 0 |" in text
     # 17.5 / 11.0; 700 / 1000; CPU a image as a speed: 150.5 / 100.5 and 15 / 16
-    assert "| int8 / float | 1.59x |  | 0.70x | 1.50x | 0.94x |  |" in text
+    assert "| int8 / float | 1.59x |  | 0.70x | 1.50x | 0.94x |  |  |" in text
+    header = "| version | images/s | p50 ms | p99 ms | engine CPU ms | front end CPU ms | images a batch |"
+    assert f"{header} failed |" in text
     assert "supervisor" not in text
     assert "other processes used 1.00 (0.50-1.50) cores" in text
 
