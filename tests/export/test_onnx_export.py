@@ -30,9 +30,15 @@ from tests.support import FASHION_INPUT, made_once
 
 @pytest.fixture(scope="module")
 def exported(tiny_run, tmp_path_factory) -> tuple[Path, dict]:
-    repo = tmp_path_factory.mktemp("repo")
-    result = onnx_export.export_model(tiny_run, "tiny", 3, repo)
-    return repo, result
+    """A repository holding tiny_run's ``tiny`` version 3, and the figures of its export; made
+    once for every xdist worker (``made_once``): tests only read it, or a copy."""
+
+    def make(directory: Path) -> None:
+        result = onnx_export.export_model(tiny_run, "tiny", 3, directory / "repo")
+        (directory / "figures.json").write_text(json.dumps(result))
+
+    directory = made_once(tmp_path_factory, "tiny", make)
+    return directory / "repo", json.loads((directory / "figures.json").read_text())
 
 
 def metadata_of(path: Path) -> dict:
@@ -222,13 +228,14 @@ def test_model_card_reports_the_onnx_accuracy(exported, tiny_run, tmp_path):
     from export.model_card import write_model_card
 
     repo, result = exported
-    card = write_model_card(own_copy(tiny_run, tmp_path), repo / "tiny", version=3)
+    entry = own_copy(repo / "tiny", tmp_path)
+    card = write_model_card(own_copy(tiny_run, tmp_path / "run"), entry, version=3)
     text = card.read_text()
     assert f"{100 * result['test_accuracy']:.2f}%" in text
     assert "python -m export.train --preset test-tiny --dataset fashion-mnist" in text
     assert "python -m export.evaluate" in text and "| Trouser |" in text
     for plot in ("curves.png", "confusion_matrix.png", "attention_gallery.png"):
-        assert (repo / "tiny" / "card" / plot).stat().st_size > 0
+        assert (entry / "card" / plot).stat().st_size > 0
 
 
 def test_onnxruntime_fuses_every_blocks_gelu_and_the_card_says_so(exported, tiny_run, tmp_path):
@@ -246,7 +253,8 @@ def test_onnxruntime_fuses_every_blocks_gelu_and_the_card_says_so(exported, tiny
     assert "onnxruntime_fusions" not in metadata_of(repo / "tiny/3/attention.onnx")
     raw = Counter(node.op_type for node in onnx.load(str(repo / "tiny/3/model.onnx")).graph.node)
     assert raw["Squeeze"] == raw["Split"] == 0
-    text = write_model_card(own_copy(tiny_run, tmp_path), repo / "tiny", version=3).read_text()
+    run, entry = own_copy(tiny_run, tmp_path / "run"), own_copy(repo / "tiny", tmp_path)
+    text = write_model_card(run, entry, version=3).read_text()
     assert f"BiasGelu x{depth}" in text and "onnxruntime's fusions" in text
 
 
