@@ -517,7 +517,7 @@ def test_static_qdq_is_calibrated_on_training_images(tiny_run, tmp_path, monkeyp
     ops = Counter(n.op_type for n in onnx.load(str(graph)).graph.node)
     assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > 0 and not ops["MatMulInteger"]
     model, _ = load_checkpoint(tiny_run / "model.safetensors")
-    float_graph = onnx_graphs.build_graphs(model).classifier
+    float_graph = onnx_graphs.classifier_graph(model)  # build_graphs made the attention graph too
     _, test = load_dataset("fashion-mnist")
     images = normalize(test.images[:2000], get_dataset_spec("fashion-mnist")).numpy()
     (int8,) = ort.InferenceSession(str(graph)).run(None, {"images": images})
@@ -657,12 +657,13 @@ def export_args(run: Path, repo: Path, version: int = 1, *extra: str) -> list[st
 
 
 def test_a_failed_overwrite_keeps_the_old_version_byte_identical(
-    tiny_run, tmp_path, monkeypatch, capsys
+    exported, tiny_run, tmp_path, monkeypatch, capsys
 ):
     """`python -m export.onnx ... --overwrite` that fails midway (the disk fills after the first
     graph is written): the version it was to replace is untouched, and no staging is left."""
-    assert onnx_export.main(export_args(tiny_run, tmp_path, 1, "--skip-accuracy")) == 0
-    version = tmp_path / "tiny" / "1"
+    # the version to replace: tiny_run's version 3 and its config (not a model card written beside)
+    version = Path(shutil.copytree(exported[0] / "tiny" / "3", tmp_path / "tiny" / "3"))
+    shutil.copy(exported[0] / "tiny" / "config.pbtxt", tmp_path / "tiny")
     before = snapshot(version)
     config_before = (tmp_path / "tiny" / "config.pbtxt").read_bytes()
     saved = []
@@ -675,12 +676,12 @@ def test_a_failed_overwrite_keeps_the_old_version_byte_identical(
 
     monkeypatch.setattr(repository.onnx, "save_model", save_then_fail)
     capsys.readouterr()
-    code = onnx_export.main(export_args(tiny_run, tmp_path, 1, "--skip-accuracy", "--overwrite"))
+    code = onnx_export.main(export_args(tiny_run, tmp_path, 3, "--skip-accuracy", "--overwrite"))
     assert code == 1 and saved, "the failure came after the first graph was written"
     err = capsys.readouterr().err
     assert "export failed, nothing written" in err and "No space left" in err
     assert snapshot(version) == before
-    assert sorted(p.name for p in (tmp_path / "tiny").iterdir()) == ["1", "config.pbtxt"]
+    assert sorted(p.name for p in (tmp_path / "tiny").iterdir()) == ["3", "config.pbtxt"]
     assert (tmp_path / "tiny" / "config.pbtxt").read_bytes() == config_before
 
 
