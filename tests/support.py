@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import fcntl
 import io
 import json
 import os
 import re
+import shutil
 import socket
 import struct
 import subprocess
@@ -76,6 +78,32 @@ def worker_share(ports: range) -> range:
     size = len(ports) // count
     index = int(worker[2:])
     return ports[index * size : (index + 1) * size]
+
+
+def made_once(
+    tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]
+) -> Path:
+    """The directory ``name``, filled by ``make(directory)`` once per pytest run and shared by its
+    xdist workers: the first to ask makes it under a lock, the others wait and read it.
+
+    A module- or session-scoped fixture is otherwise made on every worker that runs a test using it,
+    and ``--dist worksteal`` splits modules between workers: an export or a training run made twice.
+    What ``make`` writes must only be read afterwards. Per run, never across runs (nor across
+    ``make mutation``'s mutants): each run has its own base directory."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's, above each worker's own
+    directory = base / "made-once" / name
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with directory.with_name(f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process dies
+        done = directory.with_name(f"{name}.done")
+        if not done.exists():
+            shutil.rmtree(directory, ignore_errors=True)  # a make that failed part way
+            directory.mkdir()
+            make(directory)
+            done.touch()
+    return directory
 
 
 @dataclass(frozen=True)

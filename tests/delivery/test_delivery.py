@@ -222,17 +222,27 @@ def test_make_test_runs_every_test_once_the_timed_ones_alone():
     timed = ("tests/reliability/test_health_flood.py", "tests/service/test_batcher_contract.py")
     untimed = ("tests/service/test_link.py", "tests/reliability/test_json_guard.py")
 
-    def collected(marks: str) -> set[str]:
-        """The modules of ``timed`` and ``untimed`` that ``-m marks`` collects."""
-        out = subprocess.run(
-            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-             "-m", marks, *timed, *untimed],
-            cwd=ROOT, capture_output=True, text=True, check=False,
-        ).stdout  # fmt: skip
-        return {line.split("::")[0] for line in out.splitlines() if "::" in line}
+    # Both collections in one interpreter (pytest.main twice, with each pass's -m): a second
+    # interpreter importing torch and the test modules again cost about 8 s.
+    script = (
+        "import sys, pytest\n"
+        "for marks in ('serial', 'not serial'):\n"
+        "    print(f'== {marks}', flush=True)\n"
+        "    pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', '-m', marks,"
+        " *sys.argv[1:]])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, *timed, *untimed],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+    ).stdout  # fmt: skip
+    _, serial, not_serial = re.split(r"^== (?:not )?serial$", out, flags=re.MULTILINE)
 
-    assert collected("serial") == set(timed)
-    assert collected("not serial") == set(untimed)
+    def modules(listing: str) -> set[str]:
+        """The modules of ``timed`` and ``untimed`` a pass's ``--collect-only -q`` lists."""
+        return {line.split("::")[0] for line in listing.splitlines() if "::" in line}
+
+    assert modules(serial) == set(timed), out
+    assert modules(not_serial) == set(untimed), out
 
 
 def test_ci_runs_make_test_then_the_image_test_and_nothing_else():

@@ -14,7 +14,7 @@ from export import train
 from export.config import PRESETS, ViTConfig
 from export.sample_folders import write_shapes
 from tests.export.runs import shapes_run_args, tiny_run_args
-from tests.support import run_in_repo
+from tests.support import made_once, run_in_repo
 
 REPO = Path(__file__).resolve().parents[2]
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -42,11 +42,13 @@ def tiny_preset():
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, tiny_preset) -> Path:
-    """A finished run: 2,000 real training images, 6 epochs, best weights in model.safetensors."""
-    out = tmp_path_factory.mktemp("runs") / "tiny"
-    code = train.main(tiny_run_args(tiny_preset, out))
-    assert code == 0
-    return out
+    """A finished run: 2,000 real training images, 6 epochs, best weights in model.safetensors;
+    trained once for every xdist worker (``made_once``): tests only read it, or a copy."""
+
+    def make(directory: Path) -> None:
+        assert train.main(tiny_run_args(tiny_preset, directory / "tiny")) == 0
+
+    return made_once(tmp_path_factory, "tiny-run", make) / "tiny"
 
 
 @pytest.fixture(scope="session")
@@ -63,18 +65,28 @@ def run_module():
 @pytest.fixture(scope="session")
 def shapes_folders(tmp_path_factory) -> tuple[Path, Path]:
     """(training folder, held-out folder): circles, squares and triangles of mixed sizes and
-    formats, 60 a class to train on (a fifth held out as the test split), 10 a class never seen."""
-    root = tmp_path_factory.mktemp("shapes")
-    return write_shapes(root / "train", 60, seed=0), write_shapes(root / "held_out", 10, seed=1)
+    formats, 60 a class to train on (a fifth held out as the test split), 10 a class never seen;
+    drawn once for every xdist worker."""
+
+    def make(root: Path) -> None:
+        write_shapes(root / "train", 60, seed=0)
+        write_shapes(root / "held_out", 10, seed=1)
+
+    root = made_once(tmp_path_factory, "shapes", make)  # one path: shapes_run records it
+    return root / "train", root / "held_out"
 
 
 @pytest.fixture(scope="session")
 def shapes_run(tmp_path_factory, shapes_folders, run_module) -> Path:
-    """``python -m export.train --dataset folder ...`` with architecture flags and --tensorboard."""
-    out = tmp_path_factory.mktemp("runs") / "shapes"
-    completed = run_module("export.train", *shapes_run_args(shapes_folders[0], out), timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return out
+    """``python -m export.train --dataset folder ...`` with architecture flags and --tensorboard;
+    trained once for every xdist worker (``made_once``)."""
+
+    def make(directory: Path) -> None:
+        args = shapes_run_args(shapes_folders[0], directory / "shapes")
+        completed = run_module("export.train", *args, timeout=300)
+        assert completed.returncode == 0, completed.stderr[-3000:]
+
+    return made_once(tmp_path_factory, "shapes-run", make) / "shapes"
 
 
 def small(**changes) -> ViTConfig:

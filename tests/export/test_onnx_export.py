@@ -25,20 +25,32 @@ from service.contract.model_config import read_model_config
 from service.contract.model_repository import Preprocessing
 from service.contract.preprocessing import normalise
 from tests.export.runs import init_from_args, save_altered_copy
-from tests.support import FASHION_INPUT
+from tests.support import FASHION_INPUT, made_once
 
 
 @pytest.fixture(scope="module")
 def exported(tiny_run, tmp_path_factory) -> tuple[Path, dict]:
-    repo = tmp_path_factory.mktemp("repo")
-    result = onnx_export.export_model(tiny_run, "tiny", 3, repo)
-    return repo, result
+    """A repository holding tiny_run's ``tiny`` version 3, and the figures of its export; made
+    once for every xdist worker (``made_once``): tests only read it, or a copy."""
+
+    def make(directory: Path) -> None:
+        result = onnx_export.export_model(tiny_run, "tiny", 3, directory / "repo")
+        (directory / "figures.json").write_text(json.dumps(result))
+
+    directory = made_once(tmp_path_factory, "tiny", make)
+    return directory / "repo", json.loads((directory / "figures.json").read_text())
 
 
 def metadata_of(path: Path) -> dict:
     model = onnx.load(str(path))
     props = {p.key: p.value for p in model.metadata_props}
     return json.loads(props["vitserve"])
+
+
+def own_copy(shared: Path, tmp_path: Path) -> Path:
+    """A copy of a directory the test's xdist workers share (``made_once``), for a model card to
+    write into: the card writes the run's report and plots, and itself beside the model's entry."""
+    return Path(shutil.copytree(shared, tmp_path / shared.name))
 
 
 def test_writes_the_triton_layout(exported):
@@ -212,20 +224,21 @@ def test_rejects_bad_version_and_name(tiny_run, tmp_path):
         )
 
 
-def test_model_card_reports_the_onnx_accuracy(exported, tiny_run):
+def test_model_card_reports_the_onnx_accuracy(exported, tiny_run, tmp_path):
     from export.model_card import write_model_card
 
     repo, result = exported
-    card = write_model_card(tiny_run, repo / "tiny", version=3)
+    entry = own_copy(repo / "tiny", tmp_path)
+    card = write_model_card(own_copy(tiny_run, tmp_path / "run"), entry, version=3)
     text = card.read_text()
     assert f"{100 * result['test_accuracy']:.2f}%" in text
     assert "python -m export.train --preset test-tiny --dataset fashion-mnist" in text
     assert "python -m export.evaluate" in text and "| Trouser |" in text
     for plot in ("curves.png", "confusion_matrix.png", "attention_gallery.png"):
-        assert (repo / "tiny" / "card" / plot).stat().st_size > 0
+        assert (entry / "card" / plot).stat().st_size > 0
 
 
-def test_onnxruntime_fuses_every_blocks_gelu_and_the_card_says_so(exported, tiny_run):
+def test_onnxruntime_fuses_every_blocks_gelu_and_the_card_says_so(exported, tiny_run, tmp_path):
     """The exported GELU is the pattern onnxruntime fuses (with fc1's bias, BiasGelu), q, k, v
     are three products rather than one cut by Split and Squeeze, and the queries come scaled by
     their weights (the scores a MatMul, not a scaled FusedMatMul); the count recorded at export
@@ -240,7 +253,8 @@ def test_onnxruntime_fuses_every_blocks_gelu_and_the_card_says_so(exported, tiny
     assert "onnxruntime_fusions" not in metadata_of(repo / "tiny/3/attention.onnx")
     raw = Counter(node.op_type for node in onnx.load(str(repo / "tiny/3/model.onnx")).graph.node)
     assert raw["Squeeze"] == raw["Split"] == 0
-    text = write_model_card(tiny_run, repo / "tiny", version=3).read_text()
+    run, entry = own_copy(tiny_run, tmp_path / "run"), own_copy(repo / "tiny", tmp_path)
+    text = write_model_card(run, entry, version=3).read_text()
     assert f"BiasGelu x{depth}" in text and "onnxruntime's fusions" in text
 
 
@@ -414,24 +428,29 @@ def test_overwrite_replaces_a_version_whole(tmp_path):
 
 # -- int8 ----------------------------------------------------------------------------------------
 def reduced_export(
-    run_module, run: Path, repo: Path, name: str, *options: str
+    tmp_path_factory, run_module, run: Path, name: str, *options: str
 ) -> tuple[Path, dict]:
-    """``python -m export.onnx RUN --name NAME --version 1 --repo REPO OPTIONS`` as a user runs it:
-    the model's entry and the figures it printed."""
-    completed = run_module(
-        "export.onnx",
-        *(str(run), "--name", name, "--version", "1", "--repo", str(repo), *options),
-        timeout=600,
-    )
-    assert completed.returncode == 0, completed.stderr
-    return repo / name, json.loads(completed.stdout)
+    """``python -m export.onnx RUN --name NAME --version 1 --repo REPO OPTIONS`` as a user runs it,
+    once for every xdist worker: the model's entry and the figures it printed."""
+
+    def make(directory: Path) -> None:
+        repo = directory / "repo"
+        completed = run_module(
+            "export.onnx",
+            *(str(run), "--name", name, "--version", "1", "--repo", str(repo), *options),
+            timeout=600,
+        )
+        assert completed.returncode == 0, completed.stderr
+        (directory / "figures.json").write_text(completed.stdout)
+
+    directory = made_once(tmp_path_factory, name, make)
+    return directory / "repo" / name, json.loads((directory / "figures.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def quantized(tiny_run, tmp_path_factory, run_module) -> tuple[Path, dict]:
-    repo = tmp_path_factory.mktemp("int8")
     options = ("--quantize", "int8", "--quantization", "dynamic")
-    return reduced_export(run_module, tiny_run, repo, "tiny-int8", *options)
+    return reduced_export(tmp_path_factory, run_module, tiny_run, "tiny-int8", *options)
 
 
 def test_int8_ships_as_its_own_model_and_says_so(quantized, exported):
@@ -498,7 +517,7 @@ def test_static_qdq_is_calibrated_on_training_images(tiny_run, tmp_path, monkeyp
     ops = Counter(n.op_type for n in onnx.load(str(graph)).graph.node)
     assert ops["QuantizeLinear"] > 0 and ops["DequantizeLinear"] > 0 and not ops["MatMulInteger"]
     model, _ = load_checkpoint(tiny_run / "model.safetensors")
-    float_graph = onnx_graphs.build_graphs(model).classifier
+    float_graph = onnx_graphs.classifier_graph(model)  # build_graphs made the attention graph too
     _, test = load_dataset("fashion-mnist")
     images = normalize(test.images[:2000], get_dataset_spec("fashion-mnist")).numpy()
     (int8,) = ort.InferenceSession(str(graph)).run(None, {"images": images})
@@ -548,18 +567,21 @@ def test_calibration_images_are_a_seeded_sample_of_the_training_split():
         quantize.calibration_images(images, 101)
 
 
-def test_the_int8_model_card_says_how_it_was_made_and_what_batching_does_to_it(quantized, tiny_run):
+def test_the_int8_model_card_says_how_it_was_made_and_what_batching_does_to_it(
+    quantized, tiny_run, tmp_path
+):
     from export.model_card import write_model_card
 
     entry, result = quantized
-    text = write_model_card(tiny_run, entry).read_text()
+    run = own_copy(tiny_run, tmp_path)
+    text = write_model_card(run, own_copy(entry, tmp_path)).read_text()
     assert (
         "- Precision: int8 (`dynamic` quantization by onnxruntime, weights in 7 bits (-64 to 64) "
         "so that int8 kernels without VNNI do not saturate)" in text
     )
     assert f"which measured {100 * result['float_test_accuracy']:.2f}% on the same split" in text
     assert (
-        f"`python -m export.onnx {tiny_run} --name tiny-int8 --version 1 --quantize int8 "
+        f"`python -m export.onnx {run} --name tiny-int8 --version 1 --quantize int8 "
         "--quantization dynamic`" in text
     )
     _, test = load_dataset("fashion-mnist")
@@ -576,8 +598,7 @@ def test_the_int8_model_card_says_how_it_was_made_and_what_batching_does_to_it(q
 # -- fp16 ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def half(tiny_run, tmp_path_factory, run_module) -> tuple[Path, dict]:
-    repo = tmp_path_factory.mktemp("fp16")
-    return reduced_export(run_module, tiny_run, repo, "tiny-fp16", "--quantize", "fp16")
+    return reduced_export(tmp_path_factory, run_module, tiny_run, "tiny-fp16", "--quantize", "fp16")
 
 
 def test_fp16_ships_as_its_own_model_in_float16_with_float32_at_its_ends(half, exported):
@@ -613,16 +634,15 @@ def test_fp16_predictions_follow_the_float_model_closely(half, exported):
     assert 0 < np.abs(fp16 - fp32).max() < 0.05
 
 
-def test_the_fp16_model_card_says_what_it_is_and_how_it_was_made(half, tiny_run):
+def test_the_fp16_model_card_says_what_it_is_and_how_it_was_made(half, tiny_run, tmp_path):
     from export.model_card import write_model_card
 
     entry, result = half
-    text = write_model_card(tiny_run, entry).read_text()
+    run = own_copy(tiny_run, tmp_path)
+    text = write_model_card(run, own_copy(entry, tmp_path)).read_text()
     assert "- Precision: fp16 (every float32 weight and activation in float16" in text
     assert "made for CUDA, measured here with onnxruntime's CPU provider" in text
-    assert (
-        f"`python -m export.onnx {tiny_run} --name tiny-fp16 --version 1 --quantize fp16`" in text
-    )
+    assert f"`python -m export.onnx {run} --name tiny-fp16 --version 1 --quantize fp16`" in text
     agreement = result["float_agreement"]["top1_agreement"]
     assert (
         f"top-1 agreement {100 * agreement:.2f}%; per image, the largest |p_fp16 - p_float|" in text
@@ -637,12 +657,13 @@ def export_args(run: Path, repo: Path, version: int = 1, *extra: str) -> list[st
 
 
 def test_a_failed_overwrite_keeps_the_old_version_byte_identical(
-    tiny_run, tmp_path, monkeypatch, capsys
+    exported, tiny_run, tmp_path, monkeypatch, capsys
 ):
     """`python -m export.onnx ... --overwrite` that fails midway (the disk fills after the first
     graph is written): the version it was to replace is untouched, and no staging is left."""
-    assert onnx_export.main(export_args(tiny_run, tmp_path, 1, "--skip-accuracy")) == 0
-    version = tmp_path / "tiny" / "1"
+    # the version to replace: tiny_run's version 3 and its config (not a model card written beside)
+    version = Path(shutil.copytree(exported[0] / "tiny" / "3", tmp_path / "tiny" / "3"))
+    shutil.copy(exported[0] / "tiny" / "config.pbtxt", tmp_path / "tiny")
     before = snapshot(version)
     config_before = (tmp_path / "tiny" / "config.pbtxt").read_bytes()
     saved = []
@@ -655,12 +676,12 @@ def test_a_failed_overwrite_keeps_the_old_version_byte_identical(
 
     monkeypatch.setattr(repository.onnx, "save_model", save_then_fail)
     capsys.readouterr()
-    code = onnx_export.main(export_args(tiny_run, tmp_path, 1, "--skip-accuracy", "--overwrite"))
+    code = onnx_export.main(export_args(tiny_run, tmp_path, 3, "--skip-accuracy", "--overwrite"))
     assert code == 1 and saved, "the failure came after the first graph was written"
     err = capsys.readouterr().err
     assert "export failed, nothing written" in err and "No space left" in err
     assert snapshot(version) == before
-    assert sorted(p.name for p in (tmp_path / "tiny").iterdir()) == ["1", "config.pbtxt"]
+    assert sorted(p.name for p in (tmp_path / "tiny").iterdir()) == ["3", "config.pbtxt"]
     assert (tmp_path / "tiny" / "config.pbtxt").read_bytes() == config_before
 
 

@@ -20,36 +20,46 @@ from onnx import TensorProto, helper, numpy_helper
 from export import onnx_graphs, quantize
 from export.checkpoint import load_trained
 from export.data import load_dataset, normalize
+from tests.support import made_once
 
 SHIPPED_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "fashion-small-stage3"
 TEST_IMAGES = 500
 
 
 @pytest.fixture(scope="module")
-def shipped() -> tuple[onnx.ModelProto, np.ndarray, np.ndarray]:
-    """The shipped checkpoint's float classifier, 128 normalised calibration images (as the export
-    draws them) and 500 normalised test images."""
-    trained = load_trained(SHIPPED_CHECKPOINT)
-    train, test = load_dataset(trained.spec, None)
-    train = quantize.run_training_images(trained.path, train)
-    chosen = quantize.calibration_images(train.images, 128)
-    calibration = normalize(chosen, trained.spec).numpy()
-    graph = onnx_graphs.classifier_graph(trained.model)
-    return graph, calibration, normalize(test.images[:TEST_IMAGES], trained.spec).numpy()
+def shipped(tmp_path_factory) -> Path:
+    """A directory holding the shipped checkpoint's float classifier (``float.onnx``), its static
+    and dynamic int8 classifiers (``static-qdq.onnx``, ``dynamic.onnx``, quantized as the export
+    does, the static one calibrated on 128 normalised training images drawn as the export draws
+    them) and 500 normalised test images (``images.npy``); made once for every xdist worker."""
+
+    def make(directory: Path) -> None:
+        trained = load_trained(SHIPPED_CHECKPOINT)
+        train, test = load_dataset(trained.spec, None)
+        train = quantize.run_training_images(trained.path, train)
+        chosen = quantize.calibration_images(train.images, 128)
+        calibration = normalize(chosen, trained.spec).numpy()
+        graph = onnx_graphs.classifier_graph(trained.model)
+        onnx.save(graph, directory / "float.onnx")
+        static = quantize.quantize_graph(graph, "static-qdq", calibration)
+        onnx.save(static, directory / "static-qdq.onnx")
+        onnx.save(quantize.quantize_graph(graph, "dynamic"), directory / "dynamic.onnx")
+        images = normalize(test.images[:TEST_IMAGES], trained.spec).numpy()
+        np.save(directory / "images.npy", images)
+
+    return made_once(tmp_path_factory, "shipped-int8", make)
 
 
 @pytest.fixture(scope="module")
 def shipped_int8(shipped) -> tuple[onnx.ModelProto, np.ndarray]:
     """The shipped checkpoint's static int8 classifier and the test images."""
-    graph, calibration, images = shipped
-    return quantize.quantize_graph(graph, "static-qdq", calibration), images
+    return onnx.load(str(shipped / "static-qdq.onnx")), np.load(shipped / "images.npy")
 
 
 @pytest.fixture(scope="module")
 def shipped_dynamic(shipped) -> tuple[onnx.ModelProto, np.ndarray]:
     """The shipped checkpoint's dynamic int8 classifier and the test images."""
-    graph, _, images = shipped
-    return quantize.quantize_graph(graph, "dynamic"), images
+    return onnx.load(str(shipped / "dynamic.onnx")), np.load(shipped / "images.npy")
 
 
 def logits(graph: onnx.ModelProto, images: np.ndarray, level: ort.GraphOptimizationLevel):

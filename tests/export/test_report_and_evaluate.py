@@ -25,40 +25,52 @@ from export.evaluate import (
 from export.train import evaluate_split
 from service.contract.model_repository import Preprocessing
 from service.contract.preprocessing import normalise
+from tests.support import made_once
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def reported(tiny_run, tmp_path_factory) -> tuple[Path, dict]:
-    run = tmp_path_factory.mktemp("report") / "run"
-    shutil.copytree(tiny_run, run)
-    return run, report.write_report(run)
+    """A copy of tiny_run with its report written, and what ``write_report`` returned (kept apart
+    from the results.json it wrote); made once for every xdist worker: the tests only read it."""
+
+    def make(directory: Path) -> None:
+        run = Path(shutil.copytree(tiny_run, directory / "run"))
+        (directory / "returned.json").write_text(json.dumps(report.write_report(run)))
+
+    directory = made_once(tmp_path_factory, "reported", make)
+    return directory / "run", json.loads((directory / "returned.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def piped(tiny_run, tmp_path_factory) -> tuple[Path, Path, int]:
-    """The pipeline on a finished run: it resumes (nothing left to train), reports, exports, evaluates."""
-    base = tmp_path_factory.mktemp("pipeline")
-    run, repo = base / "run", base / "models"
-    shutil.copytree(tiny_run, run)
-    code = pipeline.main(
-        [
-            "--preset",
-            "test-tiny",
-            "--dataset",
-            "fashion-mnist",
-            "--out",
-            str(run),
-            "--name",
-            "tiny",
-            "--version",
-            "2",
-            "--repo",
-            str(repo),
-        ]
-    )
-    return run, repo, code
+    """The pipeline on a finished run: it resumes (nothing left to train), reports, exports, evaluates;
+    made once for every xdist worker: the tests only read what it wrote."""
+
+    def make(base: Path) -> None:
+        run, repo = base / "run", base / "models"
+        shutil.copytree(tiny_run, run)
+        code = pipeline.main(
+            [
+                "--preset",
+                "test-tiny",
+                "--dataset",
+                "fashion-mnist",
+                "--out",
+                str(run),
+                "--name",
+                "tiny",
+                "--version",
+                "2",
+                "--repo",
+                str(repo),
+            ]
+        )
+        (base / "code").write_text(str(code))
+
+    base = made_once(tmp_path_factory, "piped", make)
+    return base / "run", base / "models", int((base / "code").read_text())
 
 
 def onnx_metadata(path: Path) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,7 @@ def scaled(values: np.ndarray) -> np.ndarray:
 
 @pytest.mark.slow
 def test_report_writes_every_layers_and_heads_attention_and_the_rollout(shapes_run, tmp_path):
+    shapes_run = Path(shutil.copytree(shapes_run, tmp_path / "run"))  # shared: the report writes
     target = tmp_path / "attention"
     code = report.main([str(shapes_run), "--attention-dir", str(target), "--images", "3"])
     assert code == 0
