@@ -16,6 +16,7 @@ import sys
 import tomllib
 from collections import Counter
 from importlib import metadata
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -243,6 +244,35 @@ def test_make_test_runs_every_test_once_the_timed_ones_alone():
 
     assert modules(serial) == set(timed), out
     assert modules(not_serial) == set(untimed), out
+
+
+@pytest.mark.parametrize(
+    ("path", "imported"),
+    [
+        ("tests", True),  # folders above a serial one are walked
+        ("tests/reliability", True),
+        ("tests/reliability/test_health_flood.py", True),  # inside a serial folder
+        ("tests/bench/test_anchors.py", True),
+        ("tests/service", True),
+        ("tests/service/test_batcher_contract.py", True),  # a serial file
+        ("tests/service/test_link.py", False),
+        ("tests/export", False),
+        ("tests/export/test_onnx_export.py", False),
+        ("tests/interop", False),
+    ],
+)
+def test_the_serial_pass_imports_the_serial_folders_and_files_only(path, imported, tmp_path):
+    """tests/conftest.py's ``pytest_ignore_collect`` under ``-m serial``: what it must walk, by hand.
+    The test above names files on the command line, which pytest collects without asking the hook,
+    so only this one sees a hook that drops a serial folder's files."""
+    from tests.conftest import pytest_ignore_collect
+
+    where = ROOT / path
+    assert where.exists(), where
+    config = SimpleNamespace(option=SimpleNamespace(markexpr="serial"), rootpath=ROOT)
+    assert pytest_ignore_collect(where, config) is (None if imported else True)  # type: ignore[arg-type]
+    config.option.markexpr = "not serial"  # the parallel pass imports everything
+    assert pytest_ignore_collect(where, config) is None  # type: ignore[arg-type]
 
 
 def test_ci_runs_make_test_then_the_image_test_and_nothing_else():
