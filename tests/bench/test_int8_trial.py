@@ -1,5 +1,6 @@
-"""bench/int8_trial.py's logic, no server and no timing: the trial's photos, when the agreement
-alone refuses the candidate, the promotion commands as shown, and the section it prints."""
+"""bench/int8_trial.py's logic and its report (bench/int8_trial_report.py), no server and no
+timing: the trial's photos, when the agreement alone refuses the candidate, the promotion commands
+as shown, and the section it prints."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench import int8_trial
-from bench.int8_trial import FLOAT, INT8, Promotion, Trial, Window
+from bench import int8_trial, int8_trial_report
+from bench.int8_trial_report import FLOAT, INT8, Promotion, Trial, Window
 from service.contract.candidates import Thresholds
 
 
@@ -74,9 +75,9 @@ def test_only_a_refusal_on_agreement_alone_is_accepted(got, accepted):
 
 
 def test_the_shadow_pair_is_the_current_one_and_its_confusion_is_summed_up():
-    pair = int8_trial.shadow_pair(report())
+    pair = int8_trial_report.shadow_pair(report())
     assert (pair["live_version"], pair["top1_agreement"]) == (1, 0.6)
-    assert int8_trial.shadow_pair({"pairs": []}) == {}
+    assert int8_trial_report.shadow_pair({"pairs": []}) == {}
     compact = int8_trial.compact(report())
     assert compact["pairs"][1]["confusion"] == "3 live -> candidate classes; 3 images changed class"
     assert compact["pairs"][1]["top1_agreement"] == 0.6
@@ -84,7 +85,7 @@ def test_the_shadow_pair_is_the_current_one_and_its_confusion_is_summed_up():
 
 def test_promotion_is_shown_as_typed_without_the_port():
     argv = int8_trial.promote_argv("http://127.0.0.1:18201", "vit-small", 0.97, 200, 1.0, True)
-    assert int8_trial.shown(argv) == (
+    assert int8_trial_report.shown(argv) == (
         "python -m service.promote --url URL --model vit-small --min-agreement 0.97 "
         "--min-requests 200 --max-latency-ratio 1 --dry-run"
     )
@@ -92,7 +93,7 @@ def test_promotion_is_shown_as_typed_without_the_port():
         "2026-11-29 11:37:35,057 INFO vit-small: waiting\n"
         "2026-11-29 11:37:46,738 WARNING vit-small: ...: promoted; live version 1 -> 2"
     )
-    assert int8_trial.last_line(log) == "vit-small: ...: promoted; live version 1 -> 2"
+    assert int8_trial_report.last_line(log) == "vit-small: ...: promoted; live version 1 -> 2"
 
 
 def test_the_section_gives_the_shadows_numbers_the_promotion_and_int8_over_float():
