@@ -187,8 +187,8 @@ def _resize(array: np.ndarray, height: int, width: int, resample: str) -> np.nda
 
 
 def reducible(image: Image.Image) -> Image.Image:
-    """``image`` in a mode Pillow can reduce and :func:`image_to_array` reads as it would
-    the original (palette, 1-bit and 16-bit modes converted; alpha kept)."""
+    """``image`` in one of the modes Pillow can reduce and :func:`image_to_array` reads (palette,
+    1-bit and 16-bit modes converted; alpha kept): the one place a mode is brought there."""
     mode = image.mode
     if mode == "1":
         image = image.convert("L")
@@ -209,19 +209,12 @@ def _composite_on_white(rgb: np.ndarray, alpha: np.ndarray) -> np.ndarray:
 
 def image_to_array(image: Image.Image) -> np.ndarray:
     """Any Pillow mode -> float32 ``[H, W, 1 or 3]`` in 0-255; transparency is composited on white."""
+    image = reducible(image)  # 1-bit, palette and 16-bit modes brought to L, RGB(A) and I
     mode = image.mode
-    if mode.startswith("I;16"):
-        return (np.asarray(image, dtype=np.float32) / 257.0)[..., None]
     if mode == "I":
         return np.clip(np.asarray(image, dtype=np.float32) / 257.0, 0, 255)[..., None]
     if mode == "F":
         return np.clip(np.asarray(image, dtype=np.float32), 0, 255)[..., None]
-    if mode == "1":
-        image, mode = image.convert("L"), "L"
-    if mode == "P" or mode == "PA":
-        has_alpha = mode == "PA" or "transparency" in image.info
-        image = image.convert("RGBA" if has_alpha else "RGB")
-        mode = image.mode
     if mode in ("LA", "La"):
         array = np.asarray(image.convert("LA"), dtype=np.float32)
         return _composite_on_white(array[..., :1], array[..., 1])
@@ -230,9 +223,7 @@ def image_to_array(image: Image.Image) -> np.ndarray:
         return _composite_on_white(array[..., :3], array[..., 3])
     if mode == "L":
         return np.asarray(image, dtype=np.float32)[..., None]
-    if mode != "RGB":  # CMYK, YCbCr, LAB, HSV, RGBX: Pillow knows the conversion
-        image = image.convert("RGB")
-    return np.asarray(image, dtype=np.float32)
+    return np.asarray(image, dtype=np.float32)  # RGB: reducible converted every other mode
 
 
 def pixels_to_array(pixels: Any, field: str, max_pixels: int) -> np.ndarray:
